@@ -1,0 +1,62 @@
+"""What a client asks of one generation: the knobs of sampling and of stopping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings.
+
+    ``temperature == 0`` (or ``top_k == 1``) means greedy decoding. ``logprobs`` is the number
+    of most likely alternatives to report beside each sampled token's own log-probability
+    (``None``: report nothing, ``0``: only the sampled token's).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` with a one-line reason for any out-of-range setting."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (or -1 for no limit), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop sequences must be non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
