@@ -1,0 +1,223 @@
+"""TpPartBaseModel: one tensor-parallel rank's share of a decoder-only model, assembled from
+weight classes and layer-infer classes named as class attributes (lightllm's layout)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from llmserve.common.basemodel.infer_struct import InferStateInfo
+from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
+from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
+from llmserve.common.mem_manager import MemoryManager, ReqManager
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_TOKENS = 16384
+
+
+@dataclass
+class ModelInitParams:
+    model_path: str                       # an HF model directory or a .gguf file
+    tp_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    dtype: torch.dtype | None = None      # None: fp32 on CPU; the checkpoint's fp16/bf16 on GPU
+    max_total_token_num: int | None = None  # KV pool size in tokens; None: sized from free memory
+    mem_fraction: float = 0.85            # GPU: share of the card's memory the process may fill
+    max_req_num: int = 256                # rows of the req->token table
+    max_seq_len: int | None = None        # longest request; None: min(context window, KV pool)
+    config: dict | None = None            # use this HF-style config instead of the checkpoint's
+    weights: Iterable[dict[str, torch.Tensor]] | None = None  # use these tensors (random-weight benchmarks)
+
+
+class TpPartBaseModel:
+    # weight classes
+    pre_and_post_weight_class: type | None = None
+    transformer_weight_class: type | None = None
+    # infer classes
+    pre_layer_infer_class: type | None = None
+    post_layer_infer_class: type | None = None
+    transformer_layer_infer_class: type | None = None
+    # infer state class
+    infer_state_class: type[InferStateInfo] = InferStateInfo
+
+    def __init__(self, params: ModelInitParams):
+        self.params = params
+        self.tp_rank_ = params.tp_rank
+        self.world_size_ = params.world_size
+        self.device = torch.device(params.device)
+        self._gguf_tensors: dict[str, torch.Tensor] | None = None
+
+        self._init_config()
+        self._verify_must()
+        self._verify_params()
+        self._init_weights()
+        self._init_mem_manager()
+        self._init_infer_layer()
+        self._init_some_value()
+        self._init_custom()
+
+    # -- construction -------------------------------------------------------------------
+    def _init_config(self) -> None:
+        """Read the checkpoint's config and normalise it through transformers' config class for
+        the architecture, so aliases (BLOOM's n_embed, rope_scaling vs rope_parameters) resolve."""
+        p = self.params
+        if p.config is not None:
+            raw = dict(p.config)
+        elif p.model_path.endswith(".gguf"):
+            ckpt = load_gguf(p.model_path, progress=self.tp_rank_ == 0)
+            raw, self._gguf_tensors = ckpt.config, ckpt.tensors
+        else:
+            raw = load_hf_config(p.model_path)
+        self.network_config_: PretrainedConfig = hf_config_from_dict(raw)
+
+    def _verify_must(self) -> None:
+        cfg = self.network_config_
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", num_kv_heads)):
+            if n % self.world_size_:
+                raise ValueError(f"the model's {n} {what} are not divisible by tp={self.world_size_}")
+
+    def _verify_params(self) -> None:
+        """Model-specific checks of the config (unsupported features fail here, not mid-forward)."""
+
+    def _default_dtype(self) -> torch.dtype:
+        if self.device.type != "cuda":
+            return torch.float32
+        ckpt_dtype = getattr(self.network_config_, "dtype", None) or getattr(self.network_config_, "torch_dtype", None)
+        return torch.float16 if ckpt_dtype in (torch.float16, "float16") else torch.bfloat16
+
+    def _weight_source(self) -> Iterable[dict[str, torch.Tensor]]:
+        if self.params.weights is not None:
+            return self.params.weights
+        if self._gguf_tensors is not None:
+            return [self._gguf_tensors]
+        return iter_hf_weight_files(self.params.model_path, progress=self.tp_rank_ == 0)
+
+    def _rename_hf_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hook for checkpoints whose tensor names vary (a "transformer." prefix, say)."""
+        return weights
+
+    def _init_weights(self) -> None:
+        self.data_type = self.params.dtype or self._default_dtype()
+        args = (self.tp_rank_, self.world_size_, self.data_type, self.network_config_, self.device)
+        self.pre_post_weight = self.pre_and_post_weight_class(*args)
+        self.trans_layers_weight = [
+            self.transformer_weight_class(i, *args) for i in range(self.network_config_.num_hidden_layers)
+        ]
+        all_weights = [self.pre_post_weight, *self.trans_layers_weight]
+        for weights in self._weight_source():
+            weights = self._rename_hf_weights(weights)
+            for w in all_weights:
+                w.load_hf_weights(weights)
+        for w in all_weights:
+            w.finalize()
+        self._gguf_tensors = None
+
+    def _init_mem_manager(self) -> None:
+        cfg = self.network_config_
+        tp_kv_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // self.world_size_
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * head_dim)
+        self.max_total_token_num = size
+        self.mem_manager = MemoryManager(size, self.data_type, tp_kv_heads, head_dim, cfg.num_hidden_layers, self.device)
+        context = getattr(cfg, "max_position_embeddings", None) or size
+        self.max_seq_len = self.params.max_seq_len or min(context, size)
+        self.req_manager = ReqManager(self.params.max_req_num, self.max_seq_len, self.mem_manager, self.device)
+
+    def _auto_kv_size(self, kv_dim_per_layer: int) -> int:
+        """KV slots that fit in what the weights left over (GPU), or a modest default (CPU)."""
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_TOKENS
+        bytes_per_token = 2 * kv_dim_per_layer * self.network_config_.num_hidden_layers * self.data_type.itemsize
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = total * self.params.mem_fraction - torch.cuda.memory_reserved(self.device)
+        if budget < bytes_per_token * 1024:
+            raise ValueError(f"not enough GPU memory left for the KV cache (mem_fraction={self.params.mem_fraction})")
+        return int(budget // bytes_per_token)
+
+    def _init_infer_layer(self) -> None:
+        args = (self.tp_rank_, self.world_size_, self.network_config_)
+        self.pre_infer = self.pre_layer_infer_class(*args)
+        self.post_infer = self.post_layer_infer_class(*args)
+        self.layers_infer = [
+            self.transformer_layer_infer_class(i, *args) for i in range(self.network_config_.num_hidden_layers)
+        ]
+
+    def _init_some_value(self) -> None:
+        self.layers_num = self.network_config_.num_hidden_layers
+        self.vocab_size = self.network_config_.vocab_size
+
+    def _init_custom(self) -> None:
+        """Model-specific setup after everything else (Llama builds its rotary tables here)."""
+
+    # -- inference --------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        b_req_idx: list[int],
+        b_cached_len: list[int],
+        b_q_len: list[int],
+        return_all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run one batch. Request i (row ``b_req_idx[i]`` of the req->token table, which already
+        maps its first ``b_cached_len[i]`` tokens) brings ``b_q_len[i]`` new tokens, packed in
+        ``input_ids``. Their KV slots are allocated here. Returns float32 logits: one row per
+        request (its last new token), or one per new token with ``return_all_logits``."""
+        for r, cached in zip(b_req_idx, b_cached_len):
+            if self.req_manager.seq_len(r) != cached:
+                raise ValueError(f"request row {r} holds {self.req_manager.seq_len(r)} cached tokens, batch says {cached}")
+        mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len)
+        state = self._build_infer_state(input_ids, b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits)
+        h = self.pre_infer.forward(state.extra.pop("input_ids"), state, self.pre_post_weight)
+        for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
+            h = layer_infer.forward(h, state, layer_weight)
+        return self.post_infer.forward(h, state, self.pre_post_weight)
+
+    def _build_infer_state(self, input_ids, b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits) -> InferStateInfo:
+        dev = self.device
+        q_len = torch.tensor(b_q_len, dtype=torch.int32)
+        cached = torch.tensor(b_cached_len, dtype=torch.int32)
+        q_start = torch.cumsum(q_len, 0, dtype=torch.int32) - q_len
+        seq_len = cached + q_len
+        total = int(q_len.sum())
+        # position of each new token: its request's cached length plus its index among the new ones
+        positions = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave((q_start - cached).long(), q_len.long())
+        state = self.infer_state_class(
+            batch_size=len(b_req_idx),
+            total_token_num=total,
+            is_decode=total == len(b_req_idx) and not return_all_logits,
+            b_req_idx=torch.tensor(b_req_idx, dtype=torch.int32).to(dev, non_blocking=True),
+            b_q_start=q_start.to(dev, non_blocking=True),
+            b_q_len=q_len.to(dev, non_blocking=True),
+            b_cached_len=cached.to(dev, non_blocking=True),
+            b_seq_len=seq_len.to(dev, non_blocking=True),
+            max_q_len=max(b_q_len),
+            max_seq_len=int(seq_len.max()),
+            position_ids=positions.to(dev, non_blocking=True),
+            mem_index=mem_index,
+            mem_manager=self.mem_manager,
+            req_manager=self.req_manager,
+            return_all_logits=return_all_logits,
+        )
+        state.extra["input_ids"] = torch.as_tensor(input_ids).to(dev, torch.int64, non_blocking=True)
+        state.init_some_extra_state(self)
+        return state
+
+
+def hf_config_from_dict(raw: dict) -> PretrainedConfig:
+    raw = dict(raw)
+    model_type = raw.pop("model_type", None)
+    if not model_type:
+        raise ModelLoadError("config has no model_type")
+    try:
+        return AutoConfig.for_model(model_type, **raw)
+    except ValueError as e:
+        raise ModelLoadError(f"unknown architecture {model_type!r}") from e

@@ -1,0 +1,44 @@
+"""The per-forward state passed from layer to layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from llmserve.common.basemodel.basemodel import TpPartBaseModel
+    from llmserve.common.mem_manager import MemoryManager, ReqManager
+
+
+@dataclass
+class InferStateInfo:
+    """One forward over a batch in which request i brings ``b_q_len[i]`` new tokens on top of
+    ``b_cached_len[i]`` tokens already in the KV cache.
+
+    Prefill is ``cached == 0``, decode is ``new == 1``, and prefix-cache hits, chunked prefill
+    and speculative verification are the general case; all of them share this one structure.
+    New tokens of all requests are packed back to back (no padding): request i's rows are
+    ``b_q_start[i] : b_q_start[i] + b_q_len[i]``.
+    """
+
+    batch_size: int
+    total_token_num: int          # new tokens in this forward
+    is_decode: bool               # every request brings exactly one new token
+    b_req_idx: torch.Tensor       # [bs] int32, rows of req_to_token
+    b_q_start: torch.Tensor       # [bs] int32
+    b_q_len: torch.Tensor         # [bs] int32
+    b_cached_len: torch.Tensor    # [bs] int32
+    b_seq_len: torch.Tensor       # [bs] int32, cached + new
+    max_q_len: int
+    max_seq_len: int
+    position_ids: torch.Tensor    # [total_token_num] int64
+    mem_index: torch.Tensor       # [total_token_num] int32, KV slots of the new tokens
+    mem_manager: MemoryManager
+    req_manager: ReqManager
+    return_all_logits: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def init_some_extra_state(self, model: TpPartBaseModel) -> None:
+        """Hook for model-specific per-forward state (e.g. rotary cos/sin for the positions)."""

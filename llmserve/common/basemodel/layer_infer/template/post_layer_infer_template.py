@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.common.basemodel.infer_struct import InferStateInfo
+from llmserve.common.basemodel.layer_infer.post_layer_infer import PostLayerInfer
+from llmserve.common.distributed import all_gather_last_dim
+
+
+class PostLayerInferTpl(PostLayerInfer):
+    """Final norm and vocab-parallel lm_head. Only the last new token of each request needs
+    logits unless the caller asks for all of them (speculative verification, prompt logprobs)."""
+
+    def _norm(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        raise NotImplementedError
+
+    def context_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        if not infer_state.return_all_logits:
+            h = h[(infer_state.b_q_start + infer_state.b_q_len - 1).long()]
+        return self._logits(h, infer_state, layer_weight)
+
+    def token_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        return self._logits(h, infer_state, layer_weight)  # already one row per request
+
+    def _logits(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        x = self._norm(h, infer_state, layer_weight)
+        logits = all_gather_last_dim(F.linear(x, layer_weight.lm_head_weight_))
+        return logits[:, : self.network_config_.vocab_size].float()

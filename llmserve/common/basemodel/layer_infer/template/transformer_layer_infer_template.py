@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.common.basemodel.infer_struct import InferStateInfo
+from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
+from llmserve.common.distributed import all_reduce
+from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destindex_copy_kv
+
+
+class TransformerLayerInferTpl(TransformerLayerInfer):
+    """A pre-norm decoder layer, the shape Llama and BLOOM share:
+
+        h += o_proj(attention(qkv(att_norm(h))))      # writes K/V of the new tokens first
+        h += ffn(ffn_norm(h))
+
+    Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary). The heads of this
+    rank are a contiguous slice, so attention itself needs no communication; the two
+    row-parallel projections end in an all-reduce."""
+
+    def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
+        super().__init__(layer_num, tp_rank, world_size, network_config)
+        cfg = network_config
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.tp_q_head_num_ = cfg.num_attention_heads // world_size
+        self.tp_kv_head_num_ = num_kv_heads // world_size
+        self.head_dim_ = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.embed_dim_ = cfg.hidden_size
+
+    # -- hooks ------------------------------------------------------------------------
+    def _att_norm(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _ffn_norm(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _ffn(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _alibi_slopes(self, layer_weight) -> torch.Tensor | None:
+        return None
+
+    def _get_qkv(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
+        q_size = self.tp_q_head_num_ * self.head_dim_
+        kv_size = self.tp_kv_head_num_ * self.head_dim_
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        # contiguous copies: the kernels that follow (rotary in place, KV scatter) want dense rows
+        return (
+            q.reshape(-1, self.tp_q_head_num_, self.head_dim_).contiguous(),
+            k.reshape(-1, self.tp_kv_head_num_, self.head_dim_).contiguous(),
+            v.reshape(-1, self.tp_kv_head_num_, self.head_dim_).contiguous(),
+        )
+
+    def _get_o(self, o: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        return self._row_parallel_linear(o.view(-1, self.tp_q_head_num_ * self.head_dim_), layer_weight.o_weight_, layer_weight.o_bias_)
+
+    # -- the layer --------------------------------------------------------------------
+    def context_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        self._attention_block(h, infer_state, layer_weight, self._context_attention_kernel)
+        self._ffn_block(h, infer_state, layer_weight)
+        return h
+
+    def token_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        self._attention_block(h, infer_state, layer_weight, self._token_attention_kernel)
+        self._ffn_block(h, infer_state, layer_weight)
+        return h
+
+    def _attention_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight, attend: Callable) -> None:
+        q, k, v = self._get_qkv(self._att_norm(h, infer_state, layer_weight), infer_state, layer_weight)
+        mem = infer_state.mem_manager
+        destindex_copy_kv(k, infer_state.mem_index, mem.key_buffer[self.layer_num_])
+        destindex_copy_kv(v, infer_state.mem_index, mem.value_buffer[self.layer_num_])
+        h.add_(self._get_o(attend(q, infer_state, layer_weight), infer_state, layer_weight))
+
+    def _ffn_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> None:
+        h.add_(self._ffn(self._ffn_norm(h, infer_state, layer_weight), infer_state, layer_weight))
+
+    def _context_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        o = torch.empty_like(q)
+        context_attention_fwd(
+            q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
+            infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_q_start, infer_state.b_q_len,
+            infer_state.b_cached_len, infer_state.max_q_len, alibi_slopes=self._alibi_slopes(layer_weight),
+        )
+        return o
+
+    def _token_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
+        o = torch.empty_like(q)
+        decode_attention_fwd(
+            q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
+            infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_seq_len, infer_state.max_seq_len,
+            alibi_slopes=self._alibi_slopes(layer_weight),
+        )
+        return o
+
+    @staticmethod
+    def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Each rank multiplies its slice of the inputs; the sum over ranks is the full output.
+        The bias is added once, after the reduction."""
+        y = all_reduce(F.linear(x, weight))
+        return y if bias is None else y.add_(bias)

@@ -1,0 +1,340 @@
+"""Reading GGUF (llama.cpp) checkpoints as an HF-style config dict plus HF-named float32 tensors.
+
+The rest of llmserve only knows Hugging Face names and layouts, so a GGUF file is translated
+here once: metadata -> a ``config.json``-like dict, ``blk.N.attn_q.weight`` ->
+``model.layers.N.self_attn.q_proj.weight``, quantized blocks -> float32 ``[out, in]`` tensors,
+and llama.cpp's rotary permutation of q/k undone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from tqdm.auto import tqdm
+
+from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+
+__all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "ModelLoadError"]
+
+
+@dataclass
+class _ArchSpec:
+    """How one GGUF architecture maps onto a Hugging Face model class."""
+
+    model_type: str
+    hf_class: str
+    permuted_qk: bool  # llama.cpp's converter permutes q/k rows for its rope layout
+    qkv_bias: bool
+
+
+_ARCHS: dict[str, _ArchSpec] = {
+    # "llama" also covers Mistral and SmolLM2, which llama.cpp converts as llama.
+    "llama": _ArchSpec("llama", "LlamaForCausalLM", permuted_qk=True, qkv_bias=False),
+    "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permuted_qk=False, qkv_bias=True),
+}
+
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_BLOCK_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# llama.cpp stores Llama-3-style rope scaling as this tensor of per-frequency divisors.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF checkpoint in Hugging Face terms.
+
+    ``config``: a ``config.json``-style dict. ``tensors``: HF parameter names -> float32 CPU tensors
+    in HF shapes (``[out, in]`` for linear weights). With ``config["tie_word_embeddings"]`` there
+    is no ``lm_head.weight``: the embedding doubles as the output projection.
+    """
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+
+
+def _field_value(reader_field: Any) -> Any:
+    """A metadata field's value as plain Python (str, int, float, bool, or a list of them).
+
+    Reads ``parts``/``data``/``types`` directly: they exist in every gguf-py release, unlike the
+    newer ``ReaderField.contents()``.
+    """
+    types = list(reader_field.types)
+    values = [_scalar(reader_field.parts[i], types[-1]) for i in reader_field.data]
+    if types and types[0] == GGUFValueType.ARRAY:
+        return values
+    return values[0] if values else None
+
+
+def _scalar(part: np.ndarray, value_type: GGUFValueType) -> Any:
+    if value_type == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    value = part.reshape(-1)[0]
+    if value_type == GGUFValueType.FLOAT32:
+        # str() gives the shortest decimal that round-trips in float32: 1e-05, not 9.99999974e-06,
+        # matching what the original config.json said.
+        return float(str(value))
+    if value_type == GGUFValueType.BOOL:
+        return bool(value)
+    return value.item()
+
+
+def _metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The scalar metadata fields. Arrays (token lists, merges: ~100k strings) are left out:
+    nothing here needs them and converting them to Python would cost seconds."""
+    return {
+        name: _field_value(f)
+        for name, f in reader.fields.items()
+        if f.types and f.types[0] != GGUFValueType.ARRAY
+    }
+
+
+def _require(meta: dict[str, Any], key: str, path: str) -> Any:
+    if key not in meta:
+        raise ModelLoadError(f"GGUF file {path} lacks the metadata key {key}")
+    return meta[key]
+
+
+def _rope_scaling_from_metadata(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` from ``{arch}.rope.scaling.*`` (or the older ``rope.scale_linear``)."""
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type")
+    factor = meta.get(prefix + "factor")
+    if kind is None and meta.get(f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
+    if kind in (None, "none") or factor is None or factor == 1.0:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    optional = {
+        "original_context_length": "original_max_position_embeddings",
+        "yarn_beta_fast": "beta_fast",
+        "yarn_beta_slow": "beta_slow",
+        "attn_factor": "attention_factor",
+    }
+    for gguf_key, hf_key in optional.items():
+        if meta.get(prefix + gguf_key) is not None:
+            scaling[hf_key] = meta[prefix + gguf_key]
+    return scaling
+
+
+def _llama3_rope_factors(
+    rope_theta: float, head_dim: int, factor: float, low: float, high: float, orig_ctx: int
+) -> np.ndarray:
+    """The ``rope_freqs`` llama.cpp's converter writes for a Llama 3 ``rope_scaling``."""
+    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / freqs
+    smooth = (orig_ctx / wavelen - low) / (high - low)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < orig_ctx / high, 1.0, out)
+    return np.where(wavelen > orig_ctx / low, factor, out)
+
+
+def _rope_scaling_from_freqs(factors: np.ndarray, rope_theta: float, head_dim: int, path: str) -> dict[str, Any] | None:
+    """Recover a Llama 3 ``rope_scaling`` from a ``rope_freqs`` tensor, or raise.
+
+    The tensor holds 1 for high frequencies, ``factor`` for low ones and a smooth blend between;
+    along the blend ``1/f`` is linear in ``1/wavelength``, which gives the parameters (assuming
+    low_freq_factor 1, as every Llama 3.x release has). The result is checked by recomputing
+    the tensor, so a file written some other way is rejected instead of run with wrong rotary.
+    """
+    factors = factors.astype(np.float64).reshape(-1)
+    if factors.size != head_dim // 2:
+        raise ModelLoadError(f"{_ROPE_FREQS} in {path} has {factors.size} entries, expected {head_dim // 2}")
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(factors.max())
+    candidates = [(1.0, 4.0, 8192)]  # Llama 3.x defaults, for when the blend is too short to fit
+    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    blend = ~np.isclose(factors, 1.0, rtol=1e-5) & ~np.isclose(factors, factor, rtol=1e-5)
+    if blend.sum() >= 2:
+        smooth = (1 / factors[blend] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(freqs[blend] / (2 * math.pi), smooth, 1)
+        if intercept < 0:
+            high = 1.0 - 1.0 / intercept  # from intercept = -low / (high - low) with low = 1
+            candidates.insert(0, (1.0, round(high, 4), int(round(slope * (high - 1.0)))))
+    for low, high, orig_ctx in candidates:
+        if np.allclose(_llama3_rope_factors(rope_theta, head_dim, factor, low, high, orig_ctx), factors, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": orig_ctx,
+            }
+    raise ModelLoadError(f"{_ROPE_FREQS} in {path} does not match Llama 3 rope scaling; this rope scaling is not supported")
+
+
+def _build_config(meta: dict[str, Any], arch: str, spec: _ArchSpec, tensor_shapes: dict[str, tuple[int, ...]], path: str) -> dict[str, Any]:
+    """The HF config.json equivalent of the GGUF metadata."""
+    key = f"{arch}.{{}}".format
+    hidden = int(_require(meta, key("embedding_length"), path))
+    heads = int(_require(meta, key("attention.head_count"), path))
+    kv_heads = meta.get(key("attention.head_count_kv"), heads)
+    # key_length is the head size proper; rope.dimension_count equals it for llama / qwen2.
+    head_dim = meta.get(key("attention.key_length"), meta.get(key("rope.dimension_count"), hidden // heads))
+    if "token_embd.weight" not in tensor_shapes:
+        raise ModelLoadError(f"GGUF file {path} has no token_embd.weight tensor")
+    config: dict[str, Any] = {
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(meta, key("feed_forward_length"), path)),
+        "num_hidden_layers": int(_require(meta, key("block_count"), path)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        "rope_theta": float(meta.get(key("rope.freq_base"), 10000.0)),
+        "max_position_embeddings": int(_require(meta, key("context_length"), path)),
+        "vocab_size": tensor_shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+    }
+    if spec.model_type == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+        config["mlp_bias"] = False
+    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
+        if f"tokenizer.ggml.{gguf_key}" in meta:
+            config[hf_key] = int(meta[f"tokenizer.ggml.{gguf_key}"])
+    rope_scaling = _rope_scaling_from_metadata(meta, arch)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.bias`` -> ``model.layers.3.self_attn.q_proj.bias``)."""
+    stem, dot, suffix = gguf_name.rpartition(".")
+    if not dot or suffix not in ("weight", "bias"):
+        return None
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
+        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}.{suffix}"
+    return None
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``w.reshape(n_head, 2, d, *rest).swapaxes(1, 2).reshape(w.shape)``.
+
+    llama.cpp's rope rotates adjacent pairs (x0, x1), HF's rotates halves (x0, x_{d/2}); the
+    converter reorders q/k rows to match, and this puts them back.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _type_name(qtype: Any) -> str:
+    return getattr(qtype, "name", str(qtype))
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """A reader tensor as a writable C-contiguous float32 array in numpy order (``[out, in]``)."""
+    qtype = tensor.tensor_type
+    try:
+        data = dequantize(tensor.data, qtype)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {_type_name(qtype)}, which cannot be dequantized") from e
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"cannot dequantize GGUF tensor {tensor.name} of type {_type_name(qtype)}: {e}") from e
+    # GGUF lists dimensions innermost first.
+    shape = tuple(int(d) for d in reversed(list(tensor.shape)))
+    # F32 comes back as a read-only view of the memory map: copy (torch wants writable memory).
+    return np.require(np.asarray(data).reshape(shape), dtype=np.float32, requirements=["C", "W"])
+
+
+def _open_reader(path: str) -> GGUFReader:
+    if not os.path.exists(path):
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF path {path} is not a file")
+    try:
+        return GGUFReader(path, "r")
+    except Exception as e:  # gguf-py reports bad files as ValueError, struct/reshape errors, ...
+        raise ModelLoadError(f"{path} is not a valid GGUF file ({e})") from e
+
+
+def _arch_of(meta: dict[str, Any], path: str) -> tuple[str, _ArchSpec]:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} (supported: {', '.join(_ARCHS)})")
+    return arch, _ARCHS[arch]
+
+
+def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
+    """Read a GGUF checkpoint: its HF-style config and its tensors, dequantized to float32.
+
+    Raises ``ModelLoadError`` (one line) for a missing file, a file that is not GGUF, an
+    architecture other than llama / qwen2, an unexpected tensor, or a tensor type gguf-py cannot
+    dequantize. ``progress`` shows a progress bar on stderr while dequantizing.
+    """
+    reader = _open_reader(path)
+    meta = _metadata(reader)
+    arch, spec = _arch_of(meta, path)
+    shapes = {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in reader.tensors}
+    config = _build_config(meta, arch, spec, shapes, path)
+    n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+    tensors: dict[str, torch.Tensor] = {}
+    bar = tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=not progress)
+    with bar:
+        for t in bar:
+            if t.name == _ROPE_FREQS:
+                scaling = _rope_scaling_from_freqs(_dequantize(t), config["rope_theta"], config["head_dim"], path)
+                if scaling is not None:
+                    config["rope_scaling"] = scaling
+                continue
+            hf_name = _hf_name(t.name)
+            if hf_name is None:
+                raise ModelLoadError(f"unexpected tensor {t.name} in {arch} GGUF file {path}")
+            w = _dequantize(t)
+            kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            if spec.permuted_qk and kind in n_heads:
+                w = _unpermute_qk(w, n_heads[kind])
+            tensors[hf_name] = torch.from_numpy(w)
+    return GGUFCheckpoint(config=config, tensors=tensors)
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The tokenizer embedded in a GGUF file, via ``AutoTokenizer.from_pretrained(..., gguf_file=...)``."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    from transformers import AutoTokenizer  # heavy import, only needed here
+
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except Exception as e:  # transformers raises many types for a bad or unsupported file
+        raise ModelLoadError(f"cannot load the tokenizer of GGUF file {path}: {e}") from e

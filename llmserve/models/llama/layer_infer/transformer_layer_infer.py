@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.common.basemodel import TransformerLayerInferTpl
+from llmserve.kernels import rmsnorm_forward, rotary_emb_fwd, silu_and_mul_fwd
+from llmserve.models.llama.infer_struct import LlamaInferStateInfo
+
+
+class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
+    """RMSNorm, rotary q/k, SwiGLU MLP."""
+
+    def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
+        super().__init__(layer_num, tp_rank, world_size, network_config)
+        self.eps_ = network_config.rms_norm_eps
+
+    def _att_norm(self, h: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
+        return rmsnorm_forward(h, layer_weight.att_norm_weight_, self.eps_)
+
+    def _ffn_norm(self, h: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
+        return rmsnorm_forward(h, layer_weight.ffn_norm_weight_, self.eps_)
+
+    def _get_qkv(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight):
+        q, k, v = super()._get_qkv(x, infer_state, layer_weight)
+        rotary_emb_fwd(q, k, infer_state.position_cos, infer_state.position_sin)
+        return q, k, v
+
+    def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
+        act = silu_and_mul_fwd(F.linear(x, layer_weight.gate_up_weight_))
+        return self._row_parallel_linear(act, layer_weight.down_weight_, None)

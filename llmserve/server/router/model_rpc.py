@@ -1,0 +1,266 @@
+"""Model workers: one process per tensor-parallel rank, driven over rpyc.
+
+Every step the router sends all ranks the same batch description; each rank runs its share of
+the forward (the collectives inside line them up), and rank 0 samples and returns the ids.
+Messages are pickled dataclasses sent as bytes, which keeps rpyc's proxies out of the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import rpyc
+import torch
+from rpyc.utils.factory import unix_connect
+from rpyc.utils.server import ThreadedServer
+
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RPYC_CONFIG = {"allow_pickle": False, "sync_request_timeout": None, "allow_public_attrs": False}
+
+
+class WorkerError(RuntimeError):
+    """A model worker failed or died; the engine cannot go on."""
+
+
+@dataclass
+class WorkerInitArgs:
+    model_path: str
+    tp_rank: int
+    world_size: int
+    device: str                      # "cpu" or "cuda" (rank r takes cuda:r)
+    dtype: str | None = None         # "float32" | "float16" | "bfloat16" | None (model default)
+    max_total_token_num: int | None = None
+    mem_fraction: float = 0.85
+    max_req_num: int = 256
+    dist_init_method: str = ""       # tcp://127.0.0.1:PORT when world_size > 1
+
+
+@dataclass
+class WorkerInfo:
+    """What the router needs to know about the loaded model."""
+    model_type: str
+    vocab_size: int
+    max_total_token_num: int
+    max_seq_len: int
+    max_req_num: int
+    dtype: str
+    device: str
+    num_layers: int
+    num_params: int
+
+
+@dataclass
+class BatchEntry:
+    req_id: int
+    token_ids: list[int]             # the new tokens of this step
+    num_cached: int                  # tokens of this request already in the KV cache
+    params: SamplingParams | None = None          # sent with a prefill (num_cached == 0)
+    prompt_token_ids: list[int] | None = None     # likewise (for the repetition penalty)
+
+
+@dataclass
+class StepInput:
+    entries: list[BatchEntry]
+    finished_req_ids: list[int] = field(default_factory=list)   # free KV and sampling state
+    preempted_req_ids: list[int] = field(default_factory=list)  # free KV only; they come back later
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class ModelWorker:
+    """One rank: owns the model, its KV cache and the request -> table-row map."""
+
+    def __init__(self, args: WorkerInitArgs):
+        from llmserve.common.basemodel import ModelInitParams
+        from llmserve.common.basemodel.basemodel import hf_config_from_dict
+        from llmserve.common.distributed import init_distributed
+        from llmserve.models.registry import get_model_class
+        from llmserve.server.router.sampler import Sampler
+
+        self.args = args
+        device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.tp_rank}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        init_distributed(args.tp_rank, args.world_size, args.dist_init_method, device)
+        params = ModelInitParams(
+            model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
+            dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
+            mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
+        )
+        model_cls = get_model_class(peek_model_type(args.model_path))
+        self.model = model_cls(params)
+        self.device = device
+        self.sampler = Sampler() if args.tp_rank == 0 else None
+        self.req_rows: dict[int, int] = {}   # req_id -> row of req_to_token
+
+    def info(self) -> WorkerInfo:
+        m = self.model
+        n_params = sum(
+            t.numel() for w in [m.pre_post_weight, *m.trans_layers_weight] for t in vars(w).values() if isinstance(t, torch.Tensor)
+        )
+        return WorkerInfo(
+            model_type=m.network_config_.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
+            max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
+            device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
+        )
+
+    def step(self, step: StepInput) -> StepOutput | None:
+        for req_id in step.preempted_req_ids:
+            self._free_kv(req_id)
+        for req_id in step.finished_req_ids:
+            self._free_kv(req_id)
+            if self.sampler is not None:
+                self.sampler.remove_request(req_id)
+        if not step.entries:
+            return None
+
+        rows = []
+        for e in step.entries:
+            if e.req_id not in self.req_rows:
+                self.req_rows[e.req_id] = self.model.req_manager.alloc_req()
+            rows.append(self.req_rows[e.req_id])
+            if e.params is not None and self.sampler is not None:
+                self.sampler.add_request(e.req_id, e.params, e.prompt_token_ids or [])
+        input_ids = torch.tensor([t for e in step.entries for t in e.token_ids], dtype=torch.int64)
+        logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], [len(e.token_ids) for e in step.entries])
+        if self.sampler is None:
+            return None
+        result = self.sampler.sample(logits, [e.req_id for e in step.entries])
+        return StepOutput(result.token_ids, result.logprobs, result.top_logprobs)
+
+    def _free_kv(self, req_id: int) -> None:
+        row = self.req_rows.pop(req_id, None)
+        if row is not None:
+            self.model.req_manager.free_req(row)
+
+
+def peek_model_type(model_path: str) -> str | None:
+    """The architecture name, read cheaply before choosing the model class."""
+    if model_path.endswith(".gguf"):
+        from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_model_type
+        return gguf_model_type(model_path)
+    from llmserve.common.basemodel.layer_weights.hf_load_utils import load_hf_config
+    return load_hf_config(model_path).get("model_type")
+
+
+class ModelRpcServer(rpyc.Service):
+    """The rpyc face of a ModelWorker: bytes in, bytes out."""
+
+    worker: ModelWorker | None = None
+
+    def exposed_init_model(self, args: bytes) -> bytes:
+        self.worker = ModelWorker(pickle.loads(args))
+        return pickle.dumps(self.worker.info())
+
+    def exposed_step(self, step: bytes) -> bytes:
+        return pickle.dumps(self.worker.step(pickle.loads(step)))
+
+
+def _serve(socket_path: str) -> None:
+    server = ThreadedServer(ModelRpcServer(), socket_path=socket_path, protocol_config=RPYC_CONFIG)
+    server.start()
+
+
+class ModelRpcClient:
+    """Handle on one worker process."""
+
+    def __init__(self, proc: mp.Process, conn: rpyc.Connection):
+        self.proc = proc
+        self.conn = conn
+        self._init_model = rpyc.async_(conn.root.init_model)
+        self._step = rpyc.async_(conn.root.step)
+
+    def init_model(self, args: WorkerInitArgs):
+        return self._init_model(pickle.dumps(args))
+
+    def step(self, step: StepInput):
+        return self._step(pickle.dumps(step))
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:
+            pass
+        self.proc.terminate()
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+class ModelWorkerGroup:
+    """All ranks of one model, stepped together."""
+
+    def __init__(self, args: list[WorkerInitArgs]):
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="llmserve-")
+        self.clients: list[ModelRpcClient] = []
+        try:
+            for a in args:
+                path = os.path.join(self._tmpdir.name, f"rank{a.tp_rank}.sock")
+                proc = ctx.Process(target=_serve, args=(path,), daemon=True)
+                proc.start()
+                self.clients.append(ModelRpcClient(proc, _connect(path, proc)))
+            infos = self._gather([c.init_model(a) for c, a in zip(self.clients, args)])
+            self.info: WorkerInfo = infos[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, step: StepInput) -> StepOutput | None:
+        return self._gather([c.step(step) for c in self.clients])[0]
+
+    def _gather(self, results: list) -> list:
+        out = []
+        for rank, r in enumerate(results):
+            try:
+                out.append(pickle.loads(r.value))
+            except EOFError as e:
+                raise WorkerError(f"model worker rank {rank} died (exit code {self.clients[rank].proc.exitcode})") from e
+            except Exception as e:
+                # rpyc re-raises the worker's exception type where it can; keep its message
+                raise type(e)(str(e).split("\n========= Remote Traceback")[0]) if isinstance(e, ValueError) else e
+        return out
+
+    def alive(self) -> bool:
+        return all(c.proc.is_alive() for c in self.clients)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.clients = []
+        self._tmpdir.cleanup()
+
+
+def _connect(path: str, proc: mp.Process, timeout: float = 60.0) -> rpyc.Connection:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return unix_connect(path, config=RPYC_CONFIG)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if not proc.is_alive():
+                raise WorkerError(f"model worker exited during start-up (exit code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorkerError("model worker did not start listening in time")
+            time.sleep(0.05)
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,106 @@
+"""Shared helpers for the tests that hold our models against HF transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.common.basemodel import ModelInitParams, TpPartBaseModel
+from llmserve.models.registry import get_model_class
+
+
+def build_tiny_hf_model(config, path, seed: int = 0):
+    """A random-weight HF model saved as safetensors under ``path``. Weights are drawn wider than
+    HF's default init so logits are spread out and greedy picks are not near-ties."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "layernorm" in name or name.endswith("ln_f.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def load_ours(path, **kw) -> TpPartBaseModel:
+    from llmserve.common.basemodel.layer_weights.hf_load_utils import load_hf_config
+
+    params = ModelInitParams(model_path=str(path), max_total_token_num=kw.pop("max_total_token_num", 2048), **kw)
+    return get_model_class(load_hf_config(str(path))["model_type"])(params)
+
+
+@dataclass
+class BatchDriver:
+    """Drives a TpPartBaseModel directly: one table row per prompt, prefill then decode."""
+
+    model: TpPartBaseModel
+
+    def __post_init__(self) -> None:
+        self.rows: list[int] = []
+        self.lens: list[int] = []
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        self.rows = [self.model.req_manager.alloc_req() for _ in prompts]
+        self.lens = [0] * len(prompts)
+        return self.extend(prompts)
+
+    def extend(self, chunks: list[list[int]], return_all_logits: bool = False) -> torch.Tensor:
+        """Append ``chunks[i]`` to request i (any lengths >= 1) in one forward."""
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
+        logits = self.model.forward(ids, self.rows, list(self.lens), [len(c) for c in chunks], return_all_logits)
+        self.lens = [n + len(c) for n, c in zip(self.lens, chunks)]
+        return logits
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        return self.extend([[t] for t in tokens])
+
+    def free(self) -> None:
+        for r in self.rows:
+            self.model.req_manager.free_req(r)
+        self.rows, self.lens = [], []
+
+
+def hf_greedy_with_logits(hf_model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """HF's greedy continuation of one prompt (its KV cache, no EOS handling) and the logits it
+    produced at each step."""
+    tokens, logits, past = [], [], None
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            out = hf_model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits.append(out.logits[0, -1].float())
+            tokens.append(int(logits[-1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens, logits
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def assert_matches_hf_greedy(ours: TpPartBaseModel, hf_model, prompts: list[list[int]], steps: int = 16, tol: float = 1e-4) -> None:
+    """Prefill all prompts as one batch, then decode ``steps`` tokens greedily; every step's
+    logits must be within ``tol`` relative error of HF's and the tokens identical."""
+    refs = [hf_greedy_with_logits(hf_model, p, steps + 1) for p in prompts]
+    driver = BatchDriver(ours)
+    logits = driver.prefill(prompts)
+    generated: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps + 1):
+        for i, (ref_tokens, ref_logits) in enumerate(refs):
+            err = rel_err(logits[i], ref_logits[step])
+            assert err < tol, f"prompt {i} step {step}: relative error {err:.2e}"
+        next_tokens = logits.argmax(-1).tolist()
+        for i, t in enumerate(next_tokens):
+            generated[i].append(t)
+        if step < steps:
+            logits = driver.decode(next_tokens)
+    for i, (ref_tokens, _) in enumerate(refs):
+        assert generated[i] == ref_tokens, f"prompt {i}: greedy tokens differ"
+    driver.free()
+    assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size
