@@ -8,10 +8,11 @@ Messages are pickled dataclasses sent as bytes, which keeps rpyc's proxies out o
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -176,10 +177,16 @@ def _serve(socket_path: str) -> None:
     server.start()
 
 
+def _start_worker_process(socket_path: str) -> subprocess.Popen:
+    # A fresh interpreter (not multiprocessing's spawn), so the parent's __main__ is never
+    # re-imported: scripts using LLM need no `if __name__ == "__main__"` guard.
+    return subprocess.Popen([sys.executable, "-m", "llmserve.server.router.model_rpc", socket_path], stdin=subprocess.DEVNULL)
+
+
 class ModelRpcClient:
     """Handle on one worker process."""
 
-    def __init__(self, proc: mp.Process, conn: rpyc.Connection):
+    def __init__(self, proc: subprocess.Popen, conn: rpyc.Connection):
         self.proc = proc
         self.conn = conn
         self._init_model = rpyc.async_(conn.root.init_model)
@@ -196,25 +203,25 @@ class ModelRpcClient:
             self.conn.close()
         except Exception:
             pass
-        self.proc.terminate()
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class ModelWorkerGroup:
     """All ranks of one model, stepped together."""
 
     def __init__(self, args: list[WorkerInitArgs]):
-        ctx = mp.get_context("spawn")
         self._tmpdir = tempfile.TemporaryDirectory(prefix="llmserve-")
         self.clients: list[ModelRpcClient] = []
         try:
             for a in args:
                 path = os.path.join(self._tmpdir.name, f"rank{a.tp_rank}.sock")
-                proc = ctx.Process(target=_serve, args=(path,), daemon=True)
-                proc.start()
+                proc = _start_worker_process(path)
                 self.clients.append(ModelRpcClient(proc, _connect(path, proc)))
             infos = self._gather([c.init_model(a) for c, a in zip(self.clients, args)])
             self.info: WorkerInfo = infos[0]
@@ -231,14 +238,14 @@ class ModelWorkerGroup:
             try:
                 out.append(pickle.loads(r.value))
             except EOFError as e:
-                raise WorkerError(f"model worker rank {rank} died (exit code {self.clients[rank].proc.exitcode})") from e
+                raise WorkerError(f"model worker rank {rank} died (exit code {self.clients[rank].proc.poll()})") from e
             except Exception as e:
                 # rpyc re-raises the worker's exception type where it can; keep its message
                 raise type(e)(str(e).split("\n========= Remote Traceback")[0]) if isinstance(e, ValueError) else e
         return out
 
     def alive(self) -> bool:
-        return all(c.proc.is_alive() for c in self.clients)
+        return all(c.proc.poll() is None for c in self.clients)
 
     def close(self) -> None:
         for c in self.clients:
@@ -247,14 +254,14 @@ class ModelWorkerGroup:
         self._tmpdir.cleanup()
 
 
-def _connect(path: str, proc: mp.Process, timeout: float = 60.0) -> rpyc.Connection:
+def _connect(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> rpyc.Connection:
     deadline = time.monotonic() + timeout
     while True:
         try:
             return unix_connect(path, config=RPYC_CONFIG)
         except (FileNotFoundError, ConnectionRefusedError):
-            if not proc.is_alive():
-                raise WorkerError(f"model worker exited during start-up (exit code {proc.exitcode})")
+            if proc.poll() is not None:
+                raise WorkerError(f"model worker exited during start-up (exit code {proc.returncode})")
             if time.monotonic() > deadline:
                 raise WorkerError("model worker did not start listening in time")
             time.sleep(0.05)
@@ -264,3 +271,11 @@ def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    # Run from the imported module, not this __main__ copy, so pickled classes keep their real
+    # module path on the way back to the router.
+    from llmserve.server.router import model_rpc
+
+    model_rpc._serve(sys.argv[1])

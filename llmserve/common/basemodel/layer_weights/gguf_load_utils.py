@@ -144,46 +144,67 @@ def _rope_scaling_from_metadata(meta: dict[str, Any], arch: str) -> dict[str, An
     return scaling
 
 
-def _llama3_rope_factors(
-    rope_theta: float, head_dim: int, factor: float, low: float, high: float, orig_ctx: int
-) -> np.ndarray:
+def _rope_wavelengths(rope_theta: float, head_dim: int) -> np.ndarray:
+    return 2 * math.pi * rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+def _llama3_rope_factors(wavelen: np.ndarray, factor: float, low: float, high: float, orig_ctx: int) -> np.ndarray:
     """The ``rope_freqs`` llama.cpp's converter writes for a Llama 3 ``rope_scaling``."""
-    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    wavelen = 2 * math.pi / freqs
     smooth = (orig_ctx / wavelen - low) / (high - low)
     out = 1.0 / ((1 - smooth) / factor + smooth)
     out = np.where(wavelen < orig_ctx / high, 1.0, out)
     return np.where(wavelen > orig_ctx / low, factor, out)
 
 
+def _llama3_factor(factors: np.ndarray, wavelen: np.ndarray, low: float, high: float, orig_ctx: int) -> float:
+    """``factor`` given the other parameters: read off a fully scaled frequency if there is one,
+    else solved from the most scaled frequency of the blend."""
+    i = int(np.argmax(factors))
+    if wavelen[i] > orig_ctx / low:
+        return float(factors[i])
+    smooth = (orig_ctx / wavelen[i] - low) / (high - low)
+    denominator = 1 / factors[i] - smooth
+    return float((1 - smooth) / denominator) if denominator > 0 else float(factors[i])
+
+
+def _llama3_candidates(factors: np.ndarray, wavelen: np.ndarray) -> list[tuple[float, float, int]]:
+    """Plausible (low_freq_factor, high_freq_factor, original context) for ``factors``.
+
+    Along the blend, ``smooth`` is linear in ``1 / wavelength`` with slope ``ctx / (high - low)``
+    and intercept ``-low / (high - low)``; with ``low = 1`` (every Llama 3.x release) that gives
+    the rest. The Llama 3.x defaults come last, for blends too short to fit.
+    """
+    candidates = [(1.0, 4.0, 8192)]
+    top = float(factors.max())
+    blend = ~np.isclose(factors, 1.0, rtol=1e-5) & ~np.isclose(factors, top, rtol=1e-5)
+    if blend.sum() >= 2:
+        smooth = (1 / factors[blend] - 1 / top) / (1 - 1 / top)
+        slope, intercept = np.polyfit(1 / wavelen[blend], smooth, 1)
+        if intercept < 0:
+            high = round(float(1.0 - 1.0 / intercept), 4)
+            candidates.insert(0, (1.0, high, int(round(float(slope) * (high - 1.0)))))
+    return candidates
+
+
 def _rope_scaling_from_freqs(factors: np.ndarray, rope_theta: float, head_dim: int, path: str) -> dict[str, Any] | None:
     """Recover a Llama 3 ``rope_scaling`` from a ``rope_freqs`` tensor, or raise.
 
-    The tensor holds 1 for high frequencies, ``factor`` for low ones and a smooth blend between;
-    along the blend ``1/f`` is linear in ``1/wavelength``, which gives the parameters (assuming
-    low_freq_factor 1, as every Llama 3.x release has). The result is checked by recomputing
-    the tensor, so a file written some other way is rejected instead of run with wrong rotary.
+    The tensor holds 1 for high frequencies, ``factor`` for low ones and a smooth blend between.
+    Every guess is checked by recomputing the tensor, so a file written some other way is
+    rejected instead of run with the wrong rotary embedding.
     """
     factors = factors.astype(np.float64).reshape(-1)
     if factors.size != head_dim // 2:
         raise ModelLoadError(f"{_ROPE_FREQS} in {path} has {factors.size} entries, expected {head_dim // 2}")
     if np.allclose(factors, 1.0):
         return None
-    factor = float(factors.max())
-    candidates = [(1.0, 4.0, 8192)]  # Llama 3.x defaults, for when the blend is too short to fit
-    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    blend = ~np.isclose(factors, 1.0, rtol=1e-5) & ~np.isclose(factors, factor, rtol=1e-5)
-    if blend.sum() >= 2:
-        smooth = (1 / factors[blend] - 1 / factor) / (1 - 1 / factor)
-        slope, intercept = np.polyfit(freqs[blend] / (2 * math.pi), smooth, 1)
-        if intercept < 0:
-            high = 1.0 - 1.0 / intercept  # from intercept = -low / (high - low) with low = 1
-            candidates.insert(0, (1.0, round(high, 4), int(round(slope * (high - 1.0)))))
-    for low, high, orig_ctx in candidates:
-        if np.allclose(_llama3_rope_factors(rope_theta, head_dim, factor, low, high, orig_ctx), factors, rtol=1e-4):
+    wavelen = _rope_wavelengths(rope_theta, head_dim)
+    for low, high, orig_ctx in _llama3_candidates(factors, wavelen):
+        factor = _llama3_factor(factors, wavelen, low, high, orig_ctx)
+        if np.allclose(_llama3_rope_factors(wavelen, factor, low, high, orig_ctx), factors, rtol=1e-4):
             return {
                 "rope_type": "llama3",
-                "factor": factor,
+                "factor": round(factor, 4),
                 "low_freq_factor": low,
                 "high_freq_factor": high,
                 "original_max_position_embeddings": orig_ctx,
@@ -338,3 +359,9 @@ def load_gguf_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except Exception as e:  # transformers raises many types for a bad or unsupported file
         raise ModelLoadError(f"cannot load the tokenizer of GGUF file {path}: {e}") from e
+
+
+def gguf_model_type(path: str) -> str:
+    """The HF model_type of a GGUF file, from its metadata alone (no tensor is read)."""
+    arch, _ = _arch_of(_metadata(_open_reader(path)), path)
+    return arch

@@ -1,0 +1,77 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` for scripts, tests and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.router.engine import EngineConfig, LLMEngine
+from llmserve.server.router.request import Request
+
+
+@dataclass
+class RequestOutput:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None                       # per generated token, when asked for
+    finish_reason: str                                 # length | eos_token | stop_sequence
+    prompt_token_ids: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestOutput:
+        wants = req.params.logprobs is not None
+        return cls(
+            text=req.output_text, token_ids=list(req.output_token_ids),
+            logprobs=list(req.output_logprobs) if wants else None, finish_reason=req.finish_reason.value,
+            prompt_token_ids=list(req.prompt_token_ids), top_logprobs=list(req.output_top_logprobs) if wants else None,
+        )
+
+
+class LLM:
+    """A model served by worker processes (one per tensor-parallel rank) behind the same
+    continuous-batching scheduler the HTTP server uses. All prompts of a ``generate`` call run
+    together."""
+
+    def __init__(self, model: str | None = None, tp: int = 1, dtype: str | None = None,
+                 max_total_token_num: int | None = None, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        token_lists = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
+        for ids, p in zip(token_lists, params):       # validate all before queueing any
+            self.engine.validate(ids, p)
+        requests = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
+        try:
+            while any(not r.is_finished for r in requests):
+                self.engine.step()
+        except BaseException:
+            for r in requests:
+                self.engine.abort_request(r.req_id)
+            raise
+        finally:
+            self.engine.flush()
+        return [RequestOutput.from_request(r) for r in requests]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied to an OpenAI-style message list."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

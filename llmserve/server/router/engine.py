@@ -1,0 +1,175 @@
+"""LLMEngine: tokenizer, scheduler and model workers, advanced one step at a time.
+
+The offline ``LLM`` loops ``step()`` until its prompts finish; the HTTP server's router drives
+the same engine from its event loop. Nothing here knows which of them is calling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.default_model import default_model_path
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.detokenize import IncrementalDetokenizer
+from llmserve.server.router.model_rpc import (
+    BatchEntry, ModelWorkerGroup, StepInput, WorkerInitArgs, free_tcp_port, peek_model_type,
+)
+from llmserve.server.router.request import FinishReason, Request
+from llmserve.server.router.scheduler import Scheduler, SchedulerConfig
+from llmserve.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF model directory or .gguf file; None: the embedded default
+    tp: int = 1
+    dtype: str | None = None            # float32 | float16 | bfloat16; None: fp32 on CPU, checkpoint's on GPU
+    device: str = "auto"                # auto | cpu | cuda
+    max_total_token_num: int | None = None  # KV pool size in tokens; None: from free memory / CPU default
+    mem_fraction: float = 0.85
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        peek_model_type_or_raise(self.model_path)   # fail fast, before starting any process
+        if config.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {config.tp}")
+        device = config.resolved_device()
+        if device == "cuda" and config.tp > torch.cuda.device_count():
+            raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {torch.cuda.device_count()}")
+
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.workers = ModelWorkerGroup([
+            WorkerInitArgs(
+                model_path=self.model_path, tp_rank=rank, world_size=config.tp, device=device, dtype=config.dtype,
+                max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
+                max_req_num=config.max_running_requests, dist_init_method=init_method,
+            )
+            for rank in range(config.tp)
+        ])
+        self.info = self.workers.info
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_total_token_num=self.info.max_total_token_num,
+            max_running_requests=min(config.max_running_requests, self.info.max_req_num),
+            max_prefill_tokens=config.max_prefill_tokens,
+        ))
+        self.requests: dict[int, Request] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._to_free: list[int] = []       # finished requests whose KV the workers still hold
+        self._ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; ``ValueError`` with a one-line reason if it can never run."""
+        self.validate(prompt_token_ids, params)
+        req = Request(next(self._ids), list(prompt_token_ids), params)
+        self.scheduler.add_request(req)
+        self.requests[req.req_id] = req
+        self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
+        return req
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.info.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.verify()
+        total = len(prompt_token_ids) + params.max_new_tokens
+        limit = min(self.info.max_seq_len, self.info.max_total_token_num)
+        if total > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds the model's limit of {limit} tokens"
+            )
+
+    def abort_request(self, req_id: int) -> None:
+        req = self.scheduler.abort_request(req_id)
+        if req is not None:
+            self._release(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ----------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one forward over the scheduled batch; return the requests that got a token."""
+        plan = self.scheduler.schedule()
+        entries = [self._batch_entry(s.request, s.num_new_tokens) for s in plan.scheduled]
+        step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted])
+        self._to_free = []
+        if not entries and not step.finished_req_ids and not step.preempted_req_ids:
+            return []
+        result = self.workers.step(step)
+        self.scheduler.update_after_step(plan)
+        if result is None:
+            return []
+        updated = []
+        for i, s in enumerate(plan.scheduled):
+            req = s.request
+            token = result.token_ids[i]
+            reason = req.append_token(
+                token, self._detokenizers[req.req_id].step(token), eos_token_ids=self.eos_token_ids,
+                logprob=result.logprobs[i], top_logprobs=result.top_logprobs[i],
+            )
+            if reason is not None:
+                self.scheduler.finish_request(req, reason)
+                self._release(req)
+            updated.append(req)
+        return updated
+
+    def _batch_entry(self, req: Request, num_new: int) -> BatchEntry:
+        start = req.num_cached
+        prefill = start == 0   # first run, or re-run after preemption: (re)send the sampling setup
+        return BatchEntry(
+            req_id=req.req_id, token_ids=req.all_token_ids[start:start + num_new], num_cached=start,
+            params=req.params if prefill else None, prompt_token_ids=req.prompt_token_ids if prefill else None,
+        )
+
+    def _release(self, req: Request) -> None:
+        self._to_free.append(req.req_id)
+        self.requests.pop(req.req_id, None)
+        self._detokenizers.pop(req.req_id, None)
+
+    def flush(self) -> None:
+        """Hand the workers any pending frees now (the engine is going idle)."""
+        if self._to_free:
+            self.workers.step(StepInput([], finished_req_ids=self._to_free))
+            self._to_free = []
+
+    def shutdown(self) -> None:
+        self.workers.close()
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path {model!r} does not exist")
+    return path
+
+
+def peek_model_type_or_raise(model_path: str) -> None:
+    from llmserve.models.registry import get_model_class
+
+    get_model_class(peek_model_type(model_path))
