@@ -26,7 +26,12 @@ from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-RPYC_CONFIG = {"allow_pickle": False, "sync_request_timeout": None, "allow_public_attrs": False}
+RPYC_CONFIG = {
+    "allow_pickle": False,
+    "sync_request_timeout": None,      # loading a large model takes minutes
+    "import_custom_exceptions": True,  # a worker's ModelLoadError arrives as a ModelLoadError
+    "instantiate_custom_exceptions": True,
+}
 
 
 class WorkerError(RuntimeError):
@@ -240,8 +245,7 @@ class ModelWorkerGroup:
             except EOFError as e:
                 raise WorkerError(f"model worker rank {rank} died (exit code {self.clients[rank].proc.poll()})") from e
             except Exception as e:
-                # rpyc re-raises the worker's exception type where it can; keep its message
-                raise type(e)(str(e).split("\n========= Remote Traceback")[0]) if isinstance(e, ValueError) else e
+                raise _as_local_error(e) from None
         return out
 
     def alive(self) -> bool:
@@ -252,6 +256,17 @@ class ModelWorkerGroup:
             c.close()
         self.clients = []
         self._tmpdir.cleanup()
+
+
+def _as_local_error(e: Exception) -> Exception:
+    """The worker's exception as the router should see it: same type, the worker's own one-line
+    message, without the remote traceback rpyc appends (that went to the worker's stderr)."""
+    message = str(e.args[0]) if e.args else type(e).__name__
+    base = next((c for c in type(e).__mro__ if c.__module__ != "rpyc.core.vinegar"), RuntimeError)
+    try:
+        return base(message)
+    except TypeError:
+        return WorkerError(message)
 
 
 def _connect(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> rpyc.Connection:

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 
-__all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "ModelLoadError"]
+__all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "gguf_model_type", "ModelLoadError"]
 
 
 @dataclass
@@ -32,13 +32,12 @@ class _ArchSpec:
     model_type: str
     hf_class: str
     permuted_qk: bool  # llama.cpp's converter permutes q/k rows for its rope layout
-    qkv_bias: bool
 
 
 _ARCHS: dict[str, _ArchSpec] = {
     # "llama" also covers Mistral and SmolLM2, which llama.cpp converts as llama.
-    "llama": _ArchSpec("llama", "LlamaForCausalLM", permuted_qk=True, qkv_bias=False),
-    "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permuted_qk=False, qkv_bias=True),
+    "llama": _ArchSpec("llama", "LlamaForCausalLM", permuted_qk=True),
+    "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permuted_qk=False),  # q/k/v carry biases
 }
 
 _GLOBAL_TENSORS: dict[str, str] = {
@@ -57,6 +56,12 @@ _BLOCK_TENSORS: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+
+_TOKEN_ID_KEYS: dict[str, str] = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "padding_token_id": "pad_token_id",
 }
 
 # llama.cpp stores Llama-3-style rope scaling as this tensor of per-frequency divisors.
@@ -186,7 +191,9 @@ def _llama3_candidates(factors: np.ndarray, wavelen: np.ndarray) -> list[tuple[f
     return candidates
 
 
-def _rope_scaling_from_freqs(factors: np.ndarray, rope_theta: float, head_dim: int, path: str) -> dict[str, Any] | None:
+def _rope_scaling_from_freqs(
+    factors: np.ndarray, rope_theta: float, head_dim: int, path: str
+) -> dict[str, Any] | None:
     """Recover a Llama 3 ``rope_scaling`` from a ``rope_freqs`` tensor, or raise.
 
     The tensor holds 1 for high frequencies, ``factor`` for low ones and a smooth blend between.
@@ -209,10 +216,14 @@ def _rope_scaling_from_freqs(factors: np.ndarray, rope_theta: float, head_dim: i
                 "high_freq_factor": high,
                 "original_max_position_embeddings": orig_ctx,
             }
-    raise ModelLoadError(f"{_ROPE_FREQS} in {path} does not match Llama 3 rope scaling; this rope scaling is not supported")
+    raise ModelLoadError(
+        f"{_ROPE_FREQS} in {path} does not match Llama 3 rope scaling; this rope scaling is not supported"
+    )
 
 
-def _build_config(meta: dict[str, Any], arch: str, spec: _ArchSpec, tensor_shapes: dict[str, tuple[int, ...]], path: str) -> dict[str, Any]:
+def _build_config(
+    meta: dict[str, Any], arch: str, spec: _ArchSpec, tensor_shapes: dict[str, tuple[int, ...]], path: str
+) -> dict[str, Any]:
     """The HF config.json equivalent of the GGUF metadata."""
     key = f"{arch}.{{}}".format
     hidden = int(_require(meta, key("embedding_length"), path))
@@ -241,7 +252,7 @@ def _build_config(meta: dict[str, Any], arch: str, spec: _ArchSpec, tensor_shape
     if spec.model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
         config["mlp_bias"] = False
-    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
+    for gguf_key, hf_key in _TOKEN_ID_KEYS.items():
         if f"tokenizer.ggml.{gguf_key}" in meta:
             config[hf_key] = int(meta[f"tokenizer.ggml.{gguf_key}"])
     rope_scaling = _rope_scaling_from_metadata(meta, arch)
@@ -287,7 +298,9 @@ def _dequantize(tensor: Any) -> np.ndarray:
     try:
         data = dequantize(tensor.data, qtype)
     except NotImplementedError as e:
-        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {_type_name(qtype)}, which cannot be dequantized") from e
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name} has type {_type_name(qtype)}, which cannot be dequantized"
+        ) from e
     except (ValueError, TypeError) as e:
         raise ModelLoadError(f"cannot dequantize GGUF tensor {tensor.name} of type {_type_name(qtype)}: {e}") from e
     # GGUF lists dimensions innermost first.
@@ -329,7 +342,9 @@ def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     tensors: dict[str, torch.Tensor] = {}
-    bar = tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=not progress)
+    bar = tqdm(
+        reader.tensors, desc="Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=not progress
+    )
     with bar:
         for t in bar:
             if t.name == _ROPE_FREQS:
@@ -363,5 +378,5 @@ def load_gguf_tokenizer(path: str) -> Any:
 
 def gguf_model_type(path: str) -> str:
     """The HF model_type of a GGUF file, from its metadata alone (no tensor is read)."""
-    arch, _ = _arch_of(_metadata(_open_reader(path)), path)
-    return arch
+    _, spec = _arch_of(_metadata(_open_reader(path)), path)
+    return spec.model_type

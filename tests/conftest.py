@@ -1,0 +1,36 @@
+"""Fixtures shared across the suite: the embedded model's path and tokenizer, and a tiny
+random-weight Llama that uses the same tokenizer (so text prompts work) but runs in
+milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from parity_utils import build_tiny_hf_model
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from llmserve.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(default_model_path):
+    from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                      eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id)
+    build_tiny_hf_model(cfg, path)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,121 @@
+"""Shared helpers for the kernel tests (devices, dtypes, tolerances, a scattered paged KV cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.kernels.backend import launcher
+
+CUDA = torch.cuda.is_available()
+
+
+@triton.jit
+def _probe_kernel(X, Y, BLOCK: tl.constexpr):
+    tl.store(Y, tl.sum(tl.load(X + tl.arange(0, BLOCK)), 0))
+
+
+def _cpu_triton_works() -> bool:
+    """Whether Triton kernels can run on CPU tensors (the interpreter) in this process.
+
+    Triton 3.7 interprets a compiled-mode kernel on demand. Triton 3.6 cannot run its own
+    library functions (tl.sum, tl.max) that way, so there the interpreter needs TRITON_INTERPRET=1
+    before triton is imported, which conftest sets only on machines without CUDA.
+    """
+    try:
+        x, y = torch.ones(16), torch.zeros(1)
+        launcher(_probe_kernel, x)[(1,)](x, y, BLOCK=16)
+        return y.item() == 16.0
+    except Exception:
+        return False
+
+
+# Without CUDA the interpreter is the only way to test the kernels, so it must work (never skip);
+# with CUDA, the CPU cases are skipped if it does not, and the cuda cases cover the kernels.
+CPU_TRITON = not CUDA or _cpu_triton_works()
+cpu_triton = pytest.mark.skipif(not CPU_TRITON, reason="this Triton cannot interpret kernels here (see conftest)")
+
+
+def _device_marks(dev: str) -> list:
+    return [cpu_triton] if dev == "cpu" else []
+
+
+DEVICES = [pytest.param(dev, marks=_device_marks(dev)) for dev in ["cpu"] + (["cuda"] if CUDA else [])]
+
+# (device, dtype) pairs for Triton-vs-twin tests: the interpreter has no bf16, the GPU does.
+DEVICE_DTYPES = [
+    pytest.param(dev, dt, id=f"{dev}-{str(dt).removeprefix('torch.')}", marks=_device_marks(dev))
+    for dev in ["cpu"] + (["cuda"] if CUDA else [])
+    for dt in ([torch.float32, torch.float16] + ([torch.bfloat16] if dev == "cuda" else []))
+]
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    """assert_close tolerances for outputs in `dtype` computed two different fp32 ways."""
+    return {
+        torch.float32: dict(atol=1e-4, rtol=1e-4),
+        torch.float16: dict(atol=1e-2, rtol=1e-2),
+        torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    }[dtype]
+
+
+def rng(seed: int) -> torch.Generator:
+    """A seeded CPU generator: inputs are drawn on CPU so every device sees the same data."""
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
+    """Random normal data drawn on CPU, then moved."""
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+@dataclass
+class PagedKV:
+    """A KV pool whose requests' tokens sit in randomly scattered slots."""
+
+    k_cache: torch.Tensor  # [slots, Hkv, D]
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor  # [max_reqs, max_len] int32
+    b_req_idx: torch.Tensor  # [bs] int32
+    kv_lens: list[int]
+
+    def dense(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's K, V as dense [L, Hkv, D] tensors (the independent reference's view)."""
+        slots = self.req_to_token[self.b_req_idx[i].item(), : self.kv_lens[i]].long()
+        return self.k_cache[slots], self.v_cache[slots]
+
+
+def make_paged_kv(gen: torch.Generator, kv_lens: list[int], Hkv: int, D: int, dtype: torch.dtype,
+                  device: str, max_len: int | None = None) -> PagedKV:
+    """Scatter requests with kv_lens tokens over a pool of random slots (plus unused, random ones).
+
+    Requests get non-consecutive rows of req_to_token; entries past each request's length hold
+    random valid slots, so a kernel that reads past the length gets wrong but finite values.
+    """
+    bs = len(kv_lens)
+    max_len = max_len or max(kv_lens) + 5
+    slots = sum(kv_lens) + 23
+    k_cache = randn(gen, slots, Hkv, D, dtype=dtype, device=device)
+    v_cache = randn(gen, slots, Hkv, D, dtype=dtype, device=device)
+    max_reqs = 2 * bs + 1
+    req_to_token = torch.randint(0, slots, (max_reqs, max_len), generator=gen, dtype=torch.int32)
+    perm = torch.randperm(slots, generator=gen).to(torch.int32)
+    rows = torch.randperm(max_reqs, generator=gen)[:bs].to(torch.int32)
+    start = 0
+    for row, n in zip(rows.tolist(), kv_lens):
+        req_to_token[row, :n] = perm[start:start + n]
+        start += n
+    return PagedKV(k_cache, v_cache, req_to_token.to(device), rows.to(device), list(kv_lens))
+
+
+def alibi_slopes(H: int, device: str) -> torch.Tensor:
+    """BLOOM-style geometric slopes (exactness of the values does not matter, distinctness does)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], dtype=torch.float32, device=device)
+
+
+def i32(values: list[int], device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)

@@ -1,0 +1,111 @@
+"""Backend selection: use_triton, set_backend, each dispatcher's routing, and launcher."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernel_test_utils import cpu_triton
+
+import llmserve.kernels as K
+from llmserve.kernels import backend
+
+# dispatcher name -> the module that holds it, its _triton and _torch versions
+OPS = {
+    "apply_penalty": "apply_penalty",
+    "context_attention_fwd": "context_attention",
+    "decode_attention_fwd": "decode_attention",
+    "destindex_copy_kv": "destindex_copy_kv",
+    "layernorm_forward": "layernorm",
+    "rmsnorm_forward": "rmsnorm",
+    "rotary_emb_fwd": "rotary_emb",
+    "silu_and_mul_fwd": "silu_and_mul",
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_backend(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    backend.set_backend(None)
+    yield
+    backend.set_backend(None)
+
+
+def test_exports():
+    assert set(OPS) <= set(K.__all__)
+    for name in K.__all__:
+        assert callable(getattr(K, name))
+
+
+@pytest.mark.parametrize("env,want", [(None, False), ("auto", False), ("triton", True), ("torch", False)])
+def test_use_triton_on_cpu_follows_env(monkeypatch, env, want):
+    if env is not None:
+        monkeypatch.setenv(backend.ENV_VAR, env)
+    assert backend.use_triton(torch.zeros(1)) is want
+
+
+def test_set_backend_overrides_env(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "torch")
+    backend.set_backend("triton")
+    assert backend.use_triton(torch.zeros(1))
+    backend.set_backend(None)
+    assert not backend.use_triton(torch.zeros(1))
+
+
+def test_bad_backend_names_raise(monkeypatch):
+    with pytest.raises(ValueError):
+        backend.set_backend("cuda")
+    monkeypatch.setenv(backend.ENV_VAR, "fast")
+    with pytest.raises(ValueError):
+        backend.use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize("env,want", [("auto", "torch"), ("triton", "triton"), ("torch", "torch")])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_dispatcher_routes(monkeypatch, op, env, want):
+    module = importlib.import_module(f"llmserve.kernels.{OPS[op]}")
+    called = []
+    for kind in ("triton", "torch"):
+        monkeypatch.setattr(module, f"{op}_{kind}", lambda *a, _k=kind, **kw: called.append(_k))
+    monkeypatch.setenv(backend.ENV_VAR, env)
+    x = torch.ones(2, 4, 4)  # every dispatcher looks at its first tensor only
+    args = [x] * 12
+    n_params = getattr(K, op).__code__.co_argcount
+    getattr(K, op)(*args[:n_params])
+    assert called == [want]
+
+
+def test_launcher_interprets_on_cpu_whatever_the_decorator_made():
+    from llmserve.kernels.rmsnorm import _rmsnorm_kernel
+
+    launched = backend.launcher(_rmsnorm_kernel, torch.zeros(1))
+    assert isinstance(launched.kernel, InterpretedFunction)
+    assert launched.kernel.fn is _rmsnorm_kernel.fn
+    if torch.cuda.is_available():
+        assert backend.launcher(_rmsnorm_kernel, torch.zeros(1, device="cuda")) is _rmsnorm_kernel
+
+
+def test_interpreted_launch_restores_triton_language():
+    """The interpretable library functions are swapped in for a CPU launch only."""
+    import triton.language as tl
+
+    before = tl.sum
+    x = torch.randn(3, 40)
+    backend.set_backend("triton")
+    K.rmsnorm_forward(x, torch.randn(40), 1e-6)  # uses tl.sum inside
+    assert tl.sum is before and tl.standard.sum is before
+
+
+@cpu_triton
+def test_dispatchers_run_end_to_end_on_cpu(monkeypatch):
+    """auto and triton give the same numbers through the public names."""
+    x = torch.randn(3, 40)
+    w = torch.randn(40)
+    monkeypatch.setenv(backend.ENV_VAR, "auto")
+    a = K.rmsnorm_forward(x, w, 1e-6)
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    b = K.rmsnorm_forward(x, w, 1e-6)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

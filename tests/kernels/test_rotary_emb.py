@@ -1,0 +1,53 @@
+"""rotary_emb_fwd: twin vs transformers' apply_rotary_pos_emb, Triton vs twin (in place)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_test_utils import DEVICE_DTYPES, randn, rng, tol
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from llmserve.kernels.rotary_emb import rotary_emb_fwd_torch, rotary_emb_fwd_triton
+
+# (n, Hq, Hk, D)
+SHAPES = [(1, 2, 2, 64), (7, 4, 2, 128), (33, 3, 1, 32)]
+
+
+def cos_sin(g: torch.Generator, n: int, D: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style cos/sin at random (non-consecutive) positions."""
+    pos = torch.randint(0, 4096, (n,), generator=g).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    freqs = pos[:, None] * inv_freq[None, :]
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+@pytest.mark.parametrize("n,Hq,Hk,D", SHAPES)
+def test_twin_matches_hf(n, Hq, Hk, D):
+    g = rng(D)
+    q = randn(g, n, Hq, D, dtype=torch.float32, device="cpu")
+    k = randn(g, n, Hk, D, dtype=torch.float32, device="cpu")
+    cos, sin = cos_sin(g, n, D, "cpu")
+    # HF layout: [batch, heads, seq, D] with full-width cos/sin [batch, seq, D].
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None])
+    q2, k2 = q.clone(), k.clone()
+    rotary_emb_fwd_torch(q2, k2, cos, sin)
+    assert not torch.allclose(q2, q)
+    torch.testing.assert_close(q2, want_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k2, want_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n,Hq,Hk,D", SHAPES)
+def test_triton_matches_twin(device, dtype, n, Hq, Hk, D):
+    g = rng(D + 1)
+    # q and k as views of one fused qkv projection output, as the models pass them.
+    qkv = randn(g, n, Hq + 2 * Hk, D, dtype=dtype, device=device)
+    cos, sin = cos_sin(g, n, D, device)
+    want = qkv.clone()
+    rotary_emb_fwd_torch(want[:, :Hq], want[:, Hq:Hq + Hk], cos, sin)
+    got = qkv.clone()
+    rotary_emb_fwd_triton(got[:, :Hq], got[:, Hq:Hq + Hk], cos, sin)
+    assert not torch.allclose(want[:, :Hq + Hk].float(), qkv[:, :Hq + Hk].float(), atol=1e-2)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    torch.testing.assert_close(got[:, Hq + Hk:], qkv[:, Hq + Hk:], atol=0, rtol=0)  # v untouched

@@ -1,0 +1,312 @@
+"""The batched sampler: greedy, seeded sampling, top-k / top-p, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import llmserve.server.router.sampler as sampler_module
+from llmserve import kernels
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.router.sampler import Sampler
+
+VOCAB = 64
+
+
+def reference_apply_penalty(
+    logits: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+    p_token_ids: torch.Tensor,
+    p_token_counts: torch.Tensor,
+    p_cumsum_seq_len: torch.Tensor,
+    p_max_len_in_batch: int,
+) -> None:
+    """The penalty kernel's contract, row by row, checking the inputs' layout on the way."""
+    batch_size = logits.shape[0]
+    assert p_token_ids.dtype == p_token_counts.dtype == p_cumsum_seq_len.dtype == torch.int32
+    assert presence.shape == frequency.shape == repetition.shape == (batch_size,)
+    assert p_cumsum_seq_len.shape == (batch_size + 1,)
+    lengths = p_cumsum_seq_len.diff()
+    assert p_max_len_in_batch == lengths.max().item()
+    for i in range(batch_size):
+        start, end = p_cumsum_seq_len[i].item(), p_cumsum_seq_len[i + 1].item()
+        ids = p_token_ids[start:end].long()
+        counts = p_token_counts[start:end].float()
+        assert len(set(ids.tolist())) == len(ids), "token ids must be distinct per request"
+        x = logits[i, ids]
+        x = torch.where(x > 0, x / repetition[i], x * repetition[i])
+        x = x - frequency[i] * counts - presence[i] * (counts > 0).float()
+        logits[i, ids] = x
+
+
+@pytest.fixture
+def reference_penalty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the sampler against the reference penalty, which also checks the inputs' layout."""
+    monkeypatch.setattr(sampler_module, "apply_penalty", reference_apply_penalty)
+
+
+def make_sampler(requests: dict[int, SamplingParams], prompts: dict[int, list[int]] | None = None) -> Sampler:
+    sampler = Sampler()
+    for req_id, params in requests.items():
+        sampler.add_request(req_id, params, (prompts or {}).get(req_id, [0]))
+    return sampler
+
+
+def random_logits(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+# --------------------------------------------------------------------------------------
+# Greedy
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=1e-9, seed=3)],
+    ids=["temperature=0", "top_k=1", "tiny temperature"],
+)
+def test_greedy_is_argmax(params: SamplingParams):
+    logits = random_logits(8, VOCAB)
+    sampler = make_sampler({i: params for i in range(8)})
+    result = sampler.sample(logits.clone(), list(range(8)))
+    assert result.token_ids == logits.argmax(dim=-1).tolist()
+    assert result.logprobs == [None] * 8 and result.top_logprobs == [None] * 8
+
+
+def test_low_temperature_approaches_greedy():
+    logits = random_logits(64, VOCAB)
+    sampler = make_sampler({i: SamplingParams(temperature=1e-3, seed=i) for i in range(64)})
+    result = sampler.sample(logits.clone(), list(range(64)))
+    assert result.token_ids == logits.argmax(dim=-1).tolist()
+
+
+# --------------------------------------------------------------------------------------
+# Reproducibility
+# --------------------------------------------------------------------------------------
+
+
+def logits_for(req_id: int, step: int) -> torch.Tensor:
+    """Each request's logits depend on the request and the step only, not on the batch."""
+    return random_logits(VOCAB, seed=1000 * req_id + step)
+
+
+def run_steps(batch: dict[int, SamplingParams], num_steps: int) -> dict[int, list[int]]:
+    sampler = make_sampler(batch, prompts={req_id: [req_id, 5, 6] for req_id in batch})
+    tokens: dict[int, list[int]] = {req_id: [] for req_id in batch}
+    req_ids = list(batch)
+    for step in range(num_steps):
+        logits = torch.stack([logits_for(req_id, step) for req_id in req_ids])
+        for req_id, token_id in zip(req_ids, sampler.sample(logits, req_ids).token_ids):
+            tokens[req_id].append(token_id)
+    return tokens
+
+
+def test_same_seed_same_tokens_whatever_the_batch(reference_penalty: None):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+    others = {
+        10: SamplingParams(temperature=0.0),
+        11: SamplingParams(temperature=1.3, seed=99, logprobs=3),
+        12: SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5),
+        13: SamplingParams(),
+    }
+    alone = run_steps({1: seeded}, num_steps=8)[1]
+    first = run_steps({1: seeded, **others}, num_steps=8)[1]
+    middle = run_steps({10: others[10], 11: others[11], 1: seeded, 12: others[12]}, num_steps=8)[1]
+    last = run_steps({**others, 1: seeded}, num_steps=8)[1]
+    assert alone == first == middle == last
+    assert len(set(alone)) > 1  # it really sampled
+
+
+def test_different_seeds_differ():
+    flat = {req_id: SamplingParams(seed=req_id) for req_id in range(20)}
+    tokens = run_steps(flat, num_steps=6)
+    assert len({tuple(t) for t in tokens.values()}) == 20
+
+
+def test_unseeded_requests_differ():
+    logits = torch.zeros(20, 1000)  # uniform: every token equally likely
+    sampler = make_sampler({i: SamplingParams() for i in range(20)})
+    assert len(set(sampler.sample(logits, list(range(20))).token_ids)) > 10
+
+
+def test_re_adding_a_request_keeps_its_state():
+    params = SamplingParams(seed=7)
+    logits = random_logits(VOCAB)
+
+    uninterrupted = make_sampler({0: params})
+    expected = [uninterrupted.sample(logits[None].clone(), [0]).token_ids[0] for _ in range(6)]
+
+    resumed = make_sampler({0: params})
+    tokens = [resumed.sample(logits[None].clone(), [0]).token_ids[0] for _ in range(3)]
+    resumed.add_request(0, params, [0])  # e.g. preempted and prefilled again
+    tokens += [resumed.sample(logits[None].clone(), [0]).token_ids[0] for _ in range(3)]
+    assert tokens == expected
+
+    resumed.remove_request(0)
+    resumed.add_request(0, params, [0])  # a new request that reuses the id starts afresh
+    assert resumed.sample(logits[None].clone(), [0]).token_ids[0] == expected[0]
+
+
+# --------------------------------------------------------------------------------------
+# Distributions
+# --------------------------------------------------------------------------------------
+
+
+def sample_many(logits: torch.Tensor, params: Callable[[int], SamplingParams], num_samples: int) -> Counter[int]:
+    """Draw ``num_samples`` tokens from one row of logits, one seeded request per draw."""
+    sampler = make_sampler({i: params(i) for i in range(num_samples)})
+    batch = logits.expand(num_samples, -1).clone()
+    return Counter(sampler.sample(batch, list(range(num_samples))).token_ids)
+
+
+def top_k_top_p_allowed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> set[int]:
+    """The tokens HF's top-k then top-p warpers keep, spelled out as a loop."""
+    order = sorted(range(len(logits)), key=lambda t: -logits[t].item())
+    kept = order[:top_k] if top_k > 0 else order
+    probs = torch.softmax(logits[kept] / temperature, dim=-1).tolist()
+    allowed, total = set(), 0.0
+    for token, prob in zip(kept, probs):
+        allowed.add(token)
+        total += prob
+        if total >= top_p:
+            break
+    return allowed
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 5, 1.0), (1.0, 0, 0.6), (0.7, 10, 0.8), (2.0, 3, 0.99), (1.0, 0, 0.01)],
+)
+def test_top_k_top_p_never_pick_excluded_tokens(temperature: float, top_k: int, top_p: float):
+    logits = random_logits(VOCAB, seed=5)
+    allowed = top_k_top_p_allowed(logits, temperature, top_k, top_p)
+    params = lambda i: SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
+    counts = sample_many(logits, params, num_samples=4000)
+    assert set(counts) <= allowed
+    # ...and all the allowed ones do come up, unless they are vanishingly rare.
+    probs = torch.softmax(logits / temperature, dim=-1)
+    likely = {t for t in allowed if probs[t] / probs[list(allowed)].sum() > 0.005}
+    assert likely <= set(counts)
+
+
+def chi_square(counts: Counter[int], expected_probs: torch.Tensor, num_samples: int) -> float:
+    expected_counts = [num_samples * p for p in expected_probs.tolist()]
+    return sum((counts.get(t, 0) - e) ** 2 / e for t, e in enumerate(expected_counts) if e > 0)
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.6, 0), (1.8, 0), (0.8, 4)])
+def test_empirical_distribution_matches_softmax(temperature: float, top_k: int):
+    vocab_size, num_samples = 8, 8000
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 1.2])
+    expected = torch.softmax(logits / temperature, dim=-1)
+    if top_k:
+        expected[expected.argsort(descending=True)[top_k:]] = 0
+        expected /= expected.sum()
+    params = lambda i: SamplingParams(temperature=temperature, top_k=top_k, seed=10_000 + i)
+    counts = sample_many(logits, params, num_samples)
+    dof = (top_k or vocab_size) - 1
+    # The seeds are fixed, so this is deterministic; the bound is ~p = 1e-5 for 7 dof.
+    assert chi_square(counts, expected, num_samples) < 4 * dof + 10
+
+
+# --------------------------------------------------------------------------------------
+# Penalties and logprobs
+# --------------------------------------------------------------------------------------
+
+
+def expected_penalized(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    """The penalties of one row as a plain loop: repetition (HF) over prompt and output
+    tokens, then presence and frequency (OpenAI) by output counts."""
+    row = logits.clone()
+    counts = Counter(output)
+    for token in set(prompt) | set(output):
+        x = row[token].item()
+        x = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+        x -= params.frequency_penalty * counts[token] + params.presence_penalty * (counts[token] > 0)
+        row[token] = x
+    return row
+
+
+@pytest.mark.parametrize("implementation", ["reference", "torch", "triton"])
+def test_penalties_change_exactly_the_seen_tokens(
+    implementation: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+):
+    # "torch" and "triton" are the real kernel's two backends (on CPU, Triton interprets).
+    if implementation == "reference":
+        kernel = reference_apply_penalty
+    else:
+        kernel = kernels.apply_penalty
+        kernels.set_backend(implementation)
+        request.addfinalizer(lambda: kernels.set_backend(None))
+
+    # Spy on the logits as the kernel leaves them.
+    penalized: list[torch.Tensor] = []
+
+    def spy(logits: torch.Tensor, *args) -> None:
+        kernel(logits, *args)
+        penalized.append(logits.clone())
+
+    monkeypatch.setattr(sampler_module, "apply_penalty", spy)
+
+    requests = {
+        0: SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25),
+        1: SamplingParams(temperature=0),  # no penalties: untouched
+        2: SamplingParams(temperature=0, repetition_penalty=0.8),
+        3: SamplingParams(temperature=0, frequency_penalty=-1.0, presence_penalty=2.0),
+    }
+    prompts = {0: [3, 4, 4, 9], 1: [1, 2], 2: [5, 6, 7, 5], 3: [8]}
+    outputs: dict[int, list[int]] = {req_id: [] for req_id in requests}
+    sampler = make_sampler(requests, prompts)
+    req_ids = list(requests)
+    for step in range(4):
+        logits = random_logits(len(req_ids), VOCAB, seed=step)
+        logits[:, 20] += 50  # token 20 wins every step, so its output count grows
+        logits[0, 9] = -2.0  # a negative logit: repetition multiplies
+        raw = logits.clone()
+        result = sampler.sample(logits, req_ids)
+        for i, req_id in enumerate(req_ids):
+            expected = expected_penalized(raw[i], requests[req_id], prompts[req_id], outputs[req_id])
+            torch.testing.assert_close(penalized[-1][i], expected)
+            assert result.token_ids[i] == expected.argmax().item()
+            outputs[req_id].append(result.token_ids[i])
+    assert outputs[0] == [20] * 4
+
+
+def test_no_penalty_no_kernel_call(monkeypatch: pytest.MonkeyPatch):
+    def must_not_run(*args) -> None:
+        raise AssertionError("apply_penalty called for a batch without penalties")
+
+    monkeypatch.setattr(sampler_module, "apply_penalty", must_not_run)
+    sampler = make_sampler({0: SamplingParams(), 1: SamplingParams(temperature=0)})
+    sampler.sample(random_logits(2, VOCAB), [0, 1])
+
+
+def test_logprobs_are_log_softmax_of_raw_logits(reference_penalty: None):
+    requests = {
+        0: SamplingParams(temperature=0.5, repetition_penalty=2.0, logprobs=3, seed=1),
+        1: SamplingParams(temperature=0.0),
+        2: SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=0),
+        3: SamplingParams(top_k=5, logprobs=VOCAB + 10, seed=2),  # more than there are: all
+    }
+    sampler = make_sampler(requests, prompts={0: [1, 2, 3], 2: list(range(VOCAB))})
+    logits = random_logits(4, VOCAB)
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    result = sampler.sample(logits.clone(), list(requests))
+
+    assert result.logprobs[1] is None and result.top_logprobs[1] is None
+    assert result.top_logprobs[2] == []
+    for row, k in [(0, 3), (2, 0), (3, VOCAB)]:
+        chosen = result.token_ids[row]
+        assert math.isclose(result.logprobs[row], raw_logprobs[row, chosen].item(), rel_tol=1e-5, abs_tol=1e-6)
+        values, ids = raw_logprobs[row].topk(k)
+        assert [t for t, _ in result.top_logprobs[row]] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in result.top_logprobs[row]]), values)

@@ -1,0 +1,132 @@
+"""The offline API end to end: worker processes, scheduler, sampling, stopping."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from parity_utils import hf_greedy_with_logits
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+PROMPTS = ["The quick brown fox", "1, 2, 3, 4,", "def fibonacci(n):", "Once upon a time", "Paris is", "a"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    with LLM() as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    with LLM(tiny_llama_dir) as llm:
+        yield llm
+
+
+def test_embedded_model_answers_paris(smollm2):
+    prompt = smollm2.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    (out,) = smollm2.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))
+    assert "Paris" in out.text
+    assert out.finish_reason == "eos_token"
+
+
+def test_embedded_model_greedy_matches_transformers(smollm2, default_model_path):
+    from transformers import AutoModelForCausalLM
+    import os
+
+    directory, name = os.path.split(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name).eval()
+    prompts = [
+        smollm2.chat_prompt([{"role": "user", "content": "Name three colours."}]),
+        smollm2.chat_prompt([{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]),
+        "The history of Rome",
+        "import numpy as np\n",
+    ]
+    ids = [smollm2.tokenizer(p).input_ids for p in prompts]
+    outs = smollm2.generate(ids, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    for prompt_ids, out in zip(ids, outs):
+        ref, _ = hf_greedy_with_logits(hf, prompt_ids, 20)
+        assert out.token_ids == ref
+
+
+def test_batch_gives_the_same_tokens_as_each_prompt_alone(tiny):
+    together = tiny.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, together):
+        (alone,) = tiny.generate([prompt], GREEDY)
+        assert out.token_ids == alone.token_ids
+        assert out.text == alone.text
+
+
+def test_seed_reproducible_whatever_else_is_in_the_batch(tiny):
+    p = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    (alone,) = tiny.generate(["Once upon a time"], p)
+    others = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in (1, 2)]
+    batch = tiny.generate(["hello", "Once upon a time", "world"], [others[0], p, others[1]])
+    assert batch[1].token_ids == alone.token_ids
+    (other_seed,) = tiny.generate(["Once upon a time"], SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=99))
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_prompts_as_token_ids_and_max_new_tokens(tiny):
+    ids = tiny.tokenizer("Once upon a time").input_ids
+    (a,) = tiny.generate([ids], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    (b,) = tiny.generate(["Once upon a time"], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 5 and a.finish_reason == "length"
+    assert a.prompt_token_ids == ids
+
+
+def test_stop_string_cuts_the_text(smollm2):
+    (full,) = smollm2.generate(["1, 2, 3, 4,"], SamplingParams(max_new_tokens=12, temperature=0))
+    assert full.text.startswith(" 5, 6, 7")
+    (out,) = smollm2.generate(["1, 2, 3, 4,"], SamplingParams(max_new_tokens=12, temperature=0, stop=[" 7", "xyz"]))
+    assert out.text == " 5, 6,"
+    assert out.finish_reason == "stop_sequence"
+
+
+def test_stop_token_ids(smollm2):
+    (full,) = smollm2.generate(["1, 2, 3, 4,"], SamplingParams(max_new_tokens=12, temperature=0))
+    k = next(i for i, t in enumerate(full.token_ids) if i >= 2 and t not in full.token_ids[:i])
+    stop_id = full.token_ids[k]
+    (out,) = smollm2.generate(["1, 2, 3, 4,"], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[stop_id]))
+    assert out.token_ids == full.token_ids[: k + 1]
+    assert out.finish_reason == "stop_sequence"
+
+
+def test_logprobs(tiny):
+    (out,) = tiny.generate(["Once upon a time"], SamplingParams(max_new_tokens=6, temperature=0, logprobs=3, ignore_eos=True))
+    assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs) == 6
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert lp <= 0.0 and len(top) == 3
+        assert top[0] == (tok, pytest.approx(lp))   # greedy picks the most likely token
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+
+def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny_llama_dir, tiny):
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    prompts = [f"Story number {i}: once upon a time there was" for i in range(6)]
+    expected = tiny.generate(prompts, params)
+    need = max(len(o.prompt_token_ids) for o in expected) + 30
+    with LLM(tiny_llama_dir, max_total_token_num=need + 20) as small:   # room for ~1.5 requests
+        got = small.generate(prompts, params)
+        assert small.engine.scheduler.num_used_slots == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_tensor_parallel_2_matches_1(tiny_llama_dir, tiny):
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    expected = tiny.generate(PROMPTS, params)
+    with LLM(tiny_llama_dir, tp=2) as tp2:
+        got = tp2.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_invalid_requests_are_clear_errors_and_the_engine_keeps_serving(tiny):
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        tiny.generate(["hi"], SamplingParams(max_new_tokens=10_000))
+    with pytest.raises(ValueError, match="empty"):
+        tiny.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="prompt token ids"):
+        tiny.generate([[10**9]], GREEDY)
+    assert len(tiny.generate(["still alive"], GREEDY)[0].token_ids) > 0
