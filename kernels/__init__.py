@@ -1,0 +1,25 @@
+"""Compute kernels: each op is a Triton kernel with a plain-torch twin, picked by `backend`."""
+
+from .apply_penalty import apply_penalty
+from .backend import get_backend, set_backend, use_triton
+from .context_attention import context_attention_fwd
+from .decode_attention import decode_attention_fwd
+from .destindex_copy_kv import destindex_copy_kv
+from .layernorm import layernorm_forward
+from .rmsnorm import rmsnorm_forward
+from .rotary_emb import rotary_emb_fwd
+from .silu_and_mul import silu_and_mul_fwd
+
+__all__ = [
+    "apply_penalty",
+    "context_attention_fwd",
+    "decode_attention_fwd",
+    "destindex_copy_kv",
+    "get_backend",
+    "layernorm_forward",
+    "rmsnorm_forward",
+    "rotary_emb_fwd",
+    "set_backend",
+    "silu_and_mul_fwd",
+    "use_triton",
+]

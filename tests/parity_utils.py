@@ -1,7 +1,14 @@
-"""Shared helpers for the tests that hold our models against HF transformers."""
+"""Shared helpers for the tests that hold our models against HF transformers.
+
+By default our models run on the CPU in float32 (the torch twins of the kernels) and must
+match HF within 1e-4 relative error with identical greedy tokens. On the GPU machine set
+``LLMSERVE_TEST_DEVICE=cuda`` and ``LLMSERVE_TEST_DTYPE=float16|bfloat16`` to run the same
+tests with compiled Triton kernels in half precision (the HF reference stays float32 on the
+CPU, and the tolerance widens to what half precision allows)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +34,18 @@ def build_tiny_hf_model(config, path, seed: int = 0):
     return model
 
 
+TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
+TEST_DTYPE = getattr(torch, os.environ.get("LLMSERVE_TEST_DTYPE", "float32"))
+# relative error of logits against HF float32: float32 arithmetic vs half-precision weights and activations
+LOGITS_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[TEST_DTYPE]
+EXACT = TEST_DTYPE == torch.float32
+
+
 def load_ours(path, **kw) -> TpPartBaseModel:
     from llmserve.common.basemodel.layer_weights.hf_load_utils import load_hf_config
 
+    kw.setdefault("device", TEST_DEVICE)
+    kw.setdefault("dtype", TEST_DTYPE)
     params = ModelInitParams(model_path=str(path), max_total_token_num=kw.pop("max_total_token_num", 2048), **kw)
     return get_model_class(load_hf_config(str(path))["model_type"])(params)
 
@@ -84,23 +100,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def assert_matches_hf_greedy(ours: TpPartBaseModel, hf_model, prompts: list[list[int]], steps: int = 16, tol: float = 1e-4) -> None:
-    """Prefill all prompts as one batch, then decode ``steps`` tokens greedily; every step's
-    logits must be within ``tol`` relative error of HF's and the tokens identical."""
+def assert_matches_hf_greedy(ours: TpPartBaseModel, hf_model, prompts: list[list[int]], steps: int = 16) -> None:
+    """Prefill all prompts as one batch, then decode ``steps`` tokens; every step's logits must be
+    within LOGITS_TOL relative error of HF's. In float32 our greedy tokens must equal HF's and
+    are fed back; in half precision HF's tokens are fed back (a near-tie may legitimately flip)
+    and our argmax must agree on at least 90% of steps."""
     refs = [hf_greedy_with_logits(hf_model, p, steps + 1) for p in prompts]
     driver = BatchDriver(ours)
     logits = driver.prefill(prompts)
-    generated: list[list[int]] = [[] for _ in prompts]
+    agree = 0
     for step in range(steps + 1):
+        ours_next = logits.argmax(-1).tolist()
         for i, (ref_tokens, ref_logits) in enumerate(refs):
-            err = rel_err(logits[i], ref_logits[step])
-            assert err < tol, f"prompt {i} step {step}: relative error {err:.2e}"
-        next_tokens = logits.argmax(-1).tolist()
-        for i, t in enumerate(next_tokens):
-            generated[i].append(t)
+            err = rel_err(logits[i].cpu(), ref_logits[step])
+            assert err < LOGITS_TOL, f"prompt {i} step {step}: relative error {err:.2e}"
+            if EXACT:
+                assert ours_next[i] == ref_tokens[step], f"prompt {i} step {step}: greedy token differs"
+            agree += ours_next[i] == ref_tokens[step]
         if step < steps:
-            logits = driver.decode(next_tokens)
-    for i, (ref_tokens, _) in enumerate(refs):
-        assert generated[i] == ref_tokens, f"prompt {i}: greedy tokens differ"
+            logits = driver.decode([ref[0][step] for ref in refs])
+    assert agree >= 0.9 * len(prompts) * (steps + 1)
     driver.free()
     assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size

@@ -15,21 +15,23 @@ CUDA = torch.cuda.is_available()
 
 
 @triton.jit
-def _probe_kernel(X, Y, BLOCK: tl.constexpr):
-    tl.store(Y, tl.sum(tl.load(X + tl.arange(0, BLOCK)), 0))
+def _probe_kernel(X, Y, N, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, N, BLOCK):
+        acc += tl.load(X + off + tl.arange(0, BLOCK))
+    tl.store(Y, tl.sum(acc, 0))
 
 
 def _cpu_triton_works() -> bool:
     """Whether Triton kernels can run on CPU tensors (the interpreter) in this process.
 
-    Triton 3.7 interprets a compiled-mode kernel on demand. Triton 3.6 cannot run its own
-    library functions (tl.sum, tl.max) that way, so there the interpreter needs TRITON_INTERPRET=1
-    before triton is imported, which conftest sets only on machines without CUDA.
+    It does with Triton 3.7.1 here; Triton 3.6's interpreter fails with numpy 2.5 (a loop with
+    a runtime bound turns a 1-element array into an int), as on the GPU machines seen so far.
     """
     try:
-        x, y = torch.ones(16), torch.zeros(1)
-        launcher(_probe_kernel, x)[(1,)](x, y, BLOCK=16)
-        return y.item() == 16.0
+        x, y = torch.ones(32), torch.zeros(1)
+        launcher(_probe_kernel, x)[(1,)](x, y, 32, BLOCK=16)
+        return y.item() == 32.0
     except Exception:
         return False
 

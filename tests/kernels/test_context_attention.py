@@ -97,10 +97,13 @@ def test_triton_matches_twin(device, dtype, Hq, Hkv, D, cached, q_lens, alibi):
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
+# The wrapper picks 16-, 32- or 128-row query tiles from max_q_len: cover each.
+@pytest.mark.parametrize("cached,q_lens", [([70, 5], [1, 4]), ([70, 0], [3, 40]), ([70, 0], [9, 150])],
+                         ids=["tile16", "tile32", "tile128"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-def test_triton_default_blocks_and_sm_scale(device, dtype, D):
-    inputs = make_inputs(3, 4, 2, D, [70, 0], [9, 150], True, dtype, device)
+def test_triton_default_blocks_and_sm_scale(device, dtype, D, cached, q_lens):
+    inputs = make_inputs(3, 4, 2, D, cached, q_lens, True, dtype, device)
     want = run(context_attention_fwd_torch, inputs, sm_scale=0.05)
     got = run(context_attention_fwd_triton, inputs, sm_scale=0.05)
     torch.testing.assert_close(got, want, **tol(dtype))

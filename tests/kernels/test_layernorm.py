@@ -12,7 +12,7 @@ from llmserve.kernels.layernorm import layernorm_forward_torch, layernorm_forwar
 SHAPES = [(1, 64), (5, 100), (2, 5000)]  # 5000 > one 4096 block: chunked rows
 
 
-def inputs(seed: int, n: int, N: int, dtype: torch.dtype, device: str):
+def inputs(seed: int, n: int, N: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = rng(seed)
     # An offset mean checks the variance is taken around the mean, not as E[x^2] - mean^2.
     x = randn(g, n, N, dtype=torch.float32, device=device, scale=2.0) + 5.0

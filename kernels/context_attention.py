@@ -1,0 +1,190 @@
+"""Causal attention of new query tokens over a request's paged KV cache.
+
+Serves prefill (cached 0), chunked prefill / prefix-cache hits and speculative
+verification (cached > 0, several new tokens). Query j of request i is row
+b_q_start[i] + j of q/o, sits at position p = b_cached_len[i] + j, and attends to key
+positions 0..p, whose KV-pool slots are req_to_token[b_req_idx[i], pos].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import dot_precision, launcher, next_pow2, use_triton
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _context_attention_kernel(
+    Q, K, V, O, ReqToToken, BReqIdx, BQStart, BQLen, BCachedLen, Slopes,
+    qk_scale,  # sm_scale * log2(e): the softmax runs on exp2
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_t, stride_k_h, stride_k_d,
+    stride_v_t, stride_v_h, stride_v_d,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_r_req, stride_r_pos,
+    GROUP, D,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start_m = tl.program_id(2)
+
+    q_len = tl.load(BQLen + b)
+    if start_m * BLOCK_M >= q_len:
+        return
+    cached = tl.load(BCachedLen + b)
+    q_start = tl.load(BQStart + b).to(tl.int64)
+    req = tl.load(BReqIdx + b).to(tl.int64)
+    kv_h = h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < D
+    pos_m = cached + offs_m
+
+    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :] * stride_q_d
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634  # into the log2 domain
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys up to the last query of this block. Every row, masked ones included, sees
+    # key 0 in the first block, so m_i is finite after it and no row makes NaNs.
+    end = cached + tl.minimum((start_m + 1) * BLOCK_M, q_len)
+    for start_n in range(0, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(ReqToToken + req * stride_r_req + offs_n * stride_r_pos, mask=n_mask, other=0).to(tl.int64)
+
+        k_ptrs = K + slots[None, :] * stride_k_t + kv_h * stride_k_h + offs_d[:, None] * stride_k_d
+        k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0).to(tl.float32)  # [D, N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_ALIBI:
+            s += slope * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
+        causal = (offs_n[None, :] <= pos_m[:, None]) & n_mask[None, :]
+        s = tl.where(causal, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_ptrs = V + slots[:, None] * stride_v_t + kv_h * stride_v_h + offs_d[None, :] * stride_v_d
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = O + (q_start + offs_m)[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :] * stride_o_d
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def context_attention_fwd_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+    req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
+    b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
+    alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    *, block_m: int | None = None, block_n: int | None = None,
+) -> None:
+    """Triton version of `context_attention_fwd`; block sizes may be forced for tests."""
+    bs = b_req_idx.shape[0]
+    _, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    if bs == 0 or max_q_len <= 0:
+        return
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    BLOCK_D = max(16, next_pow2(D))
+    # Fixed tiles, the fastest of sweeps on an H200 (bf16, Triton 3.6). Few new tokens per
+    # request (decode-like verification, short chunks) want short query blocks, which waste no
+    # tensor-core rows; long prefills want 128 rows (8 warps and no pipelining at D=128).
+    if max_q_len <= 16:
+        BLOCK_M, num_warps, num_stages = 16, 4, 2
+    elif max_q_len <= 128:
+        BLOCK_M, num_warps, num_stages = 32, 4, 2
+    else:
+        BLOCK_M, (num_warps, num_stages) = 128, ((4, 2) if BLOCK_D <= 64 else (8, 1))
+    BLOCK_M = block_m or BLOCK_M
+    BLOCK_N = block_n or 64
+    slopes = alibi_slopes if alibi_slopes is not None else q  # never read without HAS_ALIBI
+    grid = (bs, Hq, triton.cdiv(max_q_len, BLOCK_M))
+    launcher(_context_attention_kernel, q)[grid](
+        q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, slopes,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        req_to_token.stride(0), req_to_token.stride(1),
+        Hq // Hkv, D,
+        HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def context_attention_fwd_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+    req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
+    b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
+    alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+) -> None:
+    """Torch twin of `context_attention_fwd`: per request, gather K/V and run fp32 softmax attention."""
+    _, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    for req, q_start, q_len, cached in zip(
+        b_req_idx.tolist(), b_q_start.tolist(), b_q_len.tolist(), b_cached_len.tolist()
+    ):
+        if q_len == 0:
+            continue
+        kv_len = cached + q_len
+        slots = req_to_token[req, :kv_len].long()
+        k = k_cache[slots].float()  # [L, Hkv, D]
+        v = v_cache[slots].float()
+        # Query heads grouped by kv head, so GQA needs no repeated K/V.
+        qi = q[q_start:q_start + q_len].float().view(q_len, Hkv, G, D)
+        scores = torch.einsum("qhgd,khd->hgqk", qi, k) * sm_scale  # [Hkv, G, q, L]
+        q_pos = torch.arange(cached, kv_len, device=q.device)
+        k_pos = torch.arange(kv_len, device=q.device)
+        rel = (k_pos[None, :] - q_pos[:, None]).float()  # kpos - p, [q, L]
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().view(Hkv, G, 1, 1) * rel
+        scores = scores.masked_fill(rel > 0, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_len, Hq, D)
+        o[q_start:q_start + q_len] = out.to(o.dtype)
+
+
+def context_attention_fwd(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+    req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
+    b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
+    alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+) -> None:
+    """Causal attention of new tokens over their requests' paged KV cache, written into o.
+
+    q, o: [total_q, Hq, D]; k_cache, v_cache: [slots, Hkv, D] with the new tokens' K/V
+    already in place; req_to_token: [max_reqs, max_len]; b_*: [bs]; max_q_len >= max(b_q_len).
+    alibi_slopes: [Hq] fp32 or None (adds slope[h] * (kpos - p)); sm_scale defaults to 1/sqrt(D).
+    """
+    args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len,
+            max_q_len, alibi_slopes, sm_scale)
+    if use_triton(q):
+        context_attention_fwd_triton(*args)
+    else:
+        context_attention_fwd_torch(*args)

@@ -1,0 +1,93 @@
+"""Decode attention (flash decoding, split-K) over the paged KV cache.
+
+The query of request i sits at position b_seq_len[i] - 1 and attends to positions
+0..b_seq_len[i] - 1, whose KV-pool slots are req_to_token[b_req_idx[i], pos].
+The Triton path chains decode_attention_stage1 (per-split partials) and
+decode_attention_stage2 (merge of the splits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .backend import use_triton
+from .decode_attention_stage1 import decode_attention_stage1_triton
+from .decode_attention_stage2 import decode_attention_stage2_triton
+
+_LOG2E = 1.4426950408889634
+
+
+def decode_attention_fwd_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+    req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    *, block_seq: int = 256,
+) -> None:
+    """Triton version of `decode_attention_fwd`; `block_seq` is the keys per split."""
+    bs, Hq, D = q.shape
+    if bs == 0:
+        return
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    num_splits = triton.cdiv(max_seq_len, block_seq)
+    # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
+    mid_o = torch.empty((bs, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((bs, Hq, num_splits), dtype=torch.float32, device=q.device)
+    decode_attention_stage1_triton(
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
+        sm_scale * _LOG2E, alibi_slopes, block_seq=block_seq,
+    )
+    decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_seq=block_seq)
+
+
+def decode_attention_fwd_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+    req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+) -> None:
+    """Torch twin of `decode_attention_fwd`: gather K/V padded to max_seq_len, masked fp32 softmax."""
+    bs, Hq, D = q.shape
+    if bs == 0:
+        return
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    seq_len = b_seq_len.long()
+    L = max_seq_len
+    pos = torch.arange(L, device=q.device)
+    valid = pos[None, :] < seq_len[:, None]  # [bs, L]
+    # Padding positions may hold any slot value in req_to_token: read slot 0 there instead.
+    slots = torch.where(valid, req_to_token[b_req_idx.long(), :L].long(), 0)
+    k = k_cache[slots].float()  # [bs, L, Hkv, D]
+    v = v_cache[slots].float()
+    qg = q.float().view(bs, Hkv, G, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
+    if alibi_slopes is not None:
+        rel = (pos[None, :] - (seq_len - 1)[:, None]).float()  # kpos - p, [bs, L]
+        scores = scores + alibi_slopes.float().view(1, Hkv, G, 1) * rel[:, None, None, :]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(bs, Hq, D)
+    o.copy_(out.to(o.dtype))
+
+
+def decode_attention_fwd(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+    req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+) -> None:
+    """One decode step of attention, written into o.
+
+    q, o: [bs, Hq, D]; k_cache, v_cache: [slots, Hkv, D] (current token's K/V already in);
+    req_to_token: [max_reqs, max_len]; b_req_idx, b_seq_len: [bs]; max_seq_len >= max(b_seq_len).
+    alibi_slopes: [Hq] fp32 or None (adds slope[h] * (kpos - p)); sm_scale defaults to 1/sqrt(D).
+    """
+    args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_seq_len, max_seq_len, alibi_slopes, sm_scale)
+    if use_triton(q):
+        decode_attention_fwd_triton(*args)
+    else:
+        decode_attention_fwd_torch(*args)

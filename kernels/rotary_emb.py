@@ -1,0 +1,79 @@
+"""Rotary position embedding, in place, HF "rotate_half" (NeoX) layout.
+
+x1 = x[..., :D/2], x2 = x[..., D/2:]; x1' = x1*cos - x2*sin; x2' = x2*cos + x1*sin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import launcher, next_pow2, use_triton
+
+
+@triton.jit
+def _rotary_emb_kernel(
+    X, Cos, Sin,
+    stride_x_t, stride_x_h, stride_x_d,
+    stride_c_t, stride_c_d, stride_s_t, stride_s_d,
+    H, HALF,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # Program (token t, block of heads); cos/sin are loaded once for all those heads.
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    mask = (offs_h[:, None] < H) & d_mask[None, :]
+    cos = tl.load(Cos + t * stride_c_t + offs_d * stride_c_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Sin + t * stride_s_t + offs_d * stride_s_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    p1 = X + t * stride_x_t + offs_h[:, None] * stride_x_h + offs_d[None, :] * stride_x_d
+    p2 = p1 + HALF * stride_x_d
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
+    tl.store(p2, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
+
+
+def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    n, H, D = x.shape
+    if n == 0:
+        return
+    BLOCK_H = min(next_pow2(H), 16)
+    launcher(_rotary_emb_kernel, x)[(n, triton.cdiv(H, BLOCK_H))](
+        x, cos, sin,
+        x.stride(0), x.stride(1), x.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        H, D // 2,
+        BLOCK_H=BLOCK_H, BLOCK_HALF=next_pow2(D // 2), num_warps=4,
+    )
+
+
+def rotary_emb_fwd_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Triton version of `rotary_emb_fwd` (the same kernel runs on q, then k)."""
+    _rotate_triton(q, cos, sin)
+    _rotate_triton(k, cos, sin)
+
+
+def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c = cos.float()[:, None, :]  # broadcast over heads
+    s = sin.float()[:, None, :]
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def rotary_emb_fwd_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Torch twin of `rotary_emb_fwd`."""
+    _rotate_torch(q, cos, sin)
+    _rotate_torch(k, cos, sin)
+
+
+def rotary_emb_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [n, Hq, D] and k [n, Hk, D] in place by cos, sin [n, D//2] (fp32), math in fp32."""
+    if use_triton(q):
+        rotary_emb_fwd_triton(q, k, cos, sin)
+    else:
+        rotary_emb_fwd_torch(q, k, cos, sin)

@@ -1,0 +1,51 @@
+"""SwiGLU activation of a fused gate_up projection: silu(x[:, :I]) * x[:, I:]."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .backend import launcher, next_pow2, use_triton
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_fwd_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton version of `silu_and_mul_fwd`."""
+    two_i = x.shape[-1]
+    I = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0:
+        BLOCK = min(next_pow2(I), 1024)
+        launcher(_silu_and_mul_kernel, x2)[(x2.shape[0], triton.cdiv(I, BLOCK))](
+            x2, y, x2.stride(0), y.stride(0), I, BLOCK=BLOCK, num_warps=4,
+        )
+    return y.view(*x.shape[:-1], I)
+
+
+def silu_and_mul_fwd_torch(x: torch.Tensor) -> torch.Tensor:
+    """Torch twin of `silu_and_mul_fwd`."""
+    I = x.shape[-1] // 2
+    xf = x.float()
+    return (F.silu(xf[..., :I]) * xf[..., I:]).to(x.dtype)
+
+
+def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x [n, 2*I] = [gate | up]; returns a new [n, I] tensor in x's dtype."""
+    if use_triton(x):
+        return silu_and_mul_fwd_triton(x)
+    return silu_and_mul_fwd_torch(x)
