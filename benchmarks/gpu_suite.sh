@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything this project checks on a CUDA machine, in one go: the kernel tests compiled (not
+# interpreted), the HF-parity model tests in fp16 and bf16 with Triton kernels, then the kernel
+# and engine benchmarks. Logs and JSON go to ${OUT:-./gpu-out}; a summary table prints last.
+#   bash benchmarks/gpu_suite.sh            (from the repository root)
+set -uo pipefail
+out=${OUT:-./gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+
+status=()
+run() {  # run NAME CMD...: log to $out/NAME.log, remember pass/fail
+  local name=$1; shift
+  echo "=== $name: $*"
+  if "$@" >"$out/$name.log" 2>&1; then status+=("$name: ok"); else status+=("$name: FAILED (see $name.log)"); fi
+  tail -n 3 "$out/$name.log"
+}
+
+run kernel-tests python3 -m pytest -q -p no:cacheprovider tests/kernels
+run parity-fp16 env LLMSERVE_TEST_DEVICE=cuda LLMSERVE_TEST_DTYPE=float16 python3 -m pytest -q -p no:cacheprovider tests/models
+run parity-bf16 env LLMSERVE_TEST_DEVICE=cuda LLMSERVE_TEST_DTYPE=bfloat16 python3 -m pytest -q -p no:cacheprovider tests/models
+run bench-kernels python3 benchmarks/kernels.py --device cuda --json "$out/kernels.json"
+run bench-offline python3 benchmarks/offline.py --device cuda --batch-sizes 1,32,128 --prompt-len 512 --json "$out/offline.json"
+
+echo; echo "=== kernels"; sed -n '/^|/p' "$out/bench-kernels.log"
+echo; echo "=== offline"; sed -n '/^|/p' "$out/bench-offline.log"
+echo; printf '%s\n' "${status[@]}"

@@ -1,0 +1,29 @@
+"""The command line: user errors are one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.cli import build_parser, main
+
+
+def test_missing_model_is_a_one_line_error(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path / "missing"), "hello"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llmserve: error: model path") and "\n" not in err
+
+
+def test_bad_sampling_flag_is_a_one_line_error(capsys):
+    assert main(["generate", "--max-new-tokens", "0", "hello"]) == 2
+    assert "max_new_tokens must be a positive integer" in capsys.readouterr().err
+
+
+def test_generate_with_a_tiny_model(capsys, tiny_llama_dir):
+    assert main(["generate", "--model", tiny_llama_dir, "--max-new-tokens", "4", "Hello", "World"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Hello") and any(l.startswith("World") for l in lines)
+
+
+def test_help_lists_the_commands():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
