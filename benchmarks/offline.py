@@ -1,0 +1,340 @@
+"""Decode-step latency of a Llama-3-8B-shaped model, against the memory-bandwidth floor.
+
+What is measured
+  A ``LlamaTpPartModel`` with Llama-3-8B's shapes (hidden 4096, 32 layers, 32 query / 8 KV
+  heads, intermediate 14336, vocab 128256, rope theta 500000; bf16) and random weights, drawn
+  on the device one layer at a time (scale 0.02, norms 1) so the peak memory stays at about the
+  weights' own size. No checkpoint and no network are needed. For each batch size:
+
+  1. prefill ``batch`` random prompts of ``--prompt-len`` tokens, in groups of at most 16384
+     tokens per forward (timed by wall clock, reported as "prefill tok/s");
+  2. run ``--warmup-steps`` decode steps of the whole batch, untimed;
+  3. time ``--steps`` decode steps: each is ``model.forward`` on the batch's previous argmax
+     tokens plus the argmax of the logits, between two CUDA events (no synchronisation between
+     steps, so a step's time includes any GPU idle time its host-side work caused).
+
+  Logits must stay finite (checked after the prefill and after the last step).
+
+Columns
+  ms/step          mean of the timed steps (the KV cache grows by one token per step)
+  tok/s            batch / (ms/step)
+  weights GB       parameter bytes a decode step reads: every weight tensor the model holds
+                   (counted from its weight objects) except the token-embedding table, of which
+                   a step reads only the batch's rows (1.05 GB of the 16.06 GB held at 8B)
+  KV GB/step       batch * kv_len * layers * 2 (K and V) * Hkv * head_dim * bytes, kv_len being
+                   the tokens each query attends to, averaged over the timed steps
+  floor ms         (weights GB + KV GB/step) / measured device-to-device copy bandwidth (bytes
+                   read + written, 1 GiB copy): the step time if the GPU did nothing but stream
+                   those bytes once at the bandwidth a plain copy achieves. Activations, logits
+                   and the KV writes are left out (under 1% here), so it is a lower bound.
+  measured/floor   ms/step / floor ms (1.0 would be perfect)
+
+All numbers are eager mode: every kernel is launched from Python on every step. CUDA graphs
+are on the roadmap (not implemented yet); at small batch the gap to the floor is mostly that
+launch overhead.
+
+Run (GPU):   python benchmarks/offline.py --json benchmarks/results/offline.json
+Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 32 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from common import (
+    IntervalTimer,
+    environment,
+    markdown_table,
+    measure_copy_bandwidth,
+    remove_script_dir_from_sys_path,
+    resolve_dtype,
+    synchronize,
+    write_json,
+)
+
+remove_script_dir_from_sys_path()
+
+from llmserve.common.basemodel import ModelInitParams  # noqa: E402  (after the sys.path fix above)
+from llmserve.models.llama.model import LlamaTpPartModel  # noqa: E402
+
+LLAMA3_8B_CONFIG: dict = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+# Same architecture, small enough to build and run on a CPU in seconds.
+TINY_CONFIG: dict = {
+    **LLAMA3_8B_CONFIG,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "vocab_size": 1024,
+}
+
+CONFIGS = {"8b": LLAMA3_8B_CONFIG, "tiny": TINY_CONFIG}
+MAX_PREFILL_TOKENS = 16384
+
+
+# -- the model -----------------------------------------------------------------------------
+def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
+                         scale: float = 0.02, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """HF-named random Llama weights, one dict per layer (the first holds the embedding, the
+    final norm and the lm_head), drawn on ``device`` so that only what the model keeps is live."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q_dim, kv_dim = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(scale)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype, device=device)
+
+    yield {
+        "model.embed_tokens.weight": normal(vocab, hidden),
+        "lm_head.weight": normal(vocab, hidden),
+        "model.norm.weight": ones(hidden),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield {
+            p + "input_layernorm.weight": ones(hidden),
+            p + "self_attn.q_proj.weight": normal(q_dim, hidden),
+            p + "self_attn.k_proj.weight": normal(kv_dim, hidden),
+            p + "self_attn.v_proj.weight": normal(kv_dim, hidden),
+            p + "self_attn.o_proj.weight": normal(hidden, q_dim),
+            p + "post_attention_layernorm.weight": ones(hidden),
+            p + "mlp.gate_proj.weight": normal(inter, hidden),
+            p + "mlp.up_proj.weight": normal(inter, hidden),
+            p + "mlp.down_proj.weight": normal(hidden, inter),
+        }
+
+
+def held_weight_tensors(model: LlamaTpPartModel) -> list[torch.Tensor]:
+    """Every distinct tensor the model's weight objects hold (a tied lm_head counts once)."""
+    tensors: dict[int, torch.Tensor] = {}
+    for weights in (model.pre_post_weight, *model.trans_layers_weight):
+        for value in vars(weights).values():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(value.data_ptr(), value)
+    return list(tensors.values())
+
+
+def weight_bytes(model: LlamaTpPartModel) -> tuple[int, int]:
+    """(bytes held, bytes a decode step reads): all weights, less the embedding table when it is
+    not also the lm_head (a step looks up only the batch's rows of it)."""
+    held = sum(t.numel() * t.element_size() for t in held_weight_tensors(model))
+    wte, lm_head = model.pre_post_weight.wte_weight_, model.pre_post_weight.lm_head_weight_
+    unread = 0 if wte.data_ptr() == lm_head.data_ptr() else wte.numel() * wte.element_size()
+    return held, held - unread
+
+
+def kv_bytes_per_token(model: LlamaTpPartModel) -> int:
+    """KV-cache bytes of one token over all layers (K and V)."""
+    mem = model.mem_manager
+    return mem.layer_num * 2 * mem.head_num * mem.head_dim * mem.dtype.itemsize
+
+
+def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int) -> LlamaTpPartModel:
+    params = ModelInitParams(
+        model_path="",
+        device=str(device),
+        dtype=dtype,
+        max_total_token_num=max_batch * max_len + 64,
+        max_req_num=max_batch,
+        max_seq_len=max_len,
+        config=cfg,
+        weights=random_llama_weights(cfg, device, dtype),
+    )
+    return LlamaTpPartModel(params)
+
+
+# -- the benchmark -------------------------------------------------------------------------
+@dataclass
+class BatchResult:
+    batch: int
+    prompt_len: int
+    prefill_s: float
+    step_ms: list[float] = field(repr=False)
+    ms_per_step: float
+    median_ms_per_step: float
+    tokens_per_s: float
+    weight_bytes_read: int
+    kv_bytes_per_step: float
+    floor_ms: float
+    measured_over_floor: float
+
+
+def check_finite(logits: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise RuntimeError(f"non-finite logits after {what}: the random weights' scale is off")
+
+
+def prefill(model: LlamaTpPartModel, rows: list[int], prompt_len: int) -> torch.Tensor:
+    """Random prompts for ``rows``, prefilled in forwards of at most MAX_PREFILL_TOKENS tokens.
+    Returns the logits of each request's last prompt token."""
+    group = max(1, MAX_PREFILL_TOKENS // prompt_len)
+    logits = []
+    for i in range(0, len(rows), group):
+        chunk = rows[i:i + group]
+        ids = torch.randint(model.vocab_size, (len(chunk) * prompt_len,), device=model.device)
+        logits.append(model.forward(ids, chunk, [0] * len(chunk), [prompt_len] * len(chunk)))
+    return torch.cat(logits)
+
+
+def run_batch(model: LlamaTpPartModel, batch: int, prompt_len: int, warmup: int, steps: int,
+              copy_bw: float, weights_read: int) -> BatchResult:
+    rows = [model.req_manager.alloc_req() for _ in range(batch)]
+    try:
+        synchronize(model.device)
+        t0 = time.perf_counter()
+        logits = prefill(model, rows, prompt_len)
+        synchronize(model.device)
+        prefill_s = time.perf_counter() - t0
+        check_finite(logits, "prefill")
+
+        tokens = logits.argmax(dim=-1)
+        lens = [prompt_len] * batch
+        ones = [1] * batch
+        timer = IntervalTimer(model.device)
+        for _ in range(warmup + steps):
+            timer.start()
+            logits = model.forward(tokens, rows, lens, ones)
+            tokens = logits.argmax(dim=-1)
+            timer.stop()
+            lens = [n + 1 for n in lens]
+        step_ms = timer.elapsed_ms()[warmup:]
+        check_finite(logits, "decode")
+    finally:
+        for row in rows:
+            model.req_manager.free_req(row)
+
+    # Timed step s attends to prompt_len + warmup + s + 1 tokens per request (its own included).
+    kv_lens = [prompt_len + warmup + s + 1 for s in range(steps)]
+    kv_bytes = batch * statistics.mean(kv_lens) * kv_bytes_per_token(model)
+    ms = statistics.mean(step_ms)
+    floor_ms = (weights_read + kv_bytes) / copy_bw * 1e3
+    median = statistics.median(step_ms)
+    if model.device.type == "cuda" and max(step_ms) > 3 * median:
+        print(f"warning: batch {batch}: slowest step {max(step_ms):.1f} ms vs median {median:.1f} ms "
+              "(a JIT compile or allocator growth inside the timed steps?)", file=sys.stderr)
+    return BatchResult(
+        batch=batch, prompt_len=prompt_len, prefill_s=prefill_s, step_ms=step_ms,
+        ms_per_step=ms, median_ms_per_step=median, tokens_per_s=batch / (ms * 1e-3),
+        weight_bytes_read=weights_read, kv_bytes_per_step=kv_bytes, floor_ms=floor_ms,
+        measured_over_floor=ms / floor_ms,
+    )
+
+
+def warm_up_kernels(model: LlamaTpPartModel, prompt_len: int) -> None:
+    """One request through prefill and two decode steps, so Triton's compiles and cuBLAS's
+    set-up are not charged to the first measured prefill."""
+    row = model.req_manager.alloc_req()
+    try:
+        logits = prefill(model, [row], prompt_len)
+        for n in (prompt_len, prompt_len + 1):
+            logits = model.forward(logits.argmax(dim=-1), [row], [n], [1])
+        synchronize(model.device)
+    finally:
+        model.req_manager.free_req(row)
+
+
+# -- output ----------------------------------------------------------------------------------
+def results_table(results: list[BatchResult]) -> str:
+    headers = ["batch", "prompt", "ms/step", "tok/s", "weights GB", "KV GB/step", "floor ms",
+               "measured/floor", "prefill tok/s"]
+    rows = [
+        [r.batch, r.prompt_len, f"{r.ms_per_step:.2f}", f"{r.tokens_per_s:.0f}", f"{r.weight_bytes_read / 1e9:.2f}",
+         f"{r.kv_bytes_per_step / 1e9:.2f}", f"{r.floor_ms:.2f}", f"{r.measured_over_floor:.2f}",
+         f"{r.batch * r.prompt_len / r.prefill_s:.0f}"]
+        for r in results
+    ]
+    return markdown_table(headers, rows)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,32,128", help="comma-separated (default: 1,32,128)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before them")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
+    p.add_argument("--model-size", choices=sorted(CONFIGS), default="8b",
+                   help="8b: Llama-3-8B shapes; tiny: 2 small layers, for CPU smoke tests")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    cfg = CONFIGS[args.model_size]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    max_len = args.prompt_len + args.warmup_steps + args.steps
+    torch.manual_seed(0)
+
+    copy_bw = measure_copy_bandwidth(device)
+    print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; building {args.model_size} model "
+          f"({str(dtype).removeprefix('torch.')}, random weights) on {device} ...", file=sys.stderr)
+    model = build_model(cfg, device, dtype, max(batch_sizes), max_len)
+    held, read = weight_bytes(model)
+    print(f"weights held {held / 1e9:.2f} GB, read per decode step {read / 1e9:.2f} GB; KV pool "
+          f"{model.max_total_token_num} tokens ({model.max_total_token_num * kv_bytes_per_token(model) / 1e9:.2f} GB)",
+          file=sys.stderr)
+    warm_up_kernels(model, args.prompt_len)
+
+    results: list[BatchResult] = []
+    for batch in batch_sizes:
+        print(f"batch {batch}: prefill {batch} x {args.prompt_len}, then {args.warmup_steps} + {args.steps} decode steps",
+              file=sys.stderr)
+        results.append(run_batch(model, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read))
+
+    print(f"\n### Decode step, Llama-3 {args.model_size} shapes, {str(dtype).removeprefix('torch.')}, eager mode, "
+          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
+    print(results_table(results))
+
+    if args.json:
+        write_json(args.json, {
+            "benchmark": "offline",
+            "environment": environment(device),
+            "model_size": args.model_size,
+            "config": cfg,
+            "dtype": str(dtype).removeprefix("torch."),
+            "prompt_len": args.prompt_len,
+            "warmup_steps": args.warmup_steps,
+            "steps": args.steps,
+            "copy_bandwidth_bytes_per_s": copy_bw,
+            "weight_bytes_held": held,
+            "weight_bytes_read_per_step": read,
+            "kv_bytes_per_token": kv_bytes_per_token(model),
+            "results": [asdict(r) for r in results],
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
