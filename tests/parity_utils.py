@@ -37,7 +37,9 @@ def build_tiny_hf_model(config, path, seed: int = 0):
 TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
 TEST_DTYPE = getattr(torch, os.environ.get("LLMSERVE_TEST_DTYPE", "float32"))
 # relative error of logits against HF float32: float32 arithmetic vs half-precision weights and activations
-LOGITS_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[TEST_DTYPE]
+# (bf16 keeps 8 mantissa bits: two layers of these wide random weights already drift ~5%; a real
+# bug - a wrong mask, rotary or head split - is an O(1) error)
+LOGITS_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-1}[TEST_DTYPE]
 EXACT = TEST_DTYPE == torch.float32
 
 
@@ -107,6 +109,14 @@ def assert_matches_hf_greedy(ours: TpPartBaseModel, hf_model, prompts: list[list
     and our argmax must agree on at least 90% of steps."""
     refs = [hf_greedy_with_logits(hf_model, p, steps + 1) for p in prompts]
     driver = BatchDriver(ours)
+    try:
+        _compare_steps(driver, refs, prompts, steps)
+    finally:
+        driver.free()   # the model is shared by the module's tests: leave its KV pool empty
+    assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size
+
+
+def _compare_steps(driver: BatchDriver, refs, prompts: list[list[int]], steps: int) -> None:
     logits = driver.prefill(prompts)
     agree = 0
     for step in range(steps + 1):
@@ -120,5 +130,3 @@ def assert_matches_hf_greedy(ours: TpPartBaseModel, hf_model, prompts: list[list
         if step < steps:
             logits = driver.decode([ref[0][step] for ref in refs])
     assert agree >= 0.9 * len(prompts) * (steps + 1)
-    driver.free()
-    assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size

@@ -58,8 +58,10 @@ class MemoryManager:
     """A pool of ``size`` KV slots per layer with reference-counted allocation.
 
     Contract:
-      * ``key_buffer[l]`` / ``value_buffer[l]``: ``[size, head_num, head_dim]`` of ``dtype`` on
-        ``device``; slot ``i`` of every layer belongs to the same token.
+      * ``kv_buffer[l]``: ``[size, 2 * head_num, head_dim]`` of ``dtype`` on ``device``, K heads
+        then V heads, so one scatter writes both (the fused qkv projection yields k and v side
+        by side); ``key_buffer[l]`` / ``value_buffer[l]`` are its ``[size, head_num, head_dim]``
+        halves (strided views). Slot ``i`` of every layer belongs to the same token.
       * ``alloc(n)`` hands out ``n`` distinct free slots (int32, on ``device``) with ref count 1,
         or raises :class:`KVCacheFullError` and changes nothing.
       * ``incref(slots)`` / ``free(slots)`` add / drop one reference per occurrence of a slot; a
@@ -88,12 +90,11 @@ class MemoryManager:
         self.device: torch.device = torch.device(device)
         # Zeroed rather than empty: a masked-out lane of a kernel may still multiply a stale
         # value by 0, and NaN garbage would survive that.
-        self.key_buffer: list[torch.Tensor] = [
-            torch.zeros((size, head_num, head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
+        self.kv_buffer: list[torch.Tensor] = [
+            torch.zeros((size, 2 * head_num, head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
         ]
-        self.value_buffer: list[torch.Tensor] = [
-            torch.zeros((size, head_num, head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
-        ]
+        self.key_buffer: list[torch.Tensor] = [kv[:, :head_num] for kv in self.kv_buffer]
+        self.value_buffer: list[torch.Tensor] = [kv[:, head_num:] for kv in self.kv_buffer]
         self._ref_count = torch.zeros(size, dtype=torch.int32)
         # Free slots are _free_stack[:_num_free]; alloc pops from the top. Laid out descending so
         # that a fresh pool hands out 0, 1, 2, ... (contiguous runs are kinder to kernels).

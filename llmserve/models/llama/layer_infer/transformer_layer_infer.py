@@ -22,9 +22,9 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
         return rmsnorm_forward(h, layer_weight.ffn_norm_weight_, self.eps_)
 
     def _get_qkv(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight):
-        q, k, v = super()._get_qkv(x, infer_state, layer_weight)
-        rotary_emb_fwd(q, k, infer_state.position_cos, infer_state.position_sin)
-        return q, k, v
+        q, kv = super()._get_qkv(x, infer_state, layer_weight)
+        rotary_emb_fwd(q, kv[:, : self.tp_kv_head_num_], infer_state.position_cos, infer_state.position_sin)
+        return q, kv
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         act = silu_and_mul_fwd(F.linear(x, layer_weight.gate_up_weight_))

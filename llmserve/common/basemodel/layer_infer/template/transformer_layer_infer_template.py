@@ -43,17 +43,14 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _alibi_slopes(self, layer_weight) -> torch.Tensor | None:
         return None
 
-    def _get_qkv(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _get_qkv(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[n, Hq, D]`` and kv ``[n, 2 * Hkv, D]`` (K heads then V heads): strided views of
+        one fused projection, laid out like a KV-cache slot so one scatter stores both."""
         qkv = F.linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
         q_size = self.tp_q_head_num_ * self.head_dim_
-        kv_size = self.tp_kv_head_num_ * self.head_dim_
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        # contiguous copies: the kernels that follow (rotary in place, KV scatter) want dense rows
-        return (
-            q.reshape(-1, self.tp_q_head_num_, self.head_dim_).contiguous(),
-            k.reshape(-1, self.tp_kv_head_num_, self.head_dim_).contiguous(),
-            v.reshape(-1, self.tp_kv_head_num_, self.head_dim_).contiguous(),
-        )
+        q = qkv[:, :q_size].view(-1, self.tp_q_head_num_, self.head_dim_)
+        kv = qkv[:, q_size:].view(-1, 2 * self.tp_kv_head_num_, self.head_dim_)
+        return q, kv
 
     def _get_o(self, o: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         return self._row_parallel_linear(o.view(-1, self.tp_q_head_num_ * self.head_dim_), layer_weight.o_weight_, layer_weight.o_bias_)
@@ -70,17 +67,15 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         return h
 
     def _attention_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight, attend: Callable) -> None:
-        q, k, v = self._get_qkv(self._att_norm(h, infer_state, layer_weight), infer_state, layer_weight)
-        mem = infer_state.mem_manager
-        destindex_copy_kv(k, infer_state.mem_index, mem.key_buffer[self.layer_num_])
-        destindex_copy_kv(v, infer_state.mem_index, mem.value_buffer[self.layer_num_])
+        q, kv = self._get_qkv(self._att_norm(h, infer_state, layer_weight), infer_state, layer_weight)
+        destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_])
         h.add_(self._get_o(attend(q, infer_state, layer_weight), infer_state, layer_weight))
 
     def _ffn_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> None:
         h.add_(self._ffn(self._ffn_norm(h, infer_state, layer_weight), infer_state, layer_weight))
 
     def _context_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        o = torch.empty_like(q)
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         context_attention_fwd(
             q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
             infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_q_start, infer_state.b_q_len,
@@ -89,7 +84,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         return o
 
     def _token_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        o = torch.empty_like(q)
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode_attention_fwd(
             q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
             infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_seq_len, infer_state.max_seq_len,
