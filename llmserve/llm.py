@@ -56,11 +56,10 @@ class LLM:
             while any(not r.is_finished for r in requests):
                 self.engine.step()
         except BaseException:
-            for r in requests:
+            for r in requests:   # nothing of this call stays queued (a Ctrl-C, a dead worker)
                 self.engine.abort_request(r.req_id)
             raise
-        finally:
-            self.engine.flush()
+        self.engine.flush()
         return [RequestOutput.from_request(r) for r in requests]
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:

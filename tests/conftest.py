@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import BloomConfig, LlamaConfig
 
 from parity_utils import build_tiny_hf_model
 
@@ -30,6 +30,16 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                      eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id)
+    build_tiny_hf_model(cfg, path)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_bloom_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    path = tmp_path_factory.mktemp("tiny-bloom")
+    cfg = BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=len(smollm2_tokenizer),
                       eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id)
     build_tiny_hf_model(cfg, path)
     smollm2_tokenizer.save_pretrained(path)

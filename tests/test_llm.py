@@ -112,10 +112,13 @@ def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny_llama_dir, ti
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
-def test_tensor_parallel_2_matches_1(tiny_llama_dir, tiny):
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_bloom_dir"])
+def test_tensor_parallel_2_matches_1(model_dir, request):
+    path = request.getfixturevalue(model_dir)
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    expected = tiny.generate(PROMPTS, params)
-    with LLM(tiny_llama_dir, tp=2) as tp2:
+    with LLM(path) as tp1:
+        expected = tp1.generate(PROMPTS, params)
+    with LLM(path, tp=2) as tp2:
         got = tp2.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
