@@ -101,14 +101,29 @@ def _context_attention_kernel(
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+def _default_tiles(max_q_len: int, programs_per_m_row: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the winners of
+    benchmarks/tune_context_attention.py on an H100 (bf16, D=128, Triton 3.6), 2026-11-21.
+
+    Few new tokens per request (speculative verification) want 16-row query blocks, which waste
+    no tensor-core rows; longer chunks and prefills want 64 rows, or 128 once there are enough
+    (request, head, block) programs to fill the GPU several times over."""
+    if max_q_len <= 16:
+        return 16, 64, 4, 2
+    if max_q_len <= 128 or programs_per_m_row * triton.cdiv(max_q_len, 128) < 1024:
+        return 64, 64, 4, 3
+    return 128, 64, 4, 3
+
+
 def context_attention_fwd_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
     *, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> None:
-    """Triton version of `context_attention_fwd`; block sizes may be forced for tests."""
+    """Triton version of `context_attention_fwd`; tiles may be forced (tests, tuning sweeps)."""
     bs = b_req_idx.shape[0]
     _, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -117,17 +132,9 @@ def context_attention_fwd_triton(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     BLOCK_D = max(16, next_pow2(D))
-    # Fixed tiles, the fastest of sweeps on an H200 (bf16, Triton 3.6). Few new tokens per
-    # request (decode-like verification, short chunks) want short query blocks, which waste no
-    # tensor-core rows; long prefills want 128 rows (8 warps and no pipelining at D=128).
-    if max_q_len <= 16:
-        BLOCK_M, num_warps, num_stages = 16, 4, 2
-    elif max_q_len <= 128:
-        BLOCK_M, num_warps, num_stages = 32, 4, 2
-    else:
-        BLOCK_M, (num_warps, num_stages) = 128, ((4, 2) if BLOCK_D <= 64 else (8, 1))
-    BLOCK_M = block_m or BLOCK_M
-    BLOCK_N = block_n or 64
+    d_bm, d_bn, d_warps, d_stages = _default_tiles(max_q_len, bs * Hq)
+    BLOCK_M, BLOCK_N = block_m or d_bm, block_n or d_bn
+    num_warps, num_stages = num_warps or d_warps, num_stages or d_stages
     slopes = alibi_slopes if alibi_slopes is not None else q  # never read without HAS_ALIBI
     grid = (bs, Hq, triton.cdiv(max_q_len, BLOCK_M))
     launcher(_context_attention_kernel, q)[grid](

@@ -4,8 +4,15 @@ milliseconds."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Triton kernels are tested on CPU through its interpreter, which must be chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 from transformers import BloomConfig, LlamaConfig
 
 from parity_utils import build_tiny_hf_model

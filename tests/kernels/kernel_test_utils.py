@@ -8,6 +8,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from llmserve.kernels.backend import launcher
 
@@ -22,12 +23,20 @@ def _probe_kernel(X, Y, N, BLOCK: tl.constexpr):
     tl.store(Y, tl.sum(acc, 0))
 
 
+# Whether `@triton.jit` made interpreted kernels here: TRITON_INTERPRET=1 was set before triton
+# was imported (tests/conftest.py does so without CUDA). Otherwise CPU tensors cannot run them.
+INTERPRETED = isinstance(_probe_kernel, InterpretedFunction)
+
+
 def _cpu_triton_works() -> bool:
     """Whether Triton kernels can run on CPU tensors (the interpreter) in this process.
 
-    It does with Triton 3.7.1 here; Triton 3.6's interpreter fails with numpy 2.5 (a loop with
-    a runtime bound turns a 1-element array into an int), as on the GPU machines seen so far.
+    Not unless the kernels are interpreted. It does with Triton 3.7.1 here; Triton 3.6's
+    interpreter fails with numpy 2.5 (a loop with a runtime bound turns a 1-element array into
+    an int), as on the GPU machines seen so far.
     """
+    if not INTERPRETED:
+        return False
     try:
         x, y = torch.ones(32), torch.zeros(1)
         launcher(_probe_kernel, x)[(1,)](x, y, 32, BLOCK=16)
@@ -37,9 +46,11 @@ def _cpu_triton_works() -> bool:
 
 
 # Without CUDA the interpreter is the only way to test the kernels, so it must work (never skip);
-# with CUDA, the CPU cases are skipped if it does not, and the cuda cases cover the kernels.
+# with CUDA, the CPU cases are skipped unless it is in use and works (TRITON_INTERPRET is not set
+# there, so normally they are), and the cuda cases cover the kernels.
 CPU_TRITON = not CUDA or _cpu_triton_works()
-cpu_triton = pytest.mark.skipif(not CPU_TRITON, reason="this Triton cannot interpret kernels here (see conftest)")
+cpu_triton = pytest.mark.skipif(not CPU_TRITON, reason="Triton kernels are not interpreted here, or this Triton "
+                                "cannot interpret them (see conftest and _cpu_triton_works)")
 
 
 def _device_marks(dev: str) -> list:
