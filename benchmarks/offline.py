@@ -248,17 +248,23 @@ def run_batch(model: LlamaTpPartModel, batch: int, prompt_len: int, warmup: int,
     )
 
 
-def warm_up_kernels(model: LlamaTpPartModel, prompt_len: int) -> None:
-    """One request through prefill and two decode steps, so Triton's compiles and cuBLAS's
-    set-up are not charged to the first measured prefill."""
-    row = model.req_manager.alloc_req()
+def warm_up_kernels(model: LlamaTpPartModel, prompt_len: int, max_batch: int) -> None:
+    """Prefill one request, then a full prefill group, then two decode steps, so Triton's
+    compiles (the attention tiles depend on the batch's shape) and cuBLAS's set-up are not
+    charged to a measured prefill."""
+    group = max(1, min(max_batch, MAX_PREFILL_TOKENS // prompt_len))
+    rows = [model.req_manager.alloc_req() for _ in range(group)]
     try:
-        logits = prefill(model, [row], prompt_len)
+        prefill(model, rows[:1], prompt_len)
+        model.req_manager.free_req(rows[0])
+        rows[0] = model.req_manager.alloc_req()
+        logits = prefill(model, rows, prompt_len)
         for n in (prompt_len, prompt_len + 1):
-            logits = model.forward(logits.argmax(dim=-1), [row], [n], [1])
+            logits = model.forward(logits.argmax(dim=-1), rows, [n] * group, [1] * group)
         synchronize(model.device)
     finally:
-        model.req_manager.free_req(row)
+        for row in rows:
+            model.req_manager.free_req(row)
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -305,7 +311,7 @@ def main() -> int:
     print(f"weights held {held / 1e9:.2f} GB, read per decode step {read / 1e9:.2f} GB; KV pool "
           f"{model.max_total_token_num} tokens ({model.max_total_token_num * kv_bytes_per_token(model) / 1e9:.2f} GB)",
           file=sys.stderr)
-    warm_up_kernels(model, args.prompt_len)
+    warm_up_kernels(model, args.prompt_len, max(batch_sizes))
 
     results: list[BatchResult] = []
     for batch in batch_sizes:
