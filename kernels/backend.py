@@ -75,3 +75,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     needs full IEEE products to stay within fp32 tolerances.
     """
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D ``[rows, last_dim]`` tensor whose rows are unit-stride (a view when possible),
+    the layout the row-wise norm kernels read."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def row_launch_config(n: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for a kernel that handles one row of ``n`` elements per program."""
+    block = min(next_pow2(n), 4096)
+    return block, 4 if block <= 1024 else 8

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import as_rows, launcher, row_launch_config, use_triton
 
 
 @triton.jit
@@ -33,16 +33,13 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
 
 def rmsnorm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton version of `rmsnorm_forward`."""
-    N = x.shape[-1]
-    x2 = x.reshape(-1, N)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x)
     y = torch.empty_like(x2)
     if x2.shape[0] > 0:
-        BLOCK_N = min(next_pow2(N), 4096)
+        block_n, num_warps = row_launch_config(x2.shape[1])
         launcher(_rmsnorm_kernel, x2)[(x2.shape[0],)](
-            x2, weight, y, x2.stride(0), y.stride(0), N, eps,
-            BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_N <= 1024 else 8,
+            x2, weight, y, x2.stride(0), y.stride(0), x2.shape[1], eps,
+            BLOCK_N=block_n, num_warps=num_warps,
         )
     return y.view(x.shape)
 

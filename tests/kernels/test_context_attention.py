@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE_DTYPES, alibi_slopes, i32, make_paged_kv, randn, rng, tol
+from kernel_test_utils import DEVICE_DTYPES, alibi_slopes, i32, make_paged_kv, randn, rng, run_poisoned, tol
 
 from llmserve.kernels.context_attention import context_attention_fwd_torch, context_attention_fwd_triton
 
@@ -41,13 +41,6 @@ def make_inputs(seed: int, Hq: int, Hkv: int, D: int, cached: list[int], q_lens:
     )
 
 
-def run(fn, inputs: dict, **kw) -> torch.Tensor:
-    """Call fn on a NaN-poisoned output, so rows the kernel never writes fail the comparison."""
-    args = {k: v for k, v in inputs.items() if not k.startswith("_")}
-    o = torch.full_like(args["q"], float("nan"))
-    fn(o=o, **args, **kw)
-    return o
-
 
 def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
     """Dense per-request attention through torch's SDPA with an explicit causal(+ALiBi) mask."""
@@ -75,14 +68,14 @@ def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
 @pytest.mark.parametrize("Hq,Hkv,D,cached,q_lens,alibi", CASES)
 def test_twin_matches_sdpa(Hq, Hkv, D, cached, q_lens, alibi):
     inputs = make_inputs(0, Hq, Hkv, D, cached, q_lens, alibi, torch.float32, "cpu")
-    got = run(context_attention_fwd_torch, inputs)
+    got = run_poisoned(context_attention_fwd_torch, inputs)
     torch.testing.assert_close(got.double(), sdpa_reference(inputs), atol=1e-5, rtol=1e-5)
 
 
 def test_twin_sm_scale_and_longer_sequences():
     inputs = make_inputs(1, 8, 2, 64, [100, 0, 7], [60, 130, 1], True, torch.float32, "cpu")
     scale = 0.3 / math.sqrt(64)
-    got = run(context_attention_fwd_torch, inputs, sm_scale=scale)
+    got = run_poisoned(context_attention_fwd_torch, inputs, sm_scale=scale)
     torch.testing.assert_close(got.double(), sdpa_reference(inputs, sm_scale=scale), atol=1e-5, rtol=1e-5)
 
 
@@ -90,10 +83,10 @@ def test_twin_sm_scale_and_longer_sequences():
 @pytest.mark.parametrize("Hq,Hkv,D,cached,q_lens,alibi", CASES)
 def test_triton_matches_twin(device, dtype, Hq, Hkv, D, cached, q_lens, alibi):
     inputs = make_inputs(2, Hq, Hkv, D, cached, q_lens, alibi, dtype, device)
-    want = run(context_attention_fwd_torch, inputs)
+    want = run_poisoned(context_attention_fwd_torch, inputs)
     assert not want.isnan().any()
     # Small tiles: the short test sequences still span several query and key blocks.
-    got = run(context_attention_fwd_triton, inputs, block_m=16, block_n=16)
+    got = run_poisoned(context_attention_fwd_triton, inputs, block_m=16, block_n=16)
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
@@ -104,8 +97,8 @@ def test_triton_matches_twin(device, dtype, Hq, Hkv, D, cached, q_lens, alibi):
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_triton_default_blocks_and_sm_scale(device, dtype, D, cached, q_lens):
     inputs = make_inputs(3, 4, 2, D, cached, q_lens, True, dtype, device)
-    want = run(context_attention_fwd_torch, inputs, sm_scale=0.05)
-    got = run(context_attention_fwd_triton, inputs, sm_scale=0.05)
+    want = run_poisoned(context_attention_fwd_torch, inputs, sm_scale=0.05)
+    got = run_poisoned(context_attention_fwd_triton, inputs, sm_scale=0.05)
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
@@ -114,6 +107,6 @@ def test_alibi_and_cache_change_the_result():
     base = make_inputs(4, 2, 2, 32, [10], [5], False, torch.float32, "cpu")
     with_alibi = dict(base, alibi_slopes=alibi_slopes(2, "cpu"))
     no_cache = dict(base, b_cached_len=i32([0], "cpu"))
-    o = run(context_attention_fwd_torch, base)
-    assert not torch.allclose(o, run(context_attention_fwd_torch, with_alibi), atol=1e-3)
-    assert not torch.allclose(o, run(context_attention_fwd_torch, no_cache), atol=1e-3)
+    o = run_poisoned(context_attention_fwd_torch, base)
+    assert not torch.allclose(o, run_poisoned(context_attention_fwd_torch, with_alibi), atol=1e-3)
+    assert not torch.allclose(o, run_poisoned(context_attention_fwd_torch, no_cache), atol=1e-3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE_DTYPES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, tol
+from kernel_test_utils import DEVICE_DTYPES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, run_poisoned, tol
 
 from llmserve.kernels.decode_attention import decode_attention_fwd_torch, decode_attention_fwd_triton
 
@@ -32,13 +32,6 @@ def make_inputs(seed: int, Hq: int, Hkv: int, D: int, seq_lens: list[int], alibi
     )
 
 
-def run(fn, inputs: dict, **kw) -> torch.Tensor:
-    """Call fn on a NaN-poisoned output, so heads the kernel never writes fail the comparison."""
-    args = {k: v for k, v in inputs.items() if not k.startswith("_")}
-    o = torch.full_like(args["q"], float("nan"))
-    fn(o=o, **args, **kw)
-    return o
-
 
 def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
     q, kv, slopes = inputs["q"], inputs["_kv"], inputs["alibi_slopes"]
@@ -60,13 +53,13 @@ def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
 @pytest.mark.parametrize("Hq,Hkv,D,seq_lens,block_seq,alibi", CASES)
 def test_twin_matches_sdpa(Hq, Hkv, D, seq_lens, block_seq, alibi):
     inputs = make_inputs(0, Hq, Hkv, D, seq_lens, alibi, torch.float32, "cpu")
-    got = run(decode_attention_fwd_torch, inputs)
+    got = run_poisoned(decode_attention_fwd_torch, inputs)
     torch.testing.assert_close(got.double(), sdpa_reference(inputs), atol=1e-5, rtol=1e-5)
 
 
 def test_twin_sm_scale():
     inputs = make_inputs(1, 4, 2, 64, [50, 9], True, torch.float32, "cpu")
-    got = run(decode_attention_fwd_torch, inputs, sm_scale=0.05)
+    got = run_poisoned(decode_attention_fwd_torch, inputs, sm_scale=0.05)
     torch.testing.assert_close(got.double(), sdpa_reference(inputs, sm_scale=0.05), atol=1e-5, rtol=1e-5)
 
 
@@ -74,17 +67,17 @@ def test_twin_sm_scale():
 @pytest.mark.parametrize("Hq,Hkv,D,seq_lens,block_seq,alibi", CASES)
 def test_triton_matches_twin(device, dtype, Hq, Hkv, D, seq_lens, block_seq, alibi):
     inputs = make_inputs(2, Hq, Hkv, D, seq_lens, alibi, dtype, device)
-    want = run(decode_attention_fwd_torch, inputs)
+    want = run_poisoned(decode_attention_fwd_torch, inputs)
     assert not want.isnan().any()
-    got = run(decode_attention_fwd_triton, inputs, block_seq=block_seq)
+    got = run_poisoned(decode_attention_fwd_triton, inputs, block_seq=block_seq)
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_triton_sm_scale(device, dtype):
     inputs = make_inputs(3, 4, 2, 32, [40, 3], False, dtype, device)
-    want = run(decode_attention_fwd_torch, inputs, sm_scale=0.05)
-    got = run(decode_attention_fwd_triton, inputs, sm_scale=0.05, block_seq=16)
+    want = run_poisoned(decode_attention_fwd_torch, inputs, sm_scale=0.05)
+    got = run_poisoned(decode_attention_fwd_triton, inputs, sm_scale=0.05, block_seq=16)
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
@@ -94,6 +87,6 @@ def test_every_split_matters():
     base = make_inputs(4, 2, 2, 32, [40], False, torch.float32, "cpu")
     shorter = dict(base, b_seq_len=i32([33], "cpu"))
     with_alibi = dict(base, alibi_slopes=alibi_slopes(2, "cpu"))
-    o = run(decode_attention_fwd_triton, base, block_seq=16)
-    assert not torch.allclose(o, run(decode_attention_fwd_triton, shorter, block_seq=16), atol=1e-3)
-    assert not torch.allclose(o, run(decode_attention_fwd_triton, with_alibi, block_seq=16), atol=1e-3)
+    o = run_poisoned(decode_attention_fwd_triton, base, block_seq=16)
+    assert not torch.allclose(o, run_poisoned(decode_attention_fwd_triton, shorter, block_seq=16), atol=1e-3)
+    assert not torch.allclose(o, run_poisoned(decode_attention_fwd_triton, with_alibi, block_seq=16), atol=1e-3)
