@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -102,6 +103,9 @@ class ModelWorker:
         device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.tp_rank}")
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        else:
+            # ranks share the machine's cores; each one taking all of them would oversubscribe
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
         init_distributed(args.tp_rank, args.world_size, args.dist_init_method, device)
         params = ModelInitParams(
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
@@ -178,8 +182,17 @@ class ModelRpcServer(rpyc.Service):
 
 
 def _serve(socket_path: str) -> None:
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     server = ThreadedServer(ModelRpcServer(), socket_path=socket_path, protocol_config=RPYC_CONFIG)
     server.start()
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A worker outlives its router only by accident (the router was killed): then leave too,
+    rather than hold a GPU and a socket forever."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _start_worker_process(socket_path: str) -> subprocess.Popen:
