@@ -22,11 +22,14 @@ def smollm2():
 # On the GPU machine the tiny-model tests run with LLMSERVE_TEST_DTYPE=float32: exact batch
 # invariance is a property of fp32 arithmetic, not of bf16 matmuls whose tiling follows the batch.
 DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")
+# Several engines may share one GPU in these tests: size their KV caches instead of letting each
+# claim the card's free memory.
+KV_TOKENS = 8192
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
-    with LLM(tiny_llama_dir, dtype=DTYPE) as llm:
+    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS) as llm:
         yield llm
 
 
@@ -123,9 +126,9 @@ def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny_llama_dir, ti
 def test_tensor_parallel_2_matches_1(model_dir, request):
     path = request.getfixturevalue(model_dir)
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    with LLM(path, dtype=DTYPE) as tp1:
+    with LLM(path, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp1:
         expected = tp1.generate(PROMPTS, params)
-    with LLM(path, tp=2, dtype=DTYPE) as tp2:
+    with LLM(path, tp=2, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp2:
         got = tp2.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 

@@ -4,7 +4,6 @@ weight classes and layer-infer classes named as class attributes (lightllm's lay
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -78,11 +77,7 @@ class TpPartBaseModel:
         self.network_config_: PretrainedConfig = hf_config_from_dict(raw)
 
     def _verify_must(self) -> None:
-        cfg = self.network_config_
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", num_kv_heads)):
-            if n % self.world_size_:
-                raise ValueError(f"the model's {n} {what} are not divisible by tp={self.world_size_}")
+        verify_tp_split(self.network_config_, self.world_size_)
 
     def _verify_params(self) -> None:
         """Model-specific checks of the config (unsupported features fail here, not mid-forward)."""
@@ -132,14 +127,23 @@ class TpPartBaseModel:
         self.req_manager = ReqManager(self.params.max_req_num, self.max_seq_len, self.mem_manager, self.device)
 
     def _auto_kv_size(self, kv_dim_per_layer: int) -> int:
-        """KV slots that fit in what the weights left over (GPU), or a modest default (CPU)."""
+        """KV slots that fit in what the weights left over (GPU), or a modest default (CPU).
+
+        The budget is this process's share (``mem_fraction`` of the card, less what it holds
+        already) but never more than is actually free on the card less the headroom that
+        share leaves, so a second process on the same GPU gets a clear error here instead of
+        running out of memory mid-forward."""
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
         bytes_per_token = 2 * kv_dim_per_layer * self.network_config_.num_hidden_layers * self.data_type.itemsize
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = total * self.params.mem_fraction - torch.cuda.memory_reserved(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        fraction = self.params.mem_fraction
+        budget = min(total * fraction - torch.cuda.memory_reserved(self.device), free - total * (1 - fraction))
         if budget < bytes_per_token * 1024:
-            raise ValueError(f"not enough GPU memory left for the KV cache (mem_fraction={self.params.mem_fraction})")
+            raise ValueError(
+                f"not enough GPU memory left for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
+                f"(mem_fraction={fraction}); free memory, raise mem_fraction or set max_total_token_num"
+            )
         return int(budget // bytes_per_token)
 
     def _init_infer_layer(self) -> None:
@@ -210,6 +214,14 @@ class TpPartBaseModel:
         state.extra["input_ids"] = torch.as_tensor(input_ids).to(dev, torch.int64, non_blocking=True)
         state.init_some_extra_state(self)
         return state
+
+
+def verify_tp_split(cfg: PretrainedConfig, world_size: int) -> None:
+    """Tensor parallelism gives every rank whole attention heads and whole KV heads."""
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", num_kv_heads)):
+        if n % world_size:
+            raise ValueError(f"the model's {n} {what} are not divisible by tp={world_size}")
 
 
 def hf_config_from_dict(raw: dict) -> PretrainedConfig:

@@ -18,9 +18,9 @@ from llmserve.default_model import default_model_path
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.detokenize import IncrementalDetokenizer
 from llmserve.server.router.model_rpc import (
-    BatchEntry, ModelWorkerGroup, StepInput, WorkerInitArgs, free_tcp_port, peek_model_type,
+    BatchEntry, ModelWorkerGroup, StepInput, WorkerInitArgs, free_tcp_port, peek_model_config,
 )
-from llmserve.server.router.request import FinishReason, Request
+from llmserve.server.router.request import Request
 from llmserve.server.router.scheduler import Scheduler, SchedulerConfig
 from llmserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -48,9 +48,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_path = resolve_model_path(config.model)
-        peek_model_type_or_raise(self.model_path)   # fail fast, before starting any process
         if config.tp < 1:
             raise ValueError(f"tp must be >= 1, got {config.tp}")
+        model_type = check_model_before_start(self.model_path, config.tp)   # fail fast, before starting any process
         device = config.resolved_device()
         if device == "cuda" and config.tp > torch.cuda.device_count():
             raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {torch.cuda.device_count()}")
@@ -60,7 +60,7 @@ class LLMEngine:
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.workers = ModelWorkerGroup([
             WorkerInitArgs(
-                model_path=self.model_path, tp_rank=rank, world_size=config.tp, device=device, dtype=config.dtype,
+                model_path=self.model_path, model_type=model_type, tp_rank=rank, world_size=config.tp, device=device, dtype=config.dtype,
                 max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
                 max_req_num=config.max_running_requests, dist_init_method=init_method,
             )
@@ -169,7 +169,13 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def peek_model_type_or_raise(model_path: str) -> None:
+def check_model_before_start(model_path: str, tp: int) -> str:
+    """The errors a config alone reveals (unknown architecture, heads that tp cannot split),
+    raised in this process within a second instead of from every worker after start-up."""
+    from llmserve.common.basemodel.basemodel import hf_config_from_dict, verify_tp_split
     from llmserve.models.registry import get_model_class
 
-    get_model_class(peek_model_type(model_path))
+    raw = peek_model_config(model_path)
+    get_model_class(raw.get("model_type"))
+    verify_tp_split(hf_config_from_dict(raw), tp)
+    return raw["model_type"]

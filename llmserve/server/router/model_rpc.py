@@ -42,6 +42,7 @@ class WorkerError(RuntimeError):
 @dataclass
 class WorkerInitArgs:
     model_path: str
+    model_type: str                  # picks the model class (the router has read the config already)
     tp_rank: int
     world_size: int
     device: str                      # "cpu" or "cuda" (rank r takes cuda:r)
@@ -94,7 +95,6 @@ class ModelWorker:
 
     def __init__(self, args: WorkerInitArgs):
         from llmserve.common.basemodel import ModelInitParams
-        from llmserve.common.basemodel.basemodel import hf_config_from_dict
         from llmserve.common.distributed import init_distributed
         from llmserve.models.registry import get_model_class
         from llmserve.server.router.sampler import Sampler
@@ -112,7 +112,7 @@ class ModelWorker:
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
             mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
         )
-        model_cls = get_model_class(peek_model_type(args.model_path))
+        model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
         self.device = device
         self.sampler = Sampler() if args.tp_rank == 0 else None
@@ -159,13 +159,13 @@ class ModelWorker:
             self.model.req_manager.free_req(row)
 
 
-def peek_model_type(model_path: str) -> str | None:
-    """The architecture name, read cheaply before choosing the model class."""
+def peek_model_config(model_path: str) -> dict:
+    """The checkpoint's HF-style config, read cheaply (no weights) before choosing the model class."""
     if model_path.endswith(".gguf"):
-        from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_model_type
-        return gguf_model_type(model_path)
+        from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_config
+        return gguf_config(model_path)
     from llmserve.common.basemodel.layer_weights.hf_load_utils import load_hf_config
-    return load_hf_config(model_path).get("model_type")
+    return load_hf_config(model_path)
 
 
 class ModelRpcServer(rpyc.Service):

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 
-__all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "gguf_model_type", "ModelLoadError"]
+__all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "gguf_config", "ModelLoadError"]
 
 
 @dataclass
@@ -335,10 +335,7 @@ def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
     dequantize. ``progress`` shows a progress bar on stderr while dequantizing.
     """
     reader = _open_reader(path)
-    meta = _metadata(reader)
-    arch, spec = _arch_of(meta, path)
-    shapes = {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in reader.tensors}
-    config = _build_config(meta, arch, spec, shapes, path)
+    config, spec = _config_of(reader, path)
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     tensors: dict[str, torch.Tensor] = {}
@@ -354,7 +351,7 @@ def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
                 continue
             hf_name = _hf_name(t.name)
             if hf_name is None:
-                raise ModelLoadError(f"unexpected tensor {t.name} in {arch} GGUF file {path}")
+                raise ModelLoadError(f"unexpected tensor {t.name} in {config['model_type']} GGUF file {path}")
             w = _dequantize(t)
             kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
             if spec.permuted_qk and kind in n_heads:
@@ -376,7 +373,14 @@ def load_gguf_tokenizer(path: str) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer of GGUF file {path}: {e}") from e
 
 
-def gguf_model_type(path: str) -> str:
-    """The HF model_type of a GGUF file, from its metadata alone (no tensor is read)."""
-    _, spec = _arch_of(_metadata(_open_reader(path)), path)
-    return spec.model_type
+def _config_of(reader: GGUFReader, path: str) -> tuple[dict[str, Any], _ArchSpec]:
+    meta = _metadata(reader)
+    arch, spec = _arch_of(meta, path)
+    shapes = {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in reader.tensors}
+    return _build_config(meta, arch, spec, shapes, path), spec
+
+
+def gguf_config(path: str) -> dict[str, Any]:
+    """The HF-style config of a GGUF file from its metadata and tensor shapes alone (no tensor
+    data is read, so rope scaling stored as a rope_freqs tensor is not in it)."""
+    return _config_of(_open_reader(path), path)[0]

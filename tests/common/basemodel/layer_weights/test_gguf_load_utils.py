@@ -19,7 +19,7 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import (
     GGUFCheckpoint,
     ModelLoadError,
     _rope_scaling_from_freqs,
-    gguf_model_type,
+    gguf_config,
     load_gguf,
     load_gguf_tokenizer,
 )
@@ -229,7 +229,7 @@ def test_tiny_qwen2_biases_are_not_permuted(tmp_path: Path) -> None:
     hf = tiny_hf_tensors(np.random.default_rng(1), biases=True, untied=False)
     path = tmp_path / "tiny-qwen2.gguf"
     write_gguf(path, "qwen2", hf)
-    assert gguf_model_type(str(path)) == "qwen2"
+    assert gguf_config(str(path))["model_type"] == "qwen2"
     ck = load_gguf(str(path), progress=False)
     assert ck.config["model_type"] == "qwen2" and ck.config["architectures"] == ["Qwen2ForCausalLM"]
     assert ck.config["tie_word_embeddings"] is True
