@@ -179,13 +179,15 @@ class TpPartBaseModel:
             if self.req_manager.seq_len(r) != cached:
                 raise ValueError(f"request row {r} holds {self.req_manager.seq_len(r)} cached tokens, batch says {cached}")
         mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len)
-        state = self._build_infer_state(input_ids, b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits)
-        h = self.pre_infer.forward(state.extra.pop("input_ids"), state, self.pre_post_weight)
+        state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits)
+        input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
+        h = self.pre_infer.forward(input_ids, state, self.pre_post_weight)
         for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
             h = layer_infer.forward(h, state, layer_weight)
         return self.post_infer.forward(h, state, self.pre_post_weight)
 
-    def _build_infer_state(self, input_ids, b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits) -> InferStateInfo:
+    def _build_infer_state(self, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
+                           mem_index: torch.Tensor, return_all_logits: bool) -> InferStateInfo:
         dev = self.device
         q_len = torch.tensor(b_q_len, dtype=torch.int32)
         cached = torch.tensor(b_cached_len, dtype=torch.int32)
@@ -211,7 +213,6 @@ class TpPartBaseModel:
             req_manager=self.req_manager,
             return_all_logits=return_all_logits,
         )
-        state.extra["input_ids"] = torch.as_tensor(input_ids).to(dev, torch.int64, non_blocking=True)
         state.init_some_extra_state(self)
         return state
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +38,6 @@ class InferStateInfo:
     mem_manager: MemoryManager
     req_manager: ReqManager
     return_all_logits: bool = False
-    extra: dict = field(default_factory=dict)
 
     def init_some_extra_state(self, model: TpPartBaseModel) -> None:
         """Hook for model-specific per-forward state (e.g. rotary cos/sin for the positions)."""
