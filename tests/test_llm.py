@@ -40,6 +40,14 @@ def test_embedded_model_answers_paris(smollm2):
     assert out.finish_reason == "eos_token"
 
 
+def test_embedded_model_in_bfloat16_on_cpu():
+    with LLM(dtype="bfloat16") as llm:
+        assert llm.engine.info.dtype == "bfloat16"
+        prompt = llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+        (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))
+    assert "Paris" in out.text
+
+
 def test_embedded_model_greedy_matches_transformers(smollm2, default_model_path):
     from transformers import AutoModelForCausalLM
     import os
