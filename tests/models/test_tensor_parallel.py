@@ -1,7 +1,7 @@
 """Tensor parallelism at the logits level: two gloo ranks, each holding half the heads, half the
 MLP and half of an odd-sized (so zero-padded) vocabulary, must produce HF's logits."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import torch.multiprocessing as mp
