@@ -120,9 +120,10 @@ class ModelWorker:
 
     def info(self) -> WorkerInfo:
         m = self.model
-        n_params = sum(
-            t.numel() for w in [m.pre_post_weight, *m.trans_layers_weight] for t in vars(w).values() if isinstance(t, torch.Tensor)
-        )
+        # by identity: a tied lm_head is the embedding tensor itself
+        tensors = {id(t): t for w in [m.pre_post_weight, *m.trans_layers_weight] for t in vars(w).values()
+                   if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        n_params = sum(t.numel() for t in tensors.values())
         return WorkerInfo(
             model_type=m.network_config_.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
