@@ -7,6 +7,8 @@ numbers mean nothing beyond "it runs".
 
 from __future__ import annotations
 
+import argparse
+
 import datetime
 import json
 import platform
@@ -42,6 +44,13 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16,
     "float32": torch.float32, "fp32": torch.float32,
 }
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype and --json, which every benchmark takes."""
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

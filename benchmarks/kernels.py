@@ -51,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from common import (
+    add_device_arguments,
     cuda_time_ms,
     environment,
     markdown_table,
@@ -279,11 +280,9 @@ def context_table(results: list[ContextResult], ours_name: str) -> str:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
     p.add_argument("--quick", action="store_true", help="two tiny shapes per kernel (CPU smoke test)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 100, quick: 3)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_device_arguments(p)
     return p.parse_args()
 
 

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from common import (
+    add_device_arguments,
     IntervalTimer,
     environment,
     markdown_table,
@@ -286,11 +287,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before them")
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
     p.add_argument("--model-size", choices=sorted(CONFIGS), default="8b",
                    help="8b: Llama-3-8B shapes; tiny: 2 small layers, for CPU smoke tests")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_device_arguments(p)
     return p.parse_args()
 
 

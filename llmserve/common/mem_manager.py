@@ -250,13 +250,15 @@ class ReqManager:
         """
         return self.alloc_batch([req_idx], [n])
 
-    def alloc_batch(self, req_idxs: list[int], n_new: list[int]) -> torch.Tensor:
+    def alloc_batch(self, req_idxs: list[int], n_new: list[int], expected_lens: list[int] | None = None) -> torch.Tensor:
         """Slots for a whole forward batch in one pool allocation, all-or-nothing.
 
         Request ``req_idxs[i]`` gets ``n_new[i]`` new tokens; the returned slots are concatenated
         in batch order (request 0's first) and written into each row after its current length.
+        ``expected_lens``, if given, are the lengths the caller believes the rows have (the
+        router's view of the cache); a mismatch is a ``ValueError`` before anything changes.
         """
-        rows, counts = self._check_batch(req_idxs, n_new)
+        rows, counts = self._check_batch(req_idxs, n_new, expected_lens)
         total = int(counts.sum())
         slots = self.mem_manager.alloc(total)  # raises before anything below changes
         if total == 0:
@@ -300,7 +302,9 @@ class ReqManager:
             raise ValueError(f"request index {req_idx} is not allocated")
         return req_idx
 
-    def _check_batch(self, req_idxs: list[int], n_new: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_batch(
+        self, req_idxs: list[int], n_new: list[int], expected_lens: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated (rows, counts) as int64 CPU tensors; ``ValueError`` on any misuse."""
         req_idxs, n_new = list(req_idxs), list(n_new)
         if len(req_idxs) != len(n_new):
@@ -314,7 +318,15 @@ class ReqManager:
         n_new = [operator.index(n) for n in n_new]
         rows = torch.tensor(req_idxs, dtype=torch.int64)
         counts = torch.tensor(n_new, dtype=torch.int64)
-        new_lens = self._seq_len[rows] + counts
+        cur_lens = self._seq_len[rows]
+        if expected_lens is not None:
+            mismatch = cur_lens != torch.tensor(expected_lens, dtype=torch.int64)
+            if bool(mismatch.any()):
+                i = int(mismatch.nonzero()[0])
+                raise ValueError(
+                    f"request row {req_idxs[i]} holds {int(cur_lens[i])} cached tokens, the batch says {expected_lens[i]}"
+                )
+        new_lens = cur_lens + counts
         too_long = new_lens > self.max_sequence_length
         if bool(too_long.any()):
             i = int(too_long.nonzero()[0])

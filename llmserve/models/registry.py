@@ -22,3 +22,14 @@ def get_model_class(model_type: str | None) -> type[TpPartBaseModel]:
         raise ModelLoadError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}"
         ) from None
+
+
+def peek_model_config(model_path: str) -> dict:
+    """The checkpoint's HF-style config, read cheaply (no weights) before choosing the model class."""
+    if model_path.endswith(".gguf"):
+        from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_config
+
+        return gguf_config(model_path)
+    from llmserve.common.basemodel.layer_weights.hf_load_utils import load_hf_config
+
+    return load_hf_config(model_path)

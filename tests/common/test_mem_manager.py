@@ -378,3 +378,14 @@ KVMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVMachine = KVMachine.TestCase
+
+
+def test_alloc_batch_rejects_a_stale_view_of_the_cache() -> None:
+    mem = make_mem(16)
+    reqs = ReqManager(4, 8, mem)
+    a, b = reqs.alloc_req(), reqs.alloc_req()
+    reqs.alloc_batch([a, b], [3, 2], expected_lens=[0, 0])
+    before = snapshot(mem)
+    with pytest.raises(ValueError, match="holds 2 cached tokens, the batch says 3"):
+        reqs.alloc_batch([a, b], [1, 1], expected_lens=[3, 3])
+    assert snapshot(mem) == before and reqs.seq_len(a) == 3 and reqs.seq_len(b) == 2

@@ -175,10 +175,7 @@ class TpPartBaseModel:
         maps its first ``b_cached_len[i]`` tokens) brings ``b_q_len[i]`` new tokens, packed in
         ``input_ids``. Their KV slots are allocated here. Returns float32 logits: one row per
         request (its last new token), or one per new token with ``return_all_logits``."""
-        for r, cached in zip(b_req_idx, b_cached_len):
-            if self.req_manager.seq_len(r) != cached:
-                raise ValueError(f"request row {r} holds {self.req_manager.seq_len(r)} cached tokens, batch says {cached}")
-        mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len)
+        mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len, expected_lens=b_cached_len)
         state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits)
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
         h = self.pre_infer.forward(input_ids, state, self.pre_post_weight)
@@ -188,7 +185,6 @@ class TpPartBaseModel:
 
     def _build_infer_state(self, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
                            mem_index: torch.Tensor, return_all_logits: bool) -> InferStateInfo:
-        dev = self.device
         q_len = torch.tensor(b_q_len, dtype=torch.int32)
         cached = torch.tensor(b_cached_len, dtype=torch.int32)
         q_start = torch.cumsum(q_len, 0, dtype=torch.int32) - q_len
@@ -196,18 +192,22 @@ class TpPartBaseModel:
         total = int(q_len.sum())
         # position of each new token: its request's cached length plus its index among the new ones
         positions = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave((q_start - cached).long(), q_len.long())
+        # one host-to-device copy for all the per-request columns (each copy costs a launch)
+        req_idx_d, q_start_d, q_len_d, cached_d, seq_len_d = torch.stack(
+            [torch.tensor(b_req_idx, dtype=torch.int32), q_start, q_len, cached, seq_len]
+        ).to(self.device, non_blocking=True)
         state = self.infer_state_class(
             batch_size=len(b_req_idx),
             total_token_num=total,
             is_decode=total == len(b_req_idx) and not return_all_logits,
-            b_req_idx=torch.tensor(b_req_idx, dtype=torch.int32).to(dev, non_blocking=True),
-            b_q_start=q_start.to(dev, non_blocking=True),
-            b_q_len=q_len.to(dev, non_blocking=True),
-            b_cached_len=cached.to(dev, non_blocking=True),
-            b_seq_len=seq_len.to(dev, non_blocking=True),
+            b_req_idx=req_idx_d,
+            b_q_start=q_start_d,
+            b_q_len=q_len_d,
+            b_cached_len=cached_d,
+            b_seq_len=seq_len_d,
             max_q_len=max(b_q_len),
             max_seq_len=int(seq_len.max()),
-            position_ids=positions.to(dev, non_blocking=True),
+            position_ids=positions.to(self.device, non_blocking=True),
             mem_index=mem_index,
             mem_manager=self.mem_manager,
             req_manager=self.req_manager,

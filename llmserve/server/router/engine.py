@@ -18,7 +18,7 @@ from llmserve.default_model import default_model_path
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.detokenize import IncrementalDetokenizer
 from llmserve.server.router.model_rpc import (
-    BatchEntry, ModelWorkerGroup, StepInput, WorkerInitArgs, free_tcp_port, peek_model_config,
+    BatchEntry, ModelWorkerGroup, StepInput, WorkerInitArgs, free_tcp_port,
 )
 from llmserve.server.router.request import Request
 from llmserve.server.router.scheduler import Scheduler, SchedulerConfig
@@ -141,7 +141,7 @@ class LLMEngine:
         start = req.num_cached
         prefill = start == 0   # first run, or re-run after preemption: (re)send the sampling setup
         return BatchEntry(
-            req_id=req.req_id, token_ids=req.all_token_ids[start:start + num_new], num_cached=start,
+            req_id=req.req_id, token_ids=req.token_slice(start, start + num_new), num_cached=start,
             params=req.params if prefill else None, prompt_token_ids=req.prompt_token_ids if prefill else None,
         )
 
@@ -173,7 +173,7 @@ def check_model_before_start(model_path: str, tp: int) -> str:
     """The errors a config alone reveals (unknown architecture, heads that tp cannot split),
     raised in this process within a second instead of from every worker after start-up."""
     from llmserve.common.basemodel.basemodel import hf_config_from_dict, verify_tp_split
-    from llmserve.models.registry import get_model_class
+    from llmserve.models.registry import get_model_class, peek_model_config
 
     raw = peek_model_config(model_path)
     get_model_class(raw.get("model_type"))

@@ -160,15 +160,6 @@ class ModelWorker:
             self.model.req_manager.free_req(row)
 
 
-def peek_model_config(model_path: str) -> dict:
-    """The checkpoint's HF-style config, read cheaply (no weights) before choosing the model class."""
-    if model_path.endswith(".gguf"):
-        from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_config
-        return gguf_config(model_path)
-    from llmserve.common.basemodel.layer_weights.hf_load_utils import load_hf_config
-    return load_hf_config(model_path)
-
-
 class ModelRpcServer(rpyc.Service):
     """The rpyc face of a ModelWorker: bytes in, bytes out."""
 

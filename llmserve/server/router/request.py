@@ -59,6 +59,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without concatenating the whole sequence (a decode step
+        needs only its last token)."""
+        n_prompt = len(self.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:stop] + self.output_token_ids[: max(0, stop - n_prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -152,3 +152,12 @@ def test_streamed_text_is_final_text_without_stop_strings(pieces: list[str], sto
         assert any(full_text[len(req.output_text) :].startswith(s) for s in stop)
     else:
         assert req.output_text == full_text
+
+
+def test_token_slice_equals_slicing_all_token_ids():
+    req = Request(req_id=0, prompt_token_ids=[10, 11, 12, 13], params=SamplingParams(max_new_tokens=8))
+    req.output_token_ids = [20, 21, 22]
+    everything = req.all_token_ids
+    for start in range(len(everything) + 1):
+        for stop in range(start, len(everything) + 1):
+            assert req.token_slice(start, stop) == everything[start:stop], (start, stop)
