@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from llmserve.sampling_params import SamplingParams
@@ -27,10 +28,38 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--mem-fraction", type=float, default=0.85,
+                   help="on GPU, the share of the memory left after the weights that the KV cache may take (default: 0.85)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="most tokens of one request, prompt + max_new_tokens; longer requests get a 422 (default: the model's context, capped by the KV cache)")
+    p.add_argument("--max-input-tokens", type=int, default=None,
+                   help="most prompt tokens of one request (default: max-total-tokens - 1)")
+    p.add_argument("--max-concurrent-requests", type=int, default=128,
+                   help="client requests in flight at once; more get HTTP 429 'overloaded' (default: 128)")
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=8192,
+                   help="prompt tokens prefilled in one step; a longer single prompt still runs, alone (default: 8192)")
+    p.add_argument("--max-running-requests", type=int, default=256,
+                   help="requests decoded together in one batch (default: 256)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own template)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send to the OpenAI endpoints (default: the model file or directory name)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $LLMSERVE_API_KEY, else none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference with a token-level KV cache and Triton kernels.")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the model over HTTP (TGI and OpenAI APIs)",
+                           description="Serve a model over HTTP: TGI's /generate and /generate_stream, OpenAI's "
+                                       "/v1/completions and /v1/chat/completions, /health, /info and /metrics.")
+    _add_model_args(serve)
+    _add_serve_args(serve)
 
     gen = sub.add_parser("generate", help="continue a raw text prompt")
     gen.add_argument("prompt", nargs="+", help="one or more prompts, generated together in one batch")
@@ -40,7 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         _add_model_args(p)
         _add_sampling_args(p)
+    for p in (serve, gen, chat):
+        p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from llmserve.server.api.state import ServerConfig
+    from llmserve.server.router.engine import EngineConfig
+    from llmserve.server.serve import run_server
+
+    engine_config = EngineConfig(
+        model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
+        mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_batch_prefill_tokens,
+    )
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,
+        max_concurrent_requests=args.max_concurrent_requests, max_total_tokens=args.max_total_tokens,
+        max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+    )
+    return run_server(engine_config, config, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmserve.server.router.model_rpc import WorkerError
 
     try:
+        if args.command == "serve":
+            return serve(args)
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,

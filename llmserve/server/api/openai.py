@@ -1,0 +1,355 @@
+"""OpenAI's interface: /v1/models, /v1/completions and /v1/chat/completions.
+
+Field names, defaults and response shapes are OpenAI's; the extra sampling fields vLLM users
+rely on (top_k, repetition_penalty, ignore_eos, min_tokens, stop_token_ids) are accepted too.
+Streams are SSE chunks ending in ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request as HTTPRequest
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.api.errors import APIError, generation_error, model_not_found_error, validation_error
+from llmserve.server.api.state import ServerState, collect, fresh_seed, stream_with_cleanup
+from llmserve.server.api.streaming import merge_streams, sse_response
+from llmserve.server.metrics import RequestOutcome
+from llmserve.server.router.async_engine import EngineError, RequestStream, TokenEvent
+from llmserve.server.router.request import FinishReason
+
+MAX_N = 128
+MAX_LOGPROBS = 20      # vLLM's limit for both completions' logprobs and chat's top_logprobs
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+
+# Clients that do not know the served name send a placeholder: huggingface_hub's InferenceClient
+# sends "dummy" with a base URL, TGI's docs use "tgi". TGI itself ignores the field.
+MODEL_PLACEHOLDERS = frozenset({"tgi", "dummy"})
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints share."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")   # name, tool_call_id, ... go to the template as they are
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _check(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise validation_error(message, param)
+
+
+# -- requests -> SamplingParams ----------------------------------------------------------
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_names and model not in MODEL_PLACEHOLDERS:
+        raise model_not_found_error(model)
+
+
+def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
+                    max_tokens_param: str, logprobs: int | None) -> SamplingParams:
+    """The shared OpenAI fields -> SamplingParams for one choice (the caller varies the seed)."""
+    _check(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    _check(body.temperature is None or 0 <= body.temperature <= 2, "temperature must be in [0, 2]", "temperature")
+    _check(body.top_p is None or 0 < body.top_p <= 1, "top_p must be in (0, 1]", "top_p")
+    _check(-2 <= body.presence_penalty <= 2, "presence_penalty must be in [-2, 2]", "presence_penalty")
+    _check(-2 <= body.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
+    _check(body.top_k is None or body.top_k >= -1, "top_k must be -1 or 0 (no limit) or positive", "top_k")
+    _check(body.repetition_penalty is None or body.repetition_penalty > 0, "repetition_penalty must be > 0", "repetition_penalty")
+    _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
+    _check(max_tokens is None or max_tokens >= 1, f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+    _check(body.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
+    vocab = state.vocab_size
+    _check(all(0 <= t < vocab for t in body.stop_token_ids or []), f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    _check(all(stop), "stop sequences must be non-empty", "stop")
+    if max_tokens is None:            # as much as fits, like vLLM
+        max_tokens = state.room_for(num_prompt_tokens)
+    _check(body.min_tokens <= max_tokens, f"min_tokens ({body.min_tokens}) must be <= {max_tokens_param} ({max_tokens})", "min_tokens")
+    state.check_lengths(num_prompt_tokens, max_tokens, max_tokens_param)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0), repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs,
+    )
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n choices of one prompt: the same settings, each its own random stream (seed + i), so a
+    seeded request is reproducible and its choices still differ."""
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def usage(prompt_tokens: int, streams: list[RequestStream]) -> dict[str, int]:
+    completion = sum(s.request.num_output_tokens for s in streams)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def _logprob(value: float | None) -> float:
+    return -9999.0 if value is None else max(value, -9999.0)
+
+
+# -- completions -------------------------------------------------------------------------
+
+async def completion_prompts(body: CompletionRequest, state: ServerState) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    _check(len(prompt) > 0, "prompt must not be empty", "prompt")
+    prompts = [await asyncio.to_thread(state.encode, p) if isinstance(p, str) else list(p) for p in prompt]
+    _check(all(len(p) > 0 for p in prompts), "prompt must not be empty", "prompt")
+    vocab = state.vocab_size
+    _check(all(0 <= t < vocab for p in prompts for t in p), f"prompt token ids must be in [0, {vocab})", "prompt")
+    return prompts
+
+
+def completion_logprobs(state: ServerState, events: list[TokenEvent], start_offset: int) -> dict[str, Any]:
+    tokens, offsets, offset = [], [], start_offset
+    for e in events:
+        tokens.append(state.token_text(e.token_id))
+        offsets.append(offset)
+        offset += len(e.text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(e.logprob) for e in events],
+        "top_logprobs": [{state.token_text(t): _logprob(lp) for t, lp in e.top_logprobs or []} for e in events],
+        "text_offset": offsets,
+    }
+
+
+# -- chat --------------------------------------------------------------------------------
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.get("type") != "text":
+            raise validation_error(f"content part of type {part.get('type')!r} is not supported by this model", "messages")
+        parts.append(TextPart.model_validate(part).text)
+    return "".join(parts)
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
+    _check(not body.tools, "tools are not supported", "tools")
+    _check(body.response_format in (None, {"type": "text"}), "response_format other than text is not supported",
+           "response_format")
+    messages = [m.model_dump(exclude_none=True) | {"content": message_text(m)} for m in body.messages]
+    try:
+        return state.render_chat(messages)
+    except APIError:
+        raise
+    except Exception as e:   # the template rejected the conversation (Jinja's raise_exception)
+        raise validation_error(f"the chat template cannot render these messages: {e}", "messages") from None
+
+
+def chat_logprobs(state: ServerState, events: list[TokenEvent]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+        text = state.token_text(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+    return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or []]}
+                        for e in events]}
+
+
+# -- routes ------------------------------------------------------------------------------
+
+def build_router(state: ServerState) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.started_at, "owned_by": "llmserve",
+            "root": state.model_path, "max_model_len": state.limits.max_total_tokens,
+        }]}
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, http_request: HTTPRequest):
+        check_model(state, body.model)
+        _check(body.suffix is None, "suffix is not supported", "suffix")
+        _check(body.best_of in (None, 1), "best_of > 1 is not supported", "best_of")
+        _check(body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        prompts = await completion_prompts(body, state)
+        params = [choice_params(sampling_params(body, state, len(p), body.max_tokens, "max_tokens", body.logprobs), body.n)
+                  for p in prompts]
+        prompt_texts = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
+
+        def choice_text(i: int, text: str, first: bool) -> str:
+            return prompt_texts[i // body.n] + text if (prompt_texts and first) else text
+
+        def make_choice(i: int, text: str, events: list[TokenEvent], reason: FinishReason | None, first: bool) -> dict[str, Any]:
+            logprobs = None
+            if body.logprobs is not None:
+                start = len(prompt_texts[i // body.n]) if prompt_texts else 0
+                logprobs = completion_logprobs(state, events, start)
+            return {"index": i, "text": choice_text(i, text, first), "logprobs": logprobs,
+                    "finish_reason": finish_reason(reason), "stop_reason": None}
+
+        return await run_openai(
+            state, body, http_request, [(p, cp) for p, ps in zip(prompts, params) for cp in ps],
+            object_name="text_completion", id_prefix="cmpl",
+            full_choice=lambda i, s, events: make_choice(i, s.request.output_text, events, s.request.finish_reason, True),
+            chunk_choice=lambda i, e, first: make_choice(i, e.text, [e], e.finish_reason, first),
+            num_prompt_tokens=sum(len(p) for p in prompts),
+        )
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
+        check_model(state, body.model)
+        _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
+               f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
+        prompt_text = render_chat(state, body)
+        # The template writes the special tokens (BOS included) itself.
+        prompt = await asyncio.to_thread(state.encode, prompt_text, False)
+        if body.max_completion_tokens is not None:
+            max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, param = body.max_tokens, "max_tokens"
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, param, logprobs), body.n)
+
+        def full_choice(i: int, s: RequestStream, events: list[TokenEvent]) -> dict[str, Any]:
+            return {"index": i, "message": {"role": "assistant", "content": s.request.output_text},
+                    "logprobs": chat_logprobs(state, events) if body.logprobs else None,
+                    "finish_reason": finish_reason(s.request.finish_reason)}
+
+        def chunk_choice(i: int, e: TokenEvent, first: bool) -> dict[str, Any]:
+            delta = {"role": "assistant", "content": e.text} if first else {"content": e.text}
+            return {"index": i, "delta": delta, "logprobs": chat_logprobs(state, [e]) if body.logprobs else None,
+                    "finish_reason": finish_reason(e.finish_reason)}
+
+        return await run_openai(
+            state, body, http_request, [(prompt, p) for p in params], object_name="chat.completion", id_prefix="chatcmpl",
+            full_choice=full_choice, chunk_choice=chunk_choice, num_prompt_tokens=len(prompt),
+        )
+
+    return router
+
+
+async def run_openai(
+    state: ServerState, body: SamplingFields, http_request: HTTPRequest,
+    jobs: list[tuple[list[int], SamplingParams]], *, object_name: str, id_prefix: str,
+    full_choice: Callable[[int, RequestStream, list[TokenEvent]], dict[str, Any]],
+    chunk_choice: Callable[[int, TokenEvent, bool], dict[str, Any]],
+    num_prompt_tokens: int,
+):
+    """Start one engine request per choice, then answer in one JSON body or as a stream."""
+    slot = state.admit()
+    streams: list[RequestStream] = []
+    try:
+        for prompt, params in jobs:
+            streams.append(state.start(prompt, params))
+    except APIError:
+        for s in streams:
+            s.abort()
+        slot.release()
+        raise
+    header = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+
+    if not body.stream:
+        try:
+            all_events = await collect(streams, http_request, state)
+        except EngineError as e:
+            state.metrics.count(RequestOutcome.ERROR)
+            raise generation_error(str(e)) from None
+        finally:
+            slot.release()
+        state.metrics.count(RequestOutcome.SUCCESS)
+        return header | {"object": object_name,
+                         "choices": [full_choice(i, s, ev) for i, (s, ev) in enumerate(zip(streams, all_events))],
+                         "usage": usage(num_prompt_tokens, streams)}
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    chunk_header = header | {"object": object_name + ".chunk" if object_name == "chat.completion" else object_name}
+
+    async def chunks() -> AsyncIterator[dict[str, Any] | str]:
+        started = [False] * len(streams)
+        try:
+            async for i, event in merge_streams(streams):
+                chunk = chunk_header | {"choices": [chunk_choice(i, event, not started[i])]}
+                started[i] = True
+                yield chunk | ({"usage": None} if include_usage else {})
+            if include_usage:
+                yield chunk_header | {"choices": [], "usage": usage(num_prompt_tokens, streams)}
+            state.metrics.count(RequestOutcome.SUCCESS)
+        except EngineError as e:
+            state.metrics.count(RequestOutcome.ERROR)
+            yield generation_error(str(e)).openai_body()
+        yield "[DONE]"
+
+    return sse_response(stream_with_cleanup(streams, chunks(), state, slot))

@@ -1,0 +1,192 @@
+"""What every route handler shares: the router, the tokenizer, the limits, the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.api.errors import generation_error, overloaded_error, validation_error
+from llmserve.server.metrics import RequestOutcome, ServerMetrics
+from llmserve.server.router.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_concurrent_requests: int = 128     # client requests in flight; beyond: 429
+    max_total_tokens: int | None = None    # prompt + max_new_tokens; None: what the model and KV pool allow
+    max_input_tokens: int | None = None    # None: max_total_tokens - 1
+    max_top_n_tokens: int = 5
+    served_model_name: str | None = None   # None: the model file or directory name
+    chat_template: str | None = None       # a Jinja file; None: the tokenizer's own template
+
+
+@dataclass
+class Limits:
+    max_total_tokens: int
+    max_input_tokens: int
+    max_concurrent_requests: int
+    max_top_n_tokens: int
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics):
+        self.config = config
+        self.engine = engine
+        self.metrics = metrics
+        self.model_path = engine.engine.model_path
+        self.model_name = config.served_model_name or default_model_name(self.model_path)
+        # The names an OpenAI request may use for this model.
+        self.model_names = frozenset({self.model_name, self.model_path, os.path.basename(self.model_path)})
+        self.started_at = int(time.time())
+        self.tokenizer = engine.engine.tokenizer
+        self.chat_template = load_chat_template(config.chat_template)
+        info = engine.engine.info
+        self.info = info
+        self.vocab_size = info.vocab_size
+        model_limit = min(info.max_seq_len, info.max_total_token_num)
+        max_total = min(config.max_total_tokens or model_limit, model_limit)
+        max_input = min(config.max_input_tokens or max_total - 1, max_total - 1)
+        if max_input < 1:
+            raise ValueError(f"max_input_tokens must be >= 1 (max_total_tokens is {max_total})")
+        self.limits = Limits(max_total, max_input, config.max_concurrent_requests, config.max_top_n_tokens)
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self._in_flight = 0
+
+    # -- admission -------------------------------------------------------------------
+    def admit(self) -> Slot:
+        """Take a concurrency slot for one client request, or raise the 429 TGI gives."""
+        if self._in_flight >= self.limits.max_concurrent_requests:
+            self.metrics.count(RequestOutcome.OVERLOADED)
+            raise overloaded_error()
+        self._in_flight += 1
+        self.metrics.in_flight.inc()
+        return Slot(self)
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        self.metrics.in_flight.dec()
+
+    # -- tokens ----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text of a conversation, ending where the assistant's answer starts."""
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise validation_error("this model has no chat template: start the server with --chat-template FILE", "messages")
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int, param: str = "max_new_tokens") -> None:
+        """TGI's rules: the prompt within max_input_tokens, prompt + new within max_total_tokens."""
+        lim = self.limits
+        if num_prompt_tokens > lim.max_input_tokens:
+            raise validation_error(
+                f"`inputs` must have less than {lim.max_input_tokens + 1} tokens. Given: {num_prompt_tokens}", "prompt")
+        if num_prompt_tokens + max_new_tokens > lim.max_total_tokens:
+            raise validation_error(
+                f"`inputs` tokens + `{param}` must be <= {lim.max_total_tokens}. "
+                f"Given: {num_prompt_tokens} `inputs` tokens and {max_new_tokens} `{param}`", param)
+
+    def room_for(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may generate."""
+        return max(1, self.limits.max_total_tokens - num_prompt_tokens)
+
+    def start(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a generation; bad parameters become a 422, a dead engine a 424."""
+        try:
+            return self.engine.generate(prompt_token_ids, params)
+        except ValueError as e:
+            raise validation_error(str(e)) from None
+        except EngineError as e:
+            raise generation_error(str(e)) from None
+
+
+def default_model_name(model_path: str) -> str:
+    """``/models/SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``."""
+    return os.path.basename(model_path.rstrip(os.sep)).removesuffix(".gguf")
+
+
+def load_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read the chat template {path!r}: {e.strerror}") from None
+
+
+def fresh_seed() -> int:
+    """A seed for a sampling request that did not bring one, so that it can be reported back."""
+    return secrets.randbits(63)
+
+
+class Slot:
+    """One client request's share of --max-concurrent-requests; release() is idempotent."""
+
+    def __init__(self, state: ServerState):
+        self._state: ServerState | None = state
+
+    def release(self) -> None:
+        if self._state is not None:
+            self._state._release()
+            self._state = None
+
+
+async def collect(streams: list[RequestStream], http_request: HTTPRequest, state: ServerState) -> list[list[TokenEvent]]:
+    """Run streams to the end for a non-streaming response. If the client disconnects first, abort
+    them (their KV slots are freed at once) and raise CancelledError."""
+
+    async def drain(stream: RequestStream) -> list[TokenEvent]:
+        return [event async for event in stream]
+
+    results = asyncio.gather(*(drain(s) for s in streams))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(http_request))
+    try:
+        done, _ = await asyncio.wait([results, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if results in done:
+            return results.result()       # raises EngineError if the engine failed
+        state.metrics.count(RequestOutcome.ABORTED)
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        watcher.cancel()
+        results.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def _wait_for_disconnect(http_request: HTTPRequest, poll_s: float = 0.2) -> None:
+    while not await http_request.is_disconnected():
+        await asyncio.sleep(poll_s)
+
+
+async def stream_with_cleanup(streams: list[RequestStream], events: AsyncIterator[Any], state: ServerState,
+                              slot: Slot) -> AsyncIterator[Any]:
+    """Wrap an SSE generator: whatever ends it (done, error, client gone, shutdown), abort the
+    streams that are still running and give the concurrency slot back."""
+    try:
+        async with aclosing(events):
+            async for item in events:
+                yield item
+    finally:
+        if any(not s.finished for s in streams):
+            state.metrics.count(RequestOutcome.ABORTED)
+        for s in streams:
+            s.abort()
+        slot.release()

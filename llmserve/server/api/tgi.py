@@ -1,0 +1,238 @@
+"""Text Generation Inference's interface: /generate, /generate_stream, / and /tokenize.
+
+Request fields, validation ranges and event shapes follow TGI (and the seed document): a
+stream is one SSE event per token, the last one carrying ``generated_text`` and ``details``;
+an error (a failed engine) is an event ``{"error": ..., "error_type": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request as HTTPRequest
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.api.errors import APIError, generation_error, validation_error
+from llmserve.server.api.state import ServerState, collect, fresh_seed, stream_with_cleanup
+from llmserve.server.api.streaming import sse_response
+from llmserve.server.metrics import RequestOutcome
+from llmserve.server.router.async_engine import EngineError, RequestStream, TokenEvent
+
+DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
+MAX_STOP_SEQUENCES = 1024
+MAX_STOP_LENGTH = 1024
+_MAX_SEED = 2**64 - 1
+
+
+class TGIParameters(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    adapter_id: str | None = None
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    details: bool = False
+    do_sample: bool | None = None
+    frequency_penalty: float | None = None
+    grammar: Any = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = False
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False   # accepted and ignored: no watermarking here
+
+
+class TGIRequest(BaseModel):
+    inputs: str
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    inputs: str
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise validation_error(message)
+
+
+def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int) -> SamplingParams:
+    """TGI parameters -> SamplingParams, with TGI's validation messages."""
+    _check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
+    _check(p.top_p is None or 0 < p.top_p < 1, "`top_p` must be > 0.0 and < 1.0")
+    _check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
+    _check(p.typical_p is None or 0 < p.typical_p < 1, "`typical_p` must be > 0.0 and < 1.0")
+    _check(p.repetition_penalty is None or p.repetition_penalty > 0, "`repetition_penalty` must be strictly positive")
+    _check(p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0")
+    _check(p.max_new_tokens is None or p.max_new_tokens > 0, "`max_new_tokens` must be strictly positive")
+    _check(p.seed is None or 0 <= p.seed <= _MAX_SEED, f"`seed` must be in [0, {_MAX_SEED}]")
+    lim = state.limits.max_top_n_tokens
+    _check(p.top_n_tokens is None or 0 <= p.top_n_tokens <= lim,
+           f"`top_n_tokens` must be >= 0 and <= {lim}. Given: {p.top_n_tokens}")
+    _check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
+    _check(p.grammar is None, "`grammar` is not supported")
+    _check(p.adapter_id in (None, "None"), f"adapter `{p.adapter_id}` is not loaded: this server serves no LoRA adapters")
+    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    _check(len(stop) <= MAX_STOP_SEQUENCES, f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stop)}")
+    _check(all(1 <= len(s) <= MAX_STOP_LENGTH for s in stop), f"each `stop` sequence must have 1 to {MAX_STOP_LENGTH} characters")
+
+    # TGI samples when asked to, or when any warper is set (the text-generation client always
+    # sends do_sample=false, and a temperature of 0.7 there still means sampling).
+    sample = bool(p.do_sample) or (p.temperature is not None and p.temperature != 1.0) or any(
+        v is not None for v in (p.top_k, p.top_p, p.typical_p))
+    if p.max_new_tokens is None:
+        max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, state.room_for(num_prompt_tokens))
+    else:
+        max_new_tokens = p.max_new_tokens
+    state.check_lengths(num_prompt_tokens, max_new_tokens)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=(p.temperature or 1.0) if sample else 0.0,
+        top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+        repetition_penalty=p.repetition_penalty or 1.0, frequency_penalty=p.frequency_penalty or 0.0,
+        seed=(p.seed if p.seed is not None else fresh_seed()) if sample else None,
+        stop=stop,
+        logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
+        prompt_logprobs=0 if p.decoder_input_details else None,
+    )
+
+
+async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], SamplingParams]:
+    _check(body.inputs != "", "`inputs` cannot be empty")
+    p = body.parameters
+    _check(p.truncate is None or 0 < p.truncate <= state.limits.max_input_tokens,
+           f"`truncate` must be strictly positive and less than {state.limits.max_input_tokens + 1}. Given: {p.truncate}")
+    ids = await asyncio.to_thread(state.encode, body.inputs)
+    if p.truncate is not None:
+        ids = ids[-p.truncate:]
+    _check(len(ids) > 0, "`inputs` encodes to no tokens")
+    return ids, sampling_params(p, state, len(ids))
+
+
+# -- response pieces ---------------------------------------------------------------------
+
+def _logprob(value: float | None) -> float | None:
+    # JSON has no -inf; a token the model rules out entirely gets a very negative number instead.
+    return None if value is None else max(value, -9999.0)
+
+
+def token_json(state: ServerState, token_id: int, text: str, logprob: float | None) -> dict[str, Any]:
+    return {"id": token_id, "text": text, "logprob": _logprob(logprob), "special": token_id in state.special_ids}
+
+
+def top_tokens_json(state: ServerState, event: TokenEvent) -> list[dict[str, Any]]:
+    return [token_json(state, tid, state.token_text(tid), lp) for tid, lp in (event.top_logprobs or [])]
+
+
+def prefill_json(state: ServerState, stream: RequestStream) -> list[dict[str, Any]]:
+    req = stream.request
+    logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
+    return [{"id": tid, "text": state.token_text(tid), "logprob": _logprob(lp)}
+            for tid, lp in zip(req.prompt_token_ids, logprobs)]
+
+
+def stream_details(stream: RequestStream) -> dict[str, Any]:
+    req = stream.request
+    return {"finish_reason": req.finish_reason.value, "generated_tokens": req.num_output_tokens,
+            "seed": req.params.seed, "input_length": req.num_prompt_tokens, "prompt_tokens": req.num_prompt_tokens}
+
+
+def generated_text(body: TGIRequest, stream: RequestStream) -> str:
+    prefix = body.inputs if body.parameters.return_full_text else ""
+    return prefix + stream.request.output_text
+
+
+# -- routes ------------------------------------------------------------------------------
+
+def build_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    async def generate_json(body: TGIRequest, http_request: HTTPRequest) -> dict[str, Any]:
+        ids, params = await prepare(body, state)
+        slot = state.admit()
+        try:
+            stream = state.start(ids, params)
+            try:
+                [events] = await collect([stream], http_request, state)
+            except EngineError as e:
+                state.metrics.count(RequestOutcome.ERROR)
+                raise generation_error(str(e)) from None
+        finally:
+            slot.release()
+        state.metrics.count(RequestOutcome.SUCCESS)
+        response: dict[str, Any] = {"generated_text": generated_text(body, stream)}
+        p = body.parameters
+        if p.details or p.decoder_input_details:
+            response["details"] = stream_details(stream) | {
+                "prefill": prefill_json(state, stream) if p.decoder_input_details else [],
+                "tokens": [token_json(state, e.token_id, e.text, e.logprob) for e in events],
+                "top_tokens": [top_tokens_json(state, e) for e in events] if p.top_n_tokens else None,
+                "best_of_sequences": None,
+            }
+        return response
+
+    async def generate_sse(body: TGIRequest) -> EventSourceResponse:
+        _check(not body.parameters.decoder_input_details,
+               "`decoder_input_details` == true is not supported when streaming tokens")
+        ids, params = await prepare(body, state)
+        slot = state.admit()
+        try:
+            stream = state.start(ids, params)
+        except APIError:
+            slot.release()
+            raise
+
+        async def events():
+            index = 0
+            try:
+                async for event in stream:
+                    index += 1
+                    last = event.finish_reason is not None
+                    yield {
+                        "index": index,
+                        "token": token_json(state, event.token_id, event.text, event.logprob),
+                        "top_tokens": top_tokens_json(state, event),
+                        "generated_text": generated_text(body, stream) if last else None,
+                        "details": stream_details(stream) if last else None,
+                    }
+                state.metrics.count(RequestOutcome.SUCCESS)
+            except EngineError as e:
+                state.metrics.count(RequestOutcome.ERROR)
+                yield generation_error(str(e)).tgi_body()
+
+        return sse_response(stream_with_cleanup([stream], events(), state, slot))
+
+    @router.post("/generate")
+    async def generate(body: TGIRequest, http_request: HTTPRequest):
+        return await generate_json(body, http_request)
+
+    @router.post("/generate_stream")
+    async def generate_stream(body: TGIRequest):
+        return await generate_sse(body)
+
+    @router.post("/")
+    async def compat_generate(body: TGIRequest, http_request: HTTPRequest):
+        # TGI's root route answers a list, as the HF Inference API did.
+        if body.stream:
+            return await generate_sse(body)
+        return [await generate_json(body, http_request)]
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check(body.inputs != "", "`inputs` cannot be empty")
+        enc = await asyncio.to_thread(state.tokenizer, body.inputs, return_offsets_mapping=True)
+        return [{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
+                for tid, (start, stop) in zip(enc.input_ids, enc.offset_mapping)]
+
+    return router

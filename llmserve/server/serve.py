@@ -1,0 +1,99 @@
+"""``llmserve serve``: load the model, start the router, serve HTTP until told to stop.
+
+Shutdown order on SIGINT / SIGTERM: every open request ends with an error event (so streams
+close cleanly instead of being cut), uvicorn stops accepting and drains, then the router stops
+and the worker processes exit. If a worker dies, /health turns 503, open requests fail, and the
+process exits non-zero rather than serving errors forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from llmserve.server.api.app import create_app
+from llmserve.server.api.state import ServerConfig, ServerState
+from llmserve.server.metrics import ServerMetrics
+from llmserve.server.router.async_engine import AsyncEngine
+from llmserve.server.router.engine import EngineConfig, LLMEngine
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+# uvicorn's wait for open connections after a signal; streams end well within it (see streaming.py).
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: fail open requests when a signal arrives, and say where we listen."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, banner: str):
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.banner = banner
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit and self._loop is not None:
+            # a signal handler runs between two bytecodes of the loop: queue the work on the loop
+            self._loop.call_soon_threadsafe(self.async_engine.fail_all, SHUTDOWN_MESSAGE)
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            print(self.banner, file=sys.stderr, flush=True)
+
+    def stop_with_error(self, error: BaseException) -> None:
+        """The engine cannot go on (a worker died): exit non-zero."""
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail in a second, not after a minute of loading the model."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "warning") -> int:
+    check_port_free(config.host, config.port)
+    engine = LLMEngine(engine_config)
+    try:
+        metrics = ServerMetrics()
+        server: _Server | None = None
+
+        def on_fatal(error: BaseException) -> None:
+            if server is not None:
+                server.stop_with_error(error)
+
+        async_engine = AsyncEngine(engine, metrics, on_fatal=on_fatal)
+        state = ServerState(config, async_engine, metrics)
+        info = engine.info
+        print(f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
+              f"tp={engine_config.tp}, KV cache {info.max_total_token_num} tokens, "
+              f"max {state.limits.max_total_tokens} tokens per request", file=sys.stderr, flush=True)
+        banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
+                  f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions)")
+        uv_config = uvicorn.Config(
+            create_app(state), host=config.host, port=config.port, log_level=log_level,
+            access_log=log_level in ("debug", "info"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        server = _Server(uv_config, async_engine, banner)
+        server.run()
+        if server.exit_code:
+            print(f"llmserve: error: {async_engine.error}", file=sys.stderr)
+        return server.exit_code
+    finally:
+        engine.shutdown()
