@@ -1,0 +1,165 @@
+"""OpenAI's interface end to end: a real server, driven by the `openai` SDK and
+huggingface_hub's InferenceClient."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+from text_generation import Client
+
+PROMPT = "Once upon a time"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tgi(tiny_server) -> Client:
+    return Client(tiny_server.url, timeout=60)
+
+
+def test_models(oai, tiny_server):
+    [model] = oai.models.list().data
+    assert model.id == "tiny" and model.owned_by == "llmserve"
+
+
+def test_completion_greedy_matches_tgi(oai, tgi, tiny_server):
+    r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
+    expected = tgi.generate(PROMPT, max_new_tokens=10)
+    assert r.choices[0].text == expected.generated_text
+    assert r.choices[0].finish_reason == "length"
+    n_prompt = len(httpx.post(tiny_server.url + "/tokenize", json={"inputs": PROMPT}).json())
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 10, n_prompt + 10)
+
+
+def test_completion_stream_with_usage(oai):
+    full = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 10
+    assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_n_choices_and_seed(oai):
+    def run():
+        return oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, n=3, seed=7, temperature=1.0)
+    a, b = run(), run()
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(a.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]   # seeded: reproducible
+    assert len(set(texts)) > 1                                                   # the choices differ
+    assert a.usage.completion_tokens == 24
+
+
+def test_several_prompts_in_one_request(oai):
+    r = oai.completions.create(model="tiny", prompt=[PROMPT, "Hello there"], max_tokens=4, temperature=0)
+    single = oai.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0)
+    assert len(r.choices) == 2 and r.choices[1].text == single.choices[0].text
+
+
+def test_completion_logprobs_and_echo(oai):
+    r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith(PROMPT)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-5)   # greedy = top-1
+    assert lp.text_offset[0] == len(PROMPT)
+
+
+def test_stop_strings_and_stop_token_ids(oai, tgi):
+    base = tgi.generate(PROMPT, max_new_tokens=12)
+    text, ids = base.generated_text, [t.id for t in base.details.tokens]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
+    # vLLM's extras travel in the body; a stop token ends the output without being shown
+    r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                               extra_body={"stop_token_ids": [ids[3]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ids.index(ids[3]) + 1
+    # ...unless min_tokens says the output is not long enough yet
+    r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                               extra_body={"stop_token_ids": [ids[0]], "min_tokens": 6})
+    assert r.usage.completion_tokens >= 6
+
+
+def test_vllm_sampling_extras_are_applied(oai):
+    def run(**extra):
+        return oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, seed=3, temperature=1.0,
+                                      extra_body=extra).choices[0].text
+    assert run(top_k=1) == oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    assert run(repetition_penalty=1.3) == run(repetition_penalty=1.3)
+    r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8
+
+
+def test_chat_completion(oai, tiny_server):
+    r = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.finish_reason == "length" and r.usage.completion_tokens == 6
+    stream = list(oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == c.message.content
+    assert stream[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    # max_completion_tokens is the newer name of max_tokens
+    r2 = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=3, temperature=0)
+    assert r2.usage.completion_tokens == 3 and c.message.content.startswith(r2.choices[0].message.content)
+
+
+def test_chat_prompt_is_the_tokenizers_chat_template(oai, tiny_server, smollm2_tokenizer):
+    r = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, temperature=0)
+    expected = smollm2_tokenizer.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    if hasattr(expected, "keys"):   # transformers 5 returns a BatchEncoding
+        expected = expected["input_ids"]
+    assert r.usage.prompt_tokens == len(expected)
+
+
+def test_chat_logprobs(oai):
+    r = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+
+
+def test_text_content_parts(oai):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    a = oai.chat.completions.create(model="tiny", messages=parts, max_tokens=4, temperature=0)
+    b = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_huggingface_hub_chat_completion(tiny_server, oai):
+    hub = InferenceClient(base_url=tiny_server.url, timeout=60)
+    expected = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0)
+    out = hub.chat_completion(MESSAGES, max_tokens=5, temperature=0)
+    assert out.choices[0].message.content == expected.choices[0].message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in hub.chat_completion(MESSAGES, max_tokens=5, temperature=0, stream=True))
+    assert streamed == expected.choices[0].message.content
+
+
+def test_embedded_model_answers(embedded_server):
+    client = openai.OpenAI(base_url=embedded_server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    [model] = client.models.list().data
+    r = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       max_tokens=20, temperature=0)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20, temperature=0, stream=True))
+    assert text == r.choices[0].message.content
+    tgi = Client(embedded_server.url, timeout=120)
+    out = tgi.generate("The capital of France is", max_new_tokens=3)
+    assert "Paris" in out.generated_text

@@ -1,0 +1,113 @@
+"""Starting a real ``llmserve serve`` process for end-to-end tests, and looking at it from outside."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llmserve_command() -> list[str]:
+    """The installed console script, as an operator would run it."""
+    script = os.path.join(os.path.dirname(sys.executable), "llmserve")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "llmserve.cli"]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process (its model workers), read from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(entry))
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    """``llmserve serve --model MODEL --port <free> ARGS...`` in a subprocess."""
+
+    def __init__(self, model: str | None, *args: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [*llmserve_command(), "serve", "--port", str(self.port), *args]
+        if model is not None:
+            cmd += ["--model", model]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llmserve-test-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self._wait_until_healthy()
+        self.worker_pids = child_pids(self.proc.pid)
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llmserve serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"llmserve serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        """The unlabelled samples of /metrics (and labelled ones as name{labels})."""
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.log.close()
+        os.unlink(self.log.name)
