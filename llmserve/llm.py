@@ -17,6 +17,9 @@ class RequestOutput:
     finish_reason: str                                 # length | eos_token | stop_sequence
     prompt_token_ids: list[int]
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Per prompt token when params.prompt_logprobs was set (None for the first token).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @classmethod
     def from_request(cls, req: Request) -> RequestOutput:
@@ -25,6 +28,7 @@ class RequestOutput:
             text=req.output_text, token_ids=list(req.output_token_ids),
             logprobs=list(req.output_logprobs) if wants else None, finish_reason=req.finish_reason.value,
             prompt_token_ids=list(req.prompt_token_ids), top_logprobs=list(req.output_top_logprobs) if wants else None,
+            prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs,
         )
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from llmserve import LLM, SamplingParams
-from parity_utils import hf_greedy_with_logits
+from parity_utils import EXACT, hf_greedy_with_logits
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
 PROMPTS = ["The quick brown fox", "1, 2, 3, 4,", "def fibonacci(n):", "Once upon a time", "Paris is", "a"]
@@ -119,6 +120,73 @@ def test_logprobs(tiny):
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
 
 
+# prompt logprobs against HF float32 on the CPU: tight in float32, loose in half precision
+PROMPT_LOGPROB_ATOL = 1e-4 if EXACT else 0.1
+
+
+def assert_prompt_logprobs_match(out, ref_logprobs: torch.Tensor, num_top: int) -> None:
+    """``out``'s prompt logprobs against log-softmaxed logits of its prompt ([len, vocab])."""
+    ids = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(ids)
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    if len(ids) == 1:
+        return
+    expected = ref_logprobs[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), expected, atol=PROMPT_LOGPROB_ATOL, rtol=0)
+    top_values, top_ids = ref_logprobs[:-1].topk(num_top, dim=-1)
+    got = out.prompt_top_logprobs[1:]
+    if EXACT:
+        assert [[t for t, _ in pairs] for pairs in got] == top_ids.tolist()
+    got_values = torch.tensor([[v for _, v in pairs] for pairs in got]).reshape(top_values.shape)
+    torch.testing.assert_close(got_values, top_values, atol=PROMPT_LOGPROB_ATOL, rtol=0)
+
+
+def test_prompt_logprobs_match_transformers(tiny, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = ["Once upon a time there was a", "1, 2, 3", "a", "def fibonacci(n):"]
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=n) for n in (3, 0, 2)]
+    params.insert(1, greedy)   # one that did not ask, in the same batch
+    # Another request decodes while these are prefilled, so the batch mixes 1-token and n-token rows.
+    engine = tiny.engine
+    running = engine.add_request(tiny.tokenizer("Paris is").input_ids, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    engine.step()
+    outs = tiny.generate(prompts, params)
+    while not running.is_finished:
+        engine.step()
+    engine.flush()
+
+    assert outs[1].prompt_logprobs is None and outs[1].prompt_top_logprobs is None
+    assert [o.token_ids for o in outs] == [o.token_ids for o in tiny.generate(prompts, greedy)]   # sampling unchanged
+    for out, p in zip(outs, params):
+        if p.prompt_logprobs is None:
+            continue
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([out.prompt_token_ids])).logits[0].float(), dim=-1)
+        assert_prompt_logprobs_match(out, ref, p.prompt_logprobs)
+
+
+def test_min_tokens_holds_back_eos(smollm2):
+    prompt = smollm2.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    (free,) = smollm2.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))
+    assert free.finish_reason == "eos_token"
+    n = len(free.token_ids) + 2
+    (held,) = smollm2.generate([prompt], SamplingParams(max_new_tokens=n + 10, temperature=0, min_tokens=n))
+    assert len(held.token_ids) >= n
+    assert not set(held.token_ids[:n]) & smollm2.engine.eos_token_ids
+    assert held.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]   # the same until EOS was due
+
+
+def test_min_tokens_holds_back_stop_token_ids(tiny):
+    (free,) = tiny.generate(["Once upon a time"], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    stop_id = free.token_ids[0]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, min_tokens=4, stop_token_ids=[stop_id])
+    (held,) = tiny.generate(["Once upon a time"], params)
+    assert stop_id not in held.token_ids[:4] and len(held.token_ids) >= 4
+
+
 def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny_llama_dir, tiny):
     params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
     prompts = [f"Story number {i}: once upon a time there was" for i in range(6)]
@@ -128,6 +196,43 @@ def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny_llama_dir, ti
         got = small.generate(prompts, params)
         assert small.engine.scheduler.num_used_slots == 0
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_prompt_logprobs_are_computed_once_across_preemption(tiny_llama_dir, tiny):
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    prompts = [f"Story number {i}: once upon a time there was" for i in range(6)]
+    expected = tiny.generate(prompts, params)
+    need = max(len(o.prompt_token_ids) for o in expected) + 30
+    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=need + 20) as small:
+        preempted: list[int] = []
+        scheduler = small.engine.scheduler
+        preempt = scheduler._preempt
+        scheduler._preempt = lambda req: (preempted.append(req.req_id), preempt(req))
+        got = small.generate(prompts, params)
+    assert preempted
+    for g, e in zip(got, expected):
+        assert g.token_ids == e.token_ids
+        assert g.prompt_logprobs[0] is None and g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=1e-5)
+        assert len(g.prompt_top_logprobs) == len(g.prompt_token_ids)
+
+
+def test_tensor_parallel_2_logprobs_and_prompt_logprobs(tiny_llama_dir, tiny):
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    mixed = [params, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)] * 3
+    expected = tiny.generate(PROMPTS, mixed)
+    with LLM(tiny_llama_dir, tp=2, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp2:
+        got = tp2.generate(PROMPTS, mixed)
+    atol = 1e-4 if EXACT else 0.1
+    for g, e in zip(got, expected):
+        assert g.token_ids == e.token_ids
+        if e.logprobs is None:
+            assert g.logprobs is None and g.prompt_logprobs is None
+            continue
+        assert g.logprobs == pytest.approx(e.logprobs, abs=atol)
+        assert [[t for t, _ in top] for top in g.top_logprobs] == [[t for t, _ in top] for top in e.top_logprobs]
+        assert g.prompt_logprobs[0] is None and g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=atol)
+        for g_top, e_top in zip(g.prompt_top_logprobs[1:], e.prompt_top_logprobs[1:]):
+            assert [v for _, v in g_top] == pytest.approx([v for _, v in e_top], abs=atol)
 
 
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_bloom_dir"])

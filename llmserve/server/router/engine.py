@@ -63,6 +63,7 @@ class LLMEngine:
                 model_path=self.model_path, model_type=model_type, tp_rank=rank, world_size=config.tp, device=device, dtype=config.dtype,
                 max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
                 max_req_num=config.max_running_requests, dist_init_method=init_method,
+                eos_token_ids=sorted(self.eos_token_ids),
             )
             for rank in range(config.tp)
         ])
@@ -80,12 +81,20 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request; ``ValueError`` with a one-line reason if it can never run."""
+        req = self.new_request(prompt_token_ids, params)
+        self.enqueue(req)
+        return req
+
+    def new_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """A validated request, not queued yet (the server creates it when the client calls and
+        queues it between two steps)."""
         self.validate(prompt_token_ids, params)
-        req = Request(next(self._ids), list(prompt_token_ids), params)
+        return Request(next(self._ids), list(prompt_token_ids), params)
+
+    def enqueue(self, req: Request) -> None:
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
         self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
-        return req
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -126,6 +135,8 @@ class LLMEngine:
         updated = []
         for i, s in enumerate(plan.scheduled):
             req = s.request
+            if result.prompt_logprobs[i] is not None:
+                req.set_prompt_logprobs(result.prompt_logprobs[i], result.prompt_top_logprobs[i])
             token = result.token_ids[i]
             reason = req.append_token(
                 token, self._detokenizers[req.req_id].step(token), eos_token_ids=self.eos_token_ids,
@@ -143,6 +154,7 @@ class LLMEngine:
         return BatchEntry(
             req_id=req.req_id, token_ids=req.token_slice(start, start + num_new), num_cached=start,
             params=req.params if prefill else None, prompt_token_ids=req.prompt_token_ids if prefill else None,
+            want_prompt_logprobs=prefill and req.needs_prompt_logprobs,
         )
 
     def _release(self, req: Request) -> None:

@@ -51,6 +51,7 @@ class WorkerInitArgs:
     mem_fraction: float = 0.85
     max_req_num: int = 256
     dist_init_method: str = ""       # tcp://127.0.0.1:PORT when world_size > 1
+    eos_token_ids: list[int] = field(default_factory=list)  # banned by the sampler below min_tokens
 
 
 @dataclass
@@ -74,6 +75,9 @@ class BatchEntry:
     num_cached: int                  # tokens of this request already in the KV cache
     params: SamplingParams | None = None          # sent with a prefill (num_cached == 0)
     prompt_token_ids: list[int] | None = None     # likewise (for the repetition penalty)
+    # The request's first prefill, and it asked for prompt logprobs (a re-prefill after a
+    # preemption never does: they were computed the first time).
+    want_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -88,6 +92,9 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    # Per entry: None unless it had want_prompt_logprobs; see sampler.prompt_logprobs.
+    prompt_logprobs: list[list[float | None] | None]
+    prompt_top_logprobs: list[list[list[tuple[int, float]] | None] | None]
 
 
 class ModelWorker:
@@ -115,7 +122,7 @@ class ModelWorker:
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
         self.device = device
-        self.sampler = Sampler() if args.tp_rank == 0 else None
+        self.sampler = Sampler(eos_token_ids=args.eos_token_ids) if args.tp_rank == 0 else None
         self.req_rows: dict[int, int] = {}   # req_id -> row of req_to_token
 
     def info(self) -> WorkerInfo:
@@ -148,11 +155,40 @@ class ModelWorker:
             if e.params is not None and self.sampler is not None:
                 self.sampler.add_request(e.req_id, e.params, e.prompt_token_ids or [])
         input_ids = torch.tensor([t for e in step.entries for t in e.token_ids], dtype=torch.int64)
-        logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], [len(e.token_ids) for e in step.entries])
+        q_lens = [len(e.token_ids) for e in step.entries]
+        # The same flag on every rank: the lm_head's all-gather is a collective.
+        all_logits = any(e.want_prompt_logprobs for e in step.entries)
+        logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], q_lens, return_all_logits=all_logits)
         if self.sampler is None:
             return None
+        prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries)
+        if all_logits:
+            # One row per new token: sample from each request's last one.
+            last_rows = torch.tensor(q_lens, device=logits.device).cumsum(0) - 1
+            logits = logits[last_rows]
         result = self.sampler.sample(logits, [e.req_id for e in step.entries])
-        return StepOutput(result.token_ids, result.logprobs, result.top_logprobs)
+        return StepOutput(result.token_ids, result.logprobs, result.top_logprobs, prompt_lps, prompt_tops)
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry]) -> tuple[list, list]:
+        """Per entry, its prompt logprobs, or None if it did not ask. An entry that asks made the
+        forward return all logits: one row per new token, entries back to back."""
+        from llmserve.server.router.sampler import prompt_logprobs
+
+        logprobs: list[list[float | None] | None] = []
+        top_logprobs: list[list[list[tuple[int, float]] | None] | None] = []
+        start = 0
+        for e in entries:
+            end = start + len(e.token_ids)
+            lps, tops = None, None
+            if e.want_prompt_logprobs:
+                # A first prefill: the new tokens are the whole prompt, from position 0.
+                assert e.num_cached == 0 and e.params is not None and e.params.prompt_logprobs is not None
+                lps, tops = prompt_logprobs(logits[start:end], e.token_ids, e.params.prompt_logprobs)
+            logprobs.append(lps)
+            top_logprobs.append(tops)
+            start = end
+        return logprobs, top_logprobs
 
     def _free_kv(self, req_id: int) -> None:
         row = self.req_rows.pop(req_id, None)

@@ -42,6 +42,10 @@ class Request:
     # Filled only when params.logprobs is not None, one entry per output token.
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Set once, by the request's first prefill, when params.prompt_logprobs is not None: one
+    # entry per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     # How many of all_token_ids are in the KV cache right now. The scheduler resets it to
     # 0 when it preempts the request; the request is then prefilled again from scratch.
@@ -110,6 +114,9 @@ class Request:
         3. the text now contains a stop string: stop, the text is cut right before it;
         4. ``max_new_tokens`` tokens have been generated: stop.
 
+        The first ``params.min_tokens`` tokens are checked against rule 4 only (the sampler
+        never picks an EOS or stop token for them; a stop string in their text is let through).
+
         Returns the finish reason, or None while the request goes on. The token itself is
         always recorded in ``output_token_ids``, whatever the outcome.
         """
@@ -119,17 +126,30 @@ class Request:
             self.output_logprobs.append(logprob)
             self.output_top_logprobs.append(top_logprobs or [])
 
-        if token_id in self.params.stop_token_ids:
+        may_stop = self.num_output_tokens > self.params.min_tokens
+        if may_stop and token_id in self.params.stop_token_ids:
             self.finish(FinishReason.STOP_SEQUENCE)
-        elif token_id in eos_token_ids and not self.params.ignore_eos:
+        elif may_stop and token_id in eos_token_ids and not self.params.ignore_eos:
             self.finish(FinishReason.EOS_TOKEN)
         else:
             self.output_text += text_delta
-            if self._cut_at_stop_string(num_new_chars=len(text_delta)):
+            if may_stop and self._cut_at_stop_string(num_new_chars=len(text_delta)):
                 self.finish(FinishReason.STOP_SEQUENCE)
             elif self.num_output_tokens >= self.params.max_new_tokens:
                 self.finish(FinishReason.LENGTH)
         return self.finish_reason
+
+    def set_prompt_logprobs(
+        self, logprobs: list[float | None], top_logprobs: list[list[tuple[int, float]] | None]
+    ) -> None:
+        assert len(logprobs) == len(top_logprobs) == self.num_prompt_tokens
+        self.prompt_logprobs = logprobs
+        self.prompt_top_logprobs = top_logprobs
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for and not computed yet (a preempted request keeps those of its first prefill)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     def _cut_at_stop_string(self, num_new_chars: int) -> bool:
         """Cut output_text right before the earliest stop string; True if one was found.

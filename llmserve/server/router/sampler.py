@@ -3,9 +3,11 @@
 Runs in the model worker (rank 0), right after the forward pass. The pipeline per step:
 
 1. log-probabilities of the raw logits, if some request asked for them;
-2. repetition / presence / frequency penalties (one kernel call for the whole batch);
-3. greedy rows: argmax;
-4. other rows: temperature, then top-k, then top-p, then a random draw.
+2. EOS and stop token ids masked out for requests still short of their ``min_tokens``;
+3. repetition / presence / frequency penalties (one kernel call for the whole batch);
+4. greedy rows: argmax;
+5. other rows: temperature, then top-k, then top-p, then typical-p (HF's warper order),
+   then a random draw.
 
 Everything is vectorised over the batch except the random draw: each request draws its
 noise from its own ``torch.Generator``, so a seeded request produces the same tokens
@@ -15,6 +17,7 @@ whatever other requests share its batch, and wherever it sits in it.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +49,11 @@ class _RequestState:
     # wants, kept up to date at O(1) per sampled token.
     token_counts: dict[int, int]
     seed: int
+    # Token ids that may not be sampled before min_tokens tokens are out: EOS and stop ids.
+    min_tokens_banned: list[int]
+    # Tokens sampled so far. The state outlives a preemption, so this is the output length
+    # the request has reached, however often it was prefilled.
+    num_sampled: int = 0
     # Created on first use, because only then do we know the device of the logits.
     generator: torch.Generator | None = field(default=None)
 
@@ -62,6 +70,10 @@ class _RequestState:
     def wants_logprobs(self) -> bool:
         return self.params.logprobs is not None
 
+    @property
+    def below_min_tokens(self) -> bool:
+        return self.num_sampled < self.params.min_tokens
+
     def generator_on(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
             self.generator = torch.Generator(device=device)
@@ -72,8 +84,9 @@ class _RequestState:
 class Sampler:
     """Per-request sampling state, and the batched sampling step."""
 
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self._requests: dict[int, _RequestState] = {}
+        self._eos_token_ids = frozenset(eos_token_ids)
 
     def add_request(self, req_id: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         """Start tracking a request. Re-adding a known id keeps its state: a preempted
@@ -86,6 +99,7 @@ class Sampler:
             token_counts=dict.fromkeys(prompt_token_ids, 0),
             # torch seeds are unsigned 64-bit; fold any Python int into that range.
             seed=seed % 2**64,
+            min_tokens_banned=sorted(self._eos_token_ids | set(params.stop_token_ids)),
         )
 
     def remove_request(self, req_id: int) -> None:
@@ -96,12 +110,14 @@ class Sampler:
         """Pick one token per row of ``logits`` ([batch, vocab] float32, modified in place)."""
         states = [self._requests[req_id] for req_id in req_ids]
         raw_logprobs = _raw_logprobs(logits, states)  # before the penalties touch logits
+        _ban_stop_tokens_below_min_tokens(logits, states)
         _apply_penalties(logits, states)
         token_ids = _choose_tokens(logits, states)
 
         token_id_list = token_ids.tolist()
         for state, token_id in zip(states, token_id_list):
             state.token_counts[token_id] = state.token_counts.get(token_id, 0) + 1
+            state.num_sampled += 1
 
         logprobs, top_logprobs = _gather_logprobs(raw_logprobs, token_ids, states)
         return SampleResult(token_id_list, logprobs, top_logprobs)
@@ -124,6 +140,21 @@ def _raw_logprobs(logits: torch.Tensor, states: list[_RequestState]) -> torch.Te
         return None
     rows = _row_indices([s.wants_logprobs for s in states], logits.device)
     return torch.log_softmax(logits[rows], dim=-1)
+
+
+def _ban_stop_tokens_below_min_tokens(logits: torch.Tensor, states: list[_RequestState]) -> None:
+    """Mask to -inf, in place, the EOS and stop ids of requests short of their min_tokens
+    (vLLM's rule, whatever ignore_eos says). Ids outside the vocabulary are skipped."""
+    vocab_size = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, state in enumerate(states):
+        if state.below_min_tokens:
+            banned = [t for t in state.min_tokens_banned if 0 <= t < vocab_size]
+            rows += [row] * len(banned)
+            cols += banned
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> None:
@@ -172,7 +203,14 @@ def _choose_tokens(logits: torch.Tensor, states: list[_RequestState]) -> torch.T
 
 
 def _sample_random(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
-    """Temperature, top-k, top-p, then a draw from what is left ([n, vocab] -> [n])."""
+    """Warp, then draw from what is left ([n, vocab] -> [n])."""
+    probs = torch.softmax(_warp(logits, states), dim=-1)
+    return _draw(probs, states)
+
+
+def _warp(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+    """Temperature, top-k, top-p, typical-p: the order of HF's ``_get_logits_processor``.
+    Returns new logits with the excluded tokens at -inf."""
     device = logits.device
     temperatures = torch.tensor([s.params.temperature for s in states], device=device)
     logits = logits / temperatures.unsqueeze(1)
@@ -180,8 +218,10 @@ def _sample_random(logits: torch.Tensor, states: list[_RequestState]) -> torch.T
         top_k = torch.tensor([s.params.top_k for s in states], device=device)
         top_p = torch.tensor([s.params.top_p for s in states], device=device)
         logits = _apply_top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return _draw(probs, states)
+    if any(s.params.typical_p < 1.0 for s in states):
+        typical_p = torch.tensor([s.params.typical_p for s in states], device=device)
+        logits = _apply_typical_p(logits, typical_p)
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -208,6 +248,28 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
     remove_sorted = outside_top_k | outside_top_p
     remove = torch.empty_like(remove_sorted).scatter_(-1, sorted_token_ids, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def _apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling, as HF's TypicalLogitsWarper: rank tokens by how far their
+    surprise (-log p) is from the row's entropy, and keep the smallest such prefix whose
+    probability reaches typical_p (ties with its last token included; the first always stays).
+
+    ``typical_p == 1`` rows are left alone. Tokens already at -inf (cut by top-k / top-p) have
+    an infinite distance, so they sort last and stay cut.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    # nansum: 0 * -inf is NaN for the tokens already cut, which contribute nothing.
+    entropy = -(logprobs * logprobs.exp()).nansum(dim=-1, keepdim=True)
+    distance = (-logprobs - entropy).abs()
+    sorted_distance, sorted_token_ids = distance.sort(dim=-1)
+    # Probabilities from the sorted logits, as HF computes them, so that the cut falls at
+    # exactly the same token when the cumulative sum lands near typical_p.
+    cumulative = logits.gather(-1, sorted_token_ids).softmax(dim=-1).cumsum(dim=-1)
+    last_kept = (cumulative < typical_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
+    threshold = sorted_distance.gather(-1, last_kept)
+    remove = (distance > threshold) & (typical_p < 1.0).unsqueeze(1)
     return logits.masked_fill(remove, float("-inf"))
 
 
@@ -241,13 +303,29 @@ def _gather_logprobs(
     chosen_ids = token_ids[torch.tensor(rows, device=token_ids.device)]
     chosen = raw_logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
 
-    # More alternatives than the vocabulary has would make topk raise; 0 gives empty lists.
-    max_k = min(max(states[i].params.logprobs for i in rows), raw_logprobs.shape[-1])
-    top_values, top_ids = raw_logprobs.topk(max_k, dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-
+    top = _top_pairs(raw_logprobs, max(states[i].params.logprobs for i in rows))
     for n, row in enumerate(rows):
-        k = states[row].params.logprobs
         logprobs[row] = chosen[n]
-        top_logprobs[row] = list(zip(top_ids[n][:k], top_values[n][:k]))
+        top_logprobs[row] = top[n][: states[row].params.logprobs]
     return logprobs, top_logprobs
+
+
+def _top_pairs(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Per row of ``logprobs``, its k most likely (token id, logprob) pairs, most likely first."""
+    # More alternatives than the vocabulary has would make topk raise; 0 gives empty lists.
+    values, token_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(ids, vals)) for ids, vals in zip(token_ids.tolist(), values.tolist())]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, prompt_token_ids: list[int], num_top: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Each prompt token's logprob given the tokens before it, and the ``num_top`` most likely
+    tokens at its position; None for the first token, which has nothing before it.
+
+    ``logits`` has one row per prompt position ([len(prompt), vocab]): row j predicts token j + 1.
+    """
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    next_ids = torch.tensor(prompt_token_ids[1:], dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
+    return [None, *chosen], [None, *_top_pairs(logprobs, num_top)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -161,3 +162,38 @@ def test_token_slice_equals_slicing_all_token_ids():
     for start in range(len(everything) + 1):
         for stop in range(start, len(everything) + 1):
             assert req.token_slice(start, stop) == everything[start:stop], (start, stop)
+
+
+def test_min_tokens_lets_no_stop_rule_but_length_end_the_first_tokens():
+    req = make_request(max_new_tokens=10, min_tokens=3, stop=["x"], stop_token_ids=[50])
+    assert req.append_token(EOS, "", eos_token_ids={EOS}) is None
+    assert req.append_token(50, "") is None
+    assert req.append_token(12, "x", eos_token_ids={EOS}) is None     # the 3rd token: still inside
+    assert req.output_text == "x"
+    assert req.append_token(13, "ax") is FinishReason.STOP_SEQUENCE   # past min_tokens: stop rules again
+    assert req.output_text == "xa"
+
+
+@pytest.mark.parametrize(("token_id", "reason"), [(EOS, FinishReason.EOS_TOKEN), (50, FinishReason.STOP_SEQUENCE)])
+def test_min_tokens_then_eos_or_stop_id(token_id: int, reason: FinishReason):
+    req = make_request(max_new_tokens=10, min_tokens=1, stop_token_ids=[50])
+    req.append_token(11, "a", eos_token_ids={EOS})
+    assert req.append_token(token_id, "!", eos_token_ids={EOS}) is reason
+    assert req.output_text == "a"
+
+
+def test_min_tokens_equal_to_max_new_tokens_stops_on_length():
+    req = make_request(max_new_tokens=2, min_tokens=2)
+    feed(req, ["a", "b", "c"])
+    assert req.finish_reason is FinishReason.LENGTH and req.output_text == "ab"
+
+
+def test_prompt_logprobs_are_set_once_per_prompt_token():
+    req = make_request(prompt_logprobs=1)
+    assert req.needs_prompt_logprobs
+    req.set_prompt_logprobs([None, -1.0, -2.0], [None, [(6, -1.0)], [(9, -0.5)]])
+    assert not req.needs_prompt_logprobs
+    assert req.prompt_logprobs == [None, -1.0, -2.0]
+    assert not make_request().needs_prompt_logprobs
+    with pytest.raises(AssertionError):
+        make_request(prompt_logprobs=0).set_prompt_logprobs([None], [None])   # not one per prompt token

@@ -310,3 +310,149 @@ def test_logprobs_are_log_softmax_of_raw_logits(reference_penalty: None):
         values, ids = raw_logprobs[row].topk(k)
         assert [t for t, _ in result.top_logprobs[row]] == ids.tolist()
         torch.testing.assert_close(torch.tensor([v for _, v in result.top_logprobs[row]]), values)
+
+
+# --------------------------------------------------------------------------------------
+# Typical-p
+# --------------------------------------------------------------------------------------
+
+
+def hf_warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row through HF's own warpers, in the order ``_get_logits_processor`` builds them."""
+    from transformers import (
+        LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    if params.typical_p < 1.0:
+        warpers.append(TypicalLogitsWarper(params.typical_p))
+    return warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0]
+
+
+@pytest.mark.parametrize("vocab_size", [VOCAB, 1000])
+def test_typical_p_masks_what_hf_masks(vocab_size: int):
+    typical_p = torch.tensor([0.01, 0.2, 0.5, 0.9, 0.95, 0.999, 1.0] * 4)
+    logits = random_logits(len(typical_p), vocab_size, seed=vocab_size)
+    logits[7:14] *= 0.1   # flat rows keep many tokens
+    logits[14:21, :10] += 20  # peaked rows keep few
+    got = sampler_module._apply_typical_p(logits, typical_p)
+    for row, p in enumerate(typical_p.tolist()):
+        if p == 1.0:
+            assert torch.equal(got[row], logits[row])
+            continue
+        expected = hf_warped(logits[row], SamplingParams(typical_p=p))
+        assert torch.equal(got[row].isinf(), expected.isinf()), f"row {row}, typical_p={p}"
+        kept = ~got[row].isinf()
+        assert kept.any() and torch.equal(got[row][kept], logits[row][kept])
+
+
+def test_warpers_chain_in_hf_order():
+    params = [
+        SamplingParams(temperature=0.7, typical_p=0.8),
+        SamplingParams(temperature=1.3, top_k=20, typical_p=0.5),
+        SamplingParams(temperature=1.0, top_p=0.9, typical_p=0.9),
+        SamplingParams(temperature=0.5, top_k=30, top_p=0.95, typical_p=0.3),
+        SamplingParams(temperature=0.9, top_k=10),  # no typical-p: a row that skips it
+    ]
+    sampler = make_sampler(dict(enumerate(params)))
+    logits = random_logits(len(params), 256, seed=11)
+    got = sampler_module._warp(logits, [sampler._requests[i] for i in range(len(params))])
+    for row, p in enumerate(params):
+        torch.testing.assert_close(got[row], hf_warped(logits[row], p))
+
+
+def test_typical_p_never_picks_excluded_tokens():
+    logits = random_logits(VOCAB, seed=8)
+    allowed = set((~hf_warped(logits, SamplingParams(typical_p=0.4)).isinf()).nonzero().flatten().tolist())
+    assert 1 < len(allowed) < VOCAB
+    counts = sample_many(logits, lambda i: SamplingParams(typical_p=0.4, seed=i), num_samples=2000)
+    assert set(counts) == allowed
+
+
+# --------------------------------------------------------------------------------------
+# min_tokens
+# --------------------------------------------------------------------------------------
+
+
+EOS_IDS = (3, 4)
+
+
+def eos_favoured_logits(num_rows: int) -> torch.Tensor:
+    """EOS 3 is by far the likeliest, then stop id 7, then 9."""
+    logits = random_logits(num_rows, VOCAB)
+    logits[:, 3] += 40
+    logits[:, 7] += 30
+    logits[:, 9] += 20
+    return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_bans_eos_and_stop_ids_until_reached(temperature: float):
+    requests = {
+        0: SamplingParams(temperature=temperature, min_tokens=3, max_new_tokens=8, seed=0),
+        1: SamplingParams(temperature=temperature, min_tokens=2, stop_token_ids=[7], seed=1, logprobs=0),
+        2: SamplingParams(temperature=temperature, min_tokens=2, ignore_eos=True, seed=2),  # banned all the same
+        3: SamplingParams(temperature=temperature, seed=3),
+    }
+    sampler = Sampler(eos_token_ids=EOS_IDS)
+    for req_id, params in requests.items():
+        sampler.add_request(req_id, params, [0])
+    tokens: dict[int, list[int]] = {req_id: [] for req_id in requests}
+    logprobs: list[float] = []
+    for _ in range(4):
+        logits = eos_favoured_logits(len(requests))
+        raw = torch.log_softmax(logits, dim=-1)
+        result = sampler.sample(logits, list(requests))
+        for req_id, token_id in zip(requests, result.token_ids):
+            tokens[req_id].append(token_id)
+        logprobs.append((result.logprobs[1], raw[1, result.token_ids[1]].item()))
+    assert tokens[0] == [7, 7, 7, 3]      # the stop id 7 of another request is no ban here
+    assert tokens[1] == [9, 9, 3, 3]
+    assert tokens[2] == [7, 7, 3, 3]
+    assert tokens[3] == [3, 3, 3, 3]
+    for got, raw_logprob in logprobs:     # logprobs stay those of the raw logits
+        assert got == pytest.approx(raw_logprob, abs=1e-5)
+
+
+def test_min_tokens_count_survives_preemption():
+    params = SamplingParams(temperature=0, min_tokens=4)
+    sampler = Sampler(eos_token_ids=EOS_IDS)
+    sampler.add_request(0, params, [0])
+    tokens = [sampler.sample(eos_favoured_logits(1), [0]).token_ids[0] for _ in range(2)]
+    sampler.add_request(0, params, [0])   # preempted, prefilled again: the count goes on
+    tokens += [sampler.sample(eos_favoured_logits(1), [0]).token_ids[0] for _ in range(3)]
+    assert tokens == [7, 7, 7, 7, 3]
+
+
+def test_min_tokens_skips_ids_outside_the_vocabulary():
+    sampler = Sampler(eos_token_ids=[3, VOCAB + 5])
+    sampler.add_request(0, SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[-1, 10**6]), [0])
+    assert sampler.sample(eos_favoured_logits(1), [0]).token_ids == [7]
+
+
+# --------------------------------------------------------------------------------------
+# Prompt logprobs
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_top", [0, 2, VOCAB + 1])
+def test_prompt_logprobs_score_each_next_token(num_top: int):
+    prompt = [5, 9, 9, 1, 30]
+    logits = random_logits(len(prompt), VOCAB)
+    logprobs, top = sampler_module.prompt_logprobs(logits, prompt, num_top)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert logprobs[0] is None and top[0] is None
+    assert len(logprobs) == len(top) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert logprobs[pos] == pytest.approx(expected[pos - 1, prompt[pos]].item(), abs=1e-6)
+        values, ids = expected[pos - 1].topk(min(num_top, VOCAB))
+        assert [t for t, _ in top[pos]] == ids.tolist()
+        assert [v for _, v in top[pos]] == pytest.approx(values.tolist(), abs=1e-6)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt():
+    assert sampler_module.prompt_logprobs(random_logits(1, VOCAB), [5], 3) == ([None], [None])
