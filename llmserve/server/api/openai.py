@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.api.errors import APIError, generation_error, model_not_found_error, validation_error
-from llmserve.server.api.state import ServerState, collect, fresh_seed, stream_with_cleanup
+from llmserve.server.api.state import ServerState, fresh_seed, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
 from llmserve.server.metrics import RequestOutcome
 from llmserve.server.router.async_engine import EngineError, RequestStream, TokenEvent
@@ -309,31 +309,14 @@ async def run_openai(
     num_prompt_tokens: int,
 ):
     """Start one engine request per choice, then answer in one JSON body or as a stream."""
-    slot = state.admit()
-    streams: list[RequestStream] = []
-    try:
-        for prompt, params in jobs:
-            streams.append(state.start(prompt, params))
-    except APIError:
-        for s in streams:
-            s.abort()
-        slot.release()
-        raise
     header = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
-
     if not body.stream:
-        try:
-            all_events = await collect(streams, http_request, state)
-        except EngineError as e:
-            state.metrics.count(RequestOutcome.ERROR)
-            raise generation_error(str(e)) from None
-        finally:
-            slot.release()
-        state.metrics.count(RequestOutcome.SUCCESS)
+        streams, all_events = await state.complete(jobs, http_request)
         return header | {"object": object_name,
                          "choices": [full_choice(i, s, ev) for i, (s, ev) in enumerate(zip(streams, all_events))],
                          "usage": usage(num_prompt_tokens, streams)}
 
+    streams, slot = state.start_all(jobs)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     chunk_header = header | {"object": object_name + ".chunk" if object_name == "chat.completion" else object_name}
 

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import generation_error, overloaded_error, validation_error
+from llmserve.server.api.errors import APIError, generation_error, overloaded_error, validation_error
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
 from llmserve.server.router.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
 
@@ -115,6 +115,35 @@ class ServerState:
             raise validation_error(str(e)) from None
         except EngineError as e:
             raise generation_error(str(e)) from None
+
+
+    def start_all(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list[RequestStream], Slot]:
+        """Admit one client request and queue its generations (one per prompt and choice)."""
+        slot = self.admit()
+        streams: list[RequestStream] = []
+        try:
+            for prompt, params in jobs:
+                streams.append(self.start(prompt, params))
+        except APIError:
+            for s in streams:
+                s.abort()
+            slot.release()
+            raise
+        return streams, slot
+
+    async def complete(self, jobs: list[tuple[list[int], SamplingParams]],
+                       http_request: HTTPRequest) -> tuple[list[RequestStream], list[list[TokenEvent]]]:
+        """A non-streaming request, run to the end: its streams and each one's events."""
+        streams, slot = self.start_all(jobs)
+        try:
+            events = await collect(streams, http_request, self)
+        except EngineError as e:
+            self.metrics.count(RequestOutcome.ERROR)
+            raise generation_error(str(e)) from None
+        finally:
+            slot.release()
+        self.metrics.count(RequestOutcome.SUCCESS)
+        return streams, events
 
 
 def default_model_name(model_path: str) -> str:

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import APIError, generation_error, validation_error
-from llmserve.server.api.state import ServerState, collect, fresh_seed, stream_with_cleanup
+from llmserve.server.api.errors import generation_error, validation_error
+from llmserve.server.api.state import ServerState, fresh_seed, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
 from llmserve.server.metrics import RequestOutcome
 from llmserve.server.router.async_engine import EngineError, RequestStream, TokenEvent
@@ -160,17 +160,7 @@ def build_router(state: ServerState) -> APIRouter:
 
     async def generate_json(body: TGIRequest, http_request: HTTPRequest) -> dict[str, Any]:
         ids, params = await prepare(body, state)
-        slot = state.admit()
-        try:
-            stream = state.start(ids, params)
-            try:
-                [events] = await collect([stream], http_request, state)
-            except EngineError as e:
-                state.metrics.count(RequestOutcome.ERROR)
-                raise generation_error(str(e)) from None
-        finally:
-            slot.release()
-        state.metrics.count(RequestOutcome.SUCCESS)
+        [stream], [events] = await state.complete([(ids, params)], http_request)
         response: dict[str, Any] = {"generated_text": generated_text(body, stream)}
         p = body.parameters
         if p.details or p.decoder_input_details:
@@ -186,12 +176,7 @@ def build_router(state: ServerState) -> APIRouter:
         _check(not body.parameters.decoder_input_details,
                "`decoder_input_details` == true is not supported when streaming tokens")
         ids, params = await prepare(body, state)
-        slot = state.admit()
-        try:
-            stream = state.start(ids, params)
-        except APIError:
-            slot.release()
-            raise
+        [stream], slot = state.start_all([(ids, params)])
 
         async def events():
             index = 0
