@@ -169,12 +169,14 @@ class TpPartBaseModel:
         b_req_idx: list[int],
         b_cached_len: list[int],
         b_q_len: list[int],
-        return_all_logits: bool = False,
+        return_all_logits: bool | list[bool] = False,
     ) -> torch.Tensor:
         """Run one batch. Request i (row ``b_req_idx[i]`` of the req->token table, which already
         maps its first ``b_cached_len[i]`` tokens) brings ``b_q_len[i]`` new tokens, packed in
         ``input_ids``. Their KV slots are allocated here. Returns float32 logits: one row per
-        request (its last new token), or one per new token with ``return_all_logits``."""
+        request (its last new token), or one per new token with ``return_all_logits``; a list of
+        flags asks for all rows of the flagged requests only (prompt logprobs of one request
+        should not cost a vocab-wide row for every token of the batch), requests back to back."""
         mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len, expected_lens=b_cached_len)
         state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits)
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
@@ -184,7 +186,8 @@ class TpPartBaseModel:
         return self.post_infer.forward(h, state, self.pre_post_weight)
 
     def _build_infer_state(self, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
-                           mem_index: torch.Tensor, return_all_logits: bool) -> InferStateInfo:
+                           mem_index: torch.Tensor, return_all_logits: bool | list[bool]) -> InferStateInfo:
+        all_logits = return_all_logits if isinstance(return_all_logits, list) else [return_all_logits] * len(b_q_len)
         q_len = torch.tensor(b_q_len, dtype=torch.int32)
         cached = torch.tensor(b_cached_len, dtype=torch.int32)
         q_start = torch.cumsum(q_len, 0, dtype=torch.int32) - q_len
@@ -199,7 +202,7 @@ class TpPartBaseModel:
         state = self.infer_state_class(
             batch_size=len(b_req_idx),
             total_token_num=total,
-            is_decode=total == len(b_req_idx) and not return_all_logits,
+            is_decode=total == len(b_req_idx) and not any(all_logits),
             b_req_idx=req_idx_d,
             b_q_start=q_start_d,
             b_q_len=q_len_d,
@@ -211,10 +214,25 @@ class TpPartBaseModel:
             mem_index=mem_index,
             mem_manager=self.mem_manager,
             req_manager=self.req_manager,
-            return_all_logits=return_all_logits,
+            return_all_logits=all(all_logits),
+            logit_rows=_logit_rows(q_start, q_len, all_logits, self.device),
         )
         state.init_some_extra_state(self)
         return state
+
+
+def _logit_rows(q_start: torch.Tensor, q_len: torch.Tensor, all_logits: list[bool],
+                device: torch.device) -> torch.Tensor | None:
+    """Which new-token rows need logits: every row of a flagged request, the last row of the
+    others; None when that is every row."""
+    if all(all_logits):
+        return None
+    last = q_start + q_len - 1
+    if not any(all_logits):
+        return last.long().to(device, non_blocking=True)
+    rows = [torch.arange(s, s + n) if flag else torch.tensor([e])
+            for s, n, e, flag in zip(q_start.tolist(), q_len.tolist(), last.tolist(), all_logits)]
+    return torch.cat(rows).to(device, non_blocking=True)
 
 
 def verify_tp_split(cfg: PretrainedConfig, world_size: int) -> None:

@@ -38,6 +38,8 @@ class InferStateInfo:
     mem_manager: MemoryManager
     req_manager: ReqManager
     return_all_logits: bool = False
+    # The rows of the new tokens whose logits the post layer computes; None: all of them.
+    logit_rows: torch.Tensor | None = None
 
     def init_some_extra_state(self, model: TpPartBaseModel) -> None:
         """Hook for model-specific per-forward state (e.g. rotary cos/sin for the positions)."""

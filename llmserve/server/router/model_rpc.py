@@ -157,29 +157,29 @@ class ModelWorker:
         input_ids = torch.tensor([t for e in step.entries for t in e.token_ids], dtype=torch.int64)
         q_lens = [len(e.token_ids) for e in step.entries]
         # The same flag on every rank: the lm_head's all-gather is a collective.
-        all_logits = any(e.want_prompt_logprobs for e in step.entries)
+        all_logits = [e.want_prompt_logprobs for e in step.entries]
         logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], q_lens, return_all_logits=all_logits)
         if self.sampler is None:
             return None
         prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries)
-        if all_logits:
-            # One row per new token: sample from each request's last one.
-            last_rows = torch.tensor(q_lens, device=logits.device).cumsum(0) - 1
-            logits = logits[last_rows]
+        if any(all_logits):
+            # An asking entry has one row per new token, the others one: sample from each last row.
+            n_rows = [q if flag else 1 for q, flag in zip(q_lens, all_logits)]
+            logits = logits[torch.tensor(n_rows, device=logits.device).cumsum(0) - 1]
         result = self.sampler.sample(logits, [e.req_id for e in step.entries])
         return StepOutput(result.token_ids, result.logprobs, result.top_logprobs, prompt_lps, prompt_tops)
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry]) -> tuple[list, list]:
-        """Per entry, its prompt logprobs, or None if it did not ask. An entry that asks made the
-        forward return all logits: one row per new token, entries back to back."""
+        """Per entry, its prompt logprobs, or None if it did not ask. The forward returned one row
+        per new token for an asking entry, one row for the others, entries back to back."""
         from llmserve.server.router.sampler import prompt_logprobs
 
         logprobs: list[list[float | None] | None] = []
         top_logprobs: list[list[list[tuple[int, float]] | None] | None] = []
         start = 0
         for e in entries:
-            end = start + len(e.token_ids)
+            end = start + (len(e.token_ids) if e.want_prompt_logprobs else 1)
             lps, tops = None, None
             if e.want_prompt_logprobs:
                 # A first prefill: the new tokens are the whole prompt, from position 0.

@@ -16,8 +16,8 @@ class PostLayerInferTpl(PostLayerInfer):
         raise NotImplementedError
 
     def context_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        if not infer_state.return_all_logits:
-            h = h[(infer_state.b_q_start + infer_state.b_q_len - 1).long()]
+        if infer_state.logit_rows is not None:
+            h = h[infer_state.logit_rows]
         return self._logits(h, infer_state, layer_weight)
 
     def token_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
