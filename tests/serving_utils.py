@@ -57,7 +57,10 @@ class ServerProcess:
     def __init__(self, model: str | None, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [*llmserve_command(), "serve", "--port", str(self.port), *args]
+        # LLMSERVE_TEST_SERVER_ARGS: flags for every test server (on a GPU: --dtype float32, so
+        # that batched and alone stay bit-identical, as on the CPU)
+        extra = os.environ.get("LLMSERVE_TEST_SERVER_ARGS", "").split()
+        cmd = [*llmserve_command(), "serve", "--port", str(self.port), *extra, *args]
         if model is not None:
             cmd += ["--model", model]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llmserve-test-", suffix=".log", delete=False)
