@@ -43,6 +43,10 @@ class _Server(uvicorn.Server):
             # a signal handler runs between two bytecodes of the loop: queue the work on the loop
             self._loop.call_soon_threadsafe(self.async_engine.fail_all, SHUTDOWN_MESSAGE)
         super().handle_exit(sig, frame)
+        # uvicorn re-raises the signals it caught once it has shut down, so SIGTERM would kill
+        # the process (exit -15, skipping run_server's cleanup) and SIGINT would exit 130. A
+        # stop on a signal is a clean shutdown here: run() returns and the process exits 0.
+        self._captured_signals.clear()
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -98,6 +98,8 @@ def describe_validation_error(exc: RequestValidationError) -> str:
 
 def _first_field(exc: RequestValidationError) -> str | None:
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            continue   # its loc is ("body", <character offset>): no field is at fault, so no param
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if loc:
             return loc[0]

@@ -1,0 +1,269 @@
+"""The server process from outside: shutting down with streams open, a model worker dying,
+the API key, a busy port, and tensor parallelism through the whole stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+import text_generation
+import torch
+
+from serving_utils import ServerProcess, llmserve_command, pid_alive
+
+EXIT_TIMEOUT_S = 15.0
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event | None = None) -> list[dict]:
+    """All the JSON events of a TGI stream, until the server ends it; ``started`` is set after the first."""
+    events = []
+    async with client.stream("POST", url + "/generate_stream", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:"):]))
+                if started is not None:
+                    started.set()
+    return events
+
+
+async def streams_across(url: str, n: int, action, timeout: float = 30.0) -> list[list[dict]]:
+    """Open ``n`` long streams, wait until each has a token, run ``action()``, then read every
+    stream to its end (each must end within ``timeout``)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=httpx.Limits(max_connections=n)) as client:
+        started = [asyncio.Event() for _ in range(n)]
+        tasks = [asyncio.ensure_future(read_stream(client, url, {"inputs": f"Story number {i}:",
+                                                                 "parameters": {"max_new_tokens": 400}}, started[i]))
+                 for i in range(n)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
+            action()
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def assert_ended_with_error(events: list[dict]) -> None:
+    assert len(events) >= 2, events
+    assert all("token" in e for e in events[:-1]), events
+    last = events[-1]
+    assert set(last) == {"error", "error_type"}, last
+    assert isinstance(last["error"], str) and last["error"]
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.05)
+
+
+def port_is_free(port: int) -> bool:
+    """A new server could listen on it. SO_REUSEADDR as every server sets it: the connections the
+    old one closed may linger in TIME_WAIT, which only a socket still listening should block."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+        return True
+
+
+# -- (1) signals with open streams -------------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_ends_open_streams_and_exits_cleanly(tiny_llama_dir, sig):
+    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
+        workers = list(server.worker_pids)
+        assert workers and all(pid_alive(p) for p in workers)
+        sent = []
+
+        def send_signal():
+            sent.append(time.monotonic())
+            server.proc.send_signal(sig)
+
+        results = asyncio.run(streams_across(server.url, 3, send_signal))
+        for events in results:
+            assert_ended_with_error(events)
+            assert events[-1]["error_type"] == "generation"
+            assert "shutting down" in events[-1]["error"]
+        try:
+            rc = server.proc.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server did not exit within {EXIT_TIMEOUT_S} s of {sig.name}:\n{server.output()}")
+        assert rc == 0, f"exit code {rc}:\n{server.output()}"
+        assert time.monotonic() - sent[0] < EXIT_TIMEOUT_S
+        wait_until(lambda: not any(pid_alive(p) for p in workers), 5.0, "the model workers exit with the server")
+        assert port_is_free(server.port)
+        assert "Traceback" not in server.output(), server.output()
+
+
+# -- (2) a worker dies -------------------------------------------------------------------
+
+def test_worker_death_fails_streams_and_exits_nonzero(tiny_llama_dir):
+    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
+        [worker] = server.worker_pids
+        killed = []
+
+        def kill_worker():
+            os.kill(worker, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        [events] = asyncio.run(streams_across(server.url, 1, kill_worker))
+        assert_ended_with_error(events)
+        assert events[-1]["error_type"] == "generation"
+
+        # /health says so for as long as the server still answers (it is on its way out)
+        try:
+            r = httpx.get(server.url + "/health", timeout=5)
+            assert r.status_code == 503, r.text
+            assert r.json()["error_type"] == "unhealthy"
+        except httpx.TransportError:
+            pass   # it has already stopped listening; it must still exit, below
+        try:
+            rc = server.proc.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server did not exit within {EXIT_TIMEOUT_S} s of its worker's death:\n{server.output()}")
+        assert rc != 0
+        assert time.monotonic() - killed[0] < EXIT_TIMEOUT_S
+        assert "worker" in server.output()
+        assert port_is_free(server.port)
+
+
+def test_worker_death_while_idle_turns_health_503_and_exits_nonzero(tiny_llama_dir):
+    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
+        [worker] = server.worker_pids
+        os.kill(worker, signal.SIGKILL)
+        statuses = []
+
+        def unhealthy_or_gone() -> bool:
+            try:
+                statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
+                return statuses[-1] == 503
+            except httpx.TransportError:
+                return server.proc.poll() is not None
+
+        wait_until(unhealthy_or_gone, EXIT_TIMEOUT_S, "/health turns 503")
+        # from then on it never says healthy again, and it exits
+        statuses.clear()
+        wait_until(lambda: unhealthy_or_gone() and server.proc.poll() is not None, EXIT_TIMEOUT_S,
+                   f"the server exits after its worker's death:\n{server.output()}")
+        assert set(statuses) <= {503}, statuses
+        rc = server.proc.wait(timeout=1)
+        assert rc != 0
+        error_lines = [line for line in server.output().splitlines() if line.startswith("llmserve: error:")]
+        assert len(error_lines) == 1 and "worker" in error_lines[0], server.output()
+
+
+# -- (3) --api-key -----------------------------------------------------------------------
+
+API_KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama_dir):
+    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--api-key", API_KEY) as server:
+        yield server
+
+
+PROTECTED = [
+    ("POST", "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}),
+    ("POST", "/generate_stream", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}),
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("GET", "/metrics", None),
+    ("GET", "/info", None),
+]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                                     {"Authorization": f"Basic {API_KEY}"}],
+                         ids=["none", "wrong", "no-scheme", "basic"])
+@pytest.mark.parametrize("method,path,body", PROTECTED, ids=[p for _, p, _ in PROTECTED])
+def test_api_key_required(keyed_server, method, path, body, headers):
+    r = httpx.request(method, keyed_server.url + path, json=body, headers=headers, timeout=30)
+    assert r.status_code == 401, r.text
+    payload = r.json()
+    message = payload["error"]["message"] if path.startswith("/v1/") else payload["error"]
+    assert "Unauthorized" in message
+
+
+@pytest.mark.parametrize("method,path,body", PROTECTED, ids=[p for _, p, _ in PROTECTED])
+def test_api_key_accepted(keyed_server, method, path, body):
+    r = httpx.request(method, keyed_server.url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_health_needs_no_key(keyed_server):
+    assert httpx.get(keyed_server.url + "/health", timeout=10).status_code == 200
+
+
+def test_clients_with_api_key(keyed_server):
+    client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert chat.usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="wrong", max_retries=0, timeout=60).models.list()
+
+    tgi = text_generation.Client(keyed_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert tgi.generate("Hello", max_new_tokens=2).details.generated_tokens == 2
+    assert len(list(tgi.generate_stream("Hello", max_new_tokens=2))) == 2
+    with pytest.raises(text_generation.errors.UnknownError, match="Unauthorized"):
+        text_generation.Client(keyed_server.url, timeout=60).generate("Hello", max_new_tokens=2)
+
+
+# -- (4) a busy port ---------------------------------------------------------------------
+
+def test_busy_port_fails_fast_with_one_line(tiny_llama_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors == [f"llmserve: error: cannot listen on 127.0.0.1:{port}: Address already in use"], proc.stderr
+    # before any model loading: the time it takes to import the package, not to start workers
+    assert elapsed < 30, elapsed
+
+
+# -- (5) tensor parallelism through the server -------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="tp=2 on CUDA needs two GPUs (on the CPU it runs anywhere)")
+def test_tp2_server_matches_tp1(tiny_server, tiny_llama_dir):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+
+    def greedy(url: str, prompt: str) -> list[int]:
+        r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 16, "details": True}},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return [t["id"] for t in r.json()["details"]["tokens"]]
+
+    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--tp", "2") as tp2:
+        assert len(tp2.worker_pids) == 2
+        assert httpx.get(tp2.url + "/info", timeout=10).json()["tp"] == 2
+        for prompt in prompts:
+            assert greedy(tp2.url, prompt) == greedy(tiny_server.url, prompt), prompt
+        workers = list(tp2.worker_pids)
+    assert tp2.proc.returncode == 0
+    assert not any(pid_alive(p) for p in workers)
