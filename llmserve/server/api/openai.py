@@ -106,7 +106,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
-                    max_tokens_param: str, logprobs: int | None) -> SamplingParams:
+                    max_tokens_param: str, logprobs: int | None, prompt_param: str) -> SamplingParams:
     """The shared OpenAI fields -> SamplingParams for one choice (the caller varies the seed)."""
     _check(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
     _check(body.temperature is None or 0 <= body.temperature <= 2, "temperature must be in [0, 2]", "temperature")
@@ -125,7 +125,7 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
     if max_tokens is None:            # as much as fits, like vLLM
         max_tokens = state.room_for(num_prompt_tokens)
     _check(body.min_tokens <= max_tokens, f"min_tokens ({body.min_tokens}) must be <= {max_tokens_param} ({max_tokens})", "min_tokens")
-    state.check_lengths(num_prompt_tokens, max_tokens, max_tokens_param)
+    state.check_lengths(num_prompt_tokens, max_tokens, max_tokens_param, prompt_param)
     temperature = 1.0 if body.temperature is None else body.temperature
     return SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
@@ -244,7 +244,7 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.best_of in (None, 1), "best_of > 1 is not supported", "best_of")
         _check(body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         prompts = await completion_prompts(body, state)
-        params = [choice_params(sampling_params(body, state, len(p), body.max_tokens, "max_tokens", body.logprobs), body.n)
+        params = [choice_params(sampling_params(body, state, len(p), body.max_tokens, "max_tokens", body.logprobs, "prompt"), body.n)
                   for p in prompts]
         prompt_texts = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
 
@@ -281,7 +281,7 @@ def build_router(state: ServerState) -> APIRouter:
         else:
             max_tokens, param = body.max_tokens, "max_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, param, logprobs), body.n)
+        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, param, logprobs, "messages"), body.n)
 
         def full_choice(i: int, s: RequestStream, events: list[TokenEvent]) -> dict[str, Any]:
             return {"index": i, "message": {"role": "assistant", "content": s.request.output_text},

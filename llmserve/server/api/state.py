@@ -92,16 +92,20 @@ class ServerState:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int, param: str = "max_new_tokens") -> None:
-        """TGI's rules: the prompt within max_input_tokens, prompt + new within max_total_tokens."""
+    def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int, param: str = "max_new_tokens",
+                      prompt_param: str = "inputs") -> None:
+        """TGI's rules: the prompt within max_input_tokens, prompt + new within max_total_tokens.
+        The messages name the fields of the API at hand (``inputs`` for TGI, ``prompt`` or
+        ``messages`` for OpenAI)."""
         lim = self.limits
         if num_prompt_tokens > lim.max_input_tokens:
             raise validation_error(
-                f"`inputs` must have less than {lim.max_input_tokens + 1} tokens. Given: {num_prompt_tokens}", "prompt")
+                f"`{prompt_param}` must have less than {lim.max_input_tokens + 1} tokens. Given: {num_prompt_tokens}",
+                prompt_param)
         if num_prompt_tokens + max_new_tokens > lim.max_total_tokens:
             raise validation_error(
-                f"`inputs` tokens + `{param}` must be <= {lim.max_total_tokens}. "
-                f"Given: {num_prompt_tokens} `inputs` tokens and {max_new_tokens} `{param}`", param)
+                f"`{prompt_param}` tokens + `{param}` must be <= {lim.max_total_tokens}. "
+                f"Given: {num_prompt_tokens} `{prompt_param}` tokens and {max_new_tokens} `{param}`", param)
 
     def room_for(self, num_prompt_tokens: int) -> int:
         """The most tokens a request with this prompt may generate."""
