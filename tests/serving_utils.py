@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -114,3 +116,20 @@ class ServerProcess:
         self.stop()
         self.log.close()
         os.unlink(self.log.name)
+
+
+async def tgi_stream_events(client: httpx.AsyncClient, url: str, body: dict, max_events: int | None = None,
+                            on_event: Callable[[], None] | None = None) -> list[dict]:
+    """The JSON events of one TGI SSE stream: all of them, or the first ``max_events`` and then
+    hang up. ``on_event`` is called after each one."""
+    events = []
+    async with client.stream("POST", url + "/generate_stream", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:"):]))
+                if on_event is not None:
+                    on_event()
+                if max_events is not None and len(events) >= max_events:
+                    break
+    return events

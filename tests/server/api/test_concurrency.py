@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from serving_utils import ServerProcess
+from serving_utils import ServerProcess, tgi_stream_events
 
 OVERALL_TIMEOUT_S = 90.0
 
@@ -21,19 +21,6 @@ PROMPTS = [
     "The best way to learn", "SELECT * FROM users WHERE", "Dear Sir or Madam,", "import numpy as np",
     "The mitochondria is", "Roses are red,", "How many legs does a spider", "Breaking news:",
 ]
-
-
-async def stream_events(client: httpx.AsyncClient, url: str, body: dict, max_events: int | None = None) -> list[dict]:
-    """The JSON events of one TGI SSE stream (the first ``max_events`` of them, then hang up)."""
-    events = []
-    async with client.stream("POST", url + "/generate_stream", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data:"):
-                events.append(json.loads(line[len("data:"):]))
-                if max_events is not None and len(events) >= max_events:
-                    break
-    return events
 
 
 def token_ids(events: list[dict]) -> list[int]:
@@ -83,12 +70,12 @@ def test_concurrent_greedy_streams_match_alone(tiny_server):
 
     async def alone() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=60) as client:
-            return [token_ids(await stream_events(client, tiny_server.url, body(p))) for p in PROMPTS]
+            return [token_ids(await tgi_stream_events(client, tiny_server.url, body(p))) for p in PROMPTS]
 
     async def together() -> list[list[int]]:
         limits = httpx.Limits(max_connections=len(PROMPTS))
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            results = await asyncio.gather(*(stream_events(client, tiny_server.url, body(p)) for p in PROMPTS))
+            results = await asyncio.gather(*(tgi_stream_events(client, tiny_server.url, body(p)) for p in PROMPTS))
         return [token_ids(events) for events in results]
 
     expected = run(alone())
@@ -110,7 +97,7 @@ def test_disconnected_streams_are_aborted_and_free_their_kv(tiny_server):
         limits = httpx.Limits(max_connections=n)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
             return await asyncio.gather(*(
-                stream_events(client, tiny_server.url, {"inputs": p, "parameters": {"max_new_tokens": 400}}, max_events=3)
+                tgi_stream_events(client, tiny_server.url, {"inputs": p, "parameters": {"max_new_tokens": 400}}, max_events=3)
                 for p in (PROMPTS * 2)[:n]))
 
     results = run(open_and_hang_up())

@@ -4,7 +4,6 @@ the API key, a busy port, and tensor parallelism through the whole stack."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -17,22 +16,14 @@ import pytest
 import text_generation
 import torch
 
-from serving_utils import ServerProcess, llmserve_command, pid_alive
+from serving_utils import ServerProcess, llmserve_command, pid_alive, tgi_stream_events
 
 EXIT_TIMEOUT_S = 15.0
 
 
 async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event | None = None) -> list[dict]:
     """All the JSON events of a TGI stream, until the server ends it; ``started`` is set after the first."""
-    events = []
-    async with client.stream("POST", url + "/generate_stream", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data:"):
-                events.append(json.loads(line[len("data:"):]))
-                if started is not None:
-                    started.set()
-    return events
+    return await tgi_stream_events(client, url, body, on_event=started.set if started is not None else None)
 
 
 async def streams_across(url: str, n: int, action, timeout: float = 30.0) -> list[list[dict]]:
