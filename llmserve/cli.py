@@ -32,7 +32,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--mem-fraction", type=float, default=0.85,
-                   help="on GPU, the share of the memory left after the weights that the KV cache may take (default: 0.85)")
+                   help="on GPU, the share of the card's memory this server may hold: weights, KV cache and "
+                        "activations; the KV cache gets what the weights leave of it (default: 0.85)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="most tokens of one request, prompt + max_new_tokens; longer requests get a 422 (default: the model's context, capped by the KV cache)")
     p.add_argument("--max-input-tokens", type=int, default=None,
