@@ -41,7 +41,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-requests", type=int, default=128,
                    help="client requests in flight at once; more get HTTP 429 'overloaded' (default: 128)")
     p.add_argument("--max-batch-prefill-tokens", type=int, default=8192,
-                   help="prompt tokens prefilled in one step; a longer single prompt still runs, alone (default: 8192)")
+                   help="prompt tokens prefilled in one step; longer prompts are split over steps (default: 8192)")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split prompts over steps to keep within --max-batch-prefill-tokens, so long prompts "
+                        "do not stall running streams; --no-chunked-prefill runs each prompt whole (default: on)")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="requests decoded together in one batch (default: 256)")
     p.add_argument("--chat-template", default=None,
@@ -83,7 +86,7 @@ def serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
-        max_prefill_tokens=args.max_batch_prefill_tokens,
+        max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
     )
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,

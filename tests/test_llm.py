@@ -198,6 +198,27 @@ def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny_llama_dir, ti
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
+def test_chunked_prefill_gives_the_same_tokens(tiny_llama_dir, tiny):
+    # A 7-token prefill budget splits every prompt over several steps, mixed with other requests'
+    # decodes; greedy and seeded outputs must not change, nor prompt logprobs (never split).
+    prompts = [f"Story number {i}: once upon a time there was a fox" for i in range(4)] + PROMPTS
+    params = [SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(max_new_tokens=4, temperature=0, prompt_logprobs=1)] * 4
+    params = params[: len(prompts)]
+    expected = tiny.generate(prompts, params)
+    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS, max_prefill_tokens=7) as chunked:
+        steps = []
+        schedule = chunked.engine.scheduler.schedule
+        chunked.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+        got = chunked.generate(prompts, params)
+    assert any(not item.samples for step in steps for item in step.scheduled), "no prompt was split"
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for g, e in zip(got, expected):
+        if e.prompt_logprobs is not None:
+            assert g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=1e-5)
+
+
 def test_prompt_logprobs_are_computed_once_across_preemption(tiny_llama_dir, tiny):
     params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=1)
     prompts = [f"Story number {i}: once upon a time there was" for i in range(6)]

@@ -70,6 +70,7 @@ def create_app(state: ServerState) -> FastAPI:
             "max_stop_sequences": tgi.MAX_STOP_SEQUENCES, "max_input_tokens": lim.max_input_tokens,
             "max_total_tokens": lim.max_total_tokens, "max_top_n_tokens": lim.max_top_n_tokens,
             "max_batch_prefill_tokens": state.engine.engine.config.max_prefill_tokens,
+            "chunked_prefill": state.engine.engine.config.chunked_prefill,
             "kv_cache_tokens": i.max_total_token_num,
             "chat_template": "file" if state.chat_template else ("tokenizer" if getattr(state.tokenizer, "chat_template", None) else None),
             "router": "llmserve", "version": __version__,

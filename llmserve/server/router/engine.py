@@ -21,7 +21,7 @@ from llmserve.server.router.model_rpc import (
     BatchEntry, ModelWorkerGroup, StepInput, WorkerInitArgs, free_tcp_port,
 )
 from llmserve.server.router.request import Request
-from llmserve.server.router.scheduler import Scheduler, SchedulerConfig
+from llmserve.server.router.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llmserve.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class EngineConfig:
     max_total_token_num: int | None = None  # KV pool size in tokens; None: from free memory / CPU default
     mem_fraction: float = 0.85
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int = 8192      # prompt tokens per step
+    chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -71,7 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_total_token_num=self.info.max_total_token_num,
             max_running_requests=min(config.max_running_requests, self.info.max_req_num),
-            max_prefill_tokens=config.max_prefill_tokens,
+            max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
         ))
         self.requests: dict[int, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
@@ -123,7 +124,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one forward over the scheduled batch; return the requests that got a token."""
         plan = self.scheduler.schedule()
-        entries = [self._batch_entry(s.request, s.num_new_tokens) for s in plan.scheduled]
+        entries = [self._batch_entry(s) for s in plan.scheduled]
         step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted])
         self._to_free = []
         if not entries and not step.finished_req_ids and not step.preempted_req_ids:
@@ -137,6 +138,8 @@ class LLMEngine:
             req = s.request
             if result.prompt_logprobs[i] is not None:
                 req.set_prompt_logprobs(result.prompt_logprobs[i], result.prompt_top_logprobs[i])
+            if not s.samples:      # a chunk of a prompt still being prefilled: no token yet
+                continue
             token = result.token_ids[i]
             reason = req.append_token(
                 token, self._detokenizers[req.req_id].step(token), eos_token_ids=self.eos_token_ids,
@@ -148,13 +151,13 @@ class LLMEngine:
             updated.append(req)
         return updated
 
-    def _batch_entry(self, req: Request, num_new: int) -> BatchEntry:
-        start = req.num_cached
-        prefill = start == 0   # first run, or re-run after preemption: (re)send the sampling setup
+    def _batch_entry(self, s: ScheduledRequest) -> BatchEntry:
+        req, start = s.request, s.request.num_cached
+        first = start == 0   # first chunk, or the first after a preemption: (re)send the sampling setup
         return BatchEntry(
-            req_id=req.req_id, token_ids=req.token_slice(start, start + num_new), num_cached=start,
-            params=req.params if prefill else None, prompt_token_ids=req.prompt_token_ids if prefill else None,
-            want_prompt_logprobs=prefill and req.needs_prompt_logprobs,
+            req_id=req.req_id, token_ids=req.token_slice(start, start + s.num_new_tokens), num_cached=start,
+            params=req.params if first else None, prompt_token_ids=req.prompt_token_ids if first else None,
+            want_prompt_logprobs=first and req.needs_prompt_logprobs, sample=s.samples,
         )
 
     def _release(self, req: Request) -> None:

@@ -7,6 +7,7 @@ Messages are pickled dataclasses sent as bytes, which keeps rpyc's proxies out o
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -17,6 +18,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import rpyc
 import torch
@@ -24,6 +26,9 @@ from rpyc.utils.factory import unix_connect
 from rpyc.utils.server import ThreadedServer
 
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.server.router.sampler import SampleResult
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,9 @@ class BatchEntry:
     # The request's first prefill, and it asked for prompt logprobs (a re-prefill after a
     # preemption never does: they were computed the first time).
     want_prompt_logprobs: bool = False
+    # Sample a token from this entry's last row (false for a chunk of a prompt that continues
+    # next step: drawing there would shift the request's random stream).
+    sample: bool = True
 
 
 @dataclass
@@ -89,7 +97,8 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    token_ids: list[int]
+    # Per entry; None where the entry did not sample (a chunk of a prompt that continues).
+    token_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
     # Per entry: None unless it had want_prompt_logprobs; see sampler.prompt_logprobs.
@@ -162,12 +171,17 @@ class ModelWorker:
         if self.sampler is None:
             return None
         prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries)
-        if any(all_logits):
-            # An asking entry has one row per new token, the others one: sample from each last row.
-            n_rows = [q if flag else 1 for q, flag in zip(q_lens, all_logits)]
-            logits = logits[torch.tensor(n_rows, device=logits.device).cumsum(0) - 1]
-        result = self.sampler.sample(logits, [e.req_id for e in step.entries])
-        return StepOutput(result.token_ids, result.logprobs, result.top_logprobs, prompt_lps, prompt_tops)
+        # An asking entry has one row per new token, the others one: sample from the last row of
+        # each entry that samples.
+        n_rows = [q if flag else 1 for q, flag in zip(q_lens, all_logits)]
+        last_rows = [end - 1 for end, e in zip(itertools.accumulate(n_rows), step.entries) if e.sample]
+        sampled = [e for e in step.entries if e.sample]
+        result = None
+        if sampled:
+            if len(sampled) != len(n_rows) or any(all_logits):
+                logits = logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
+            result = self.sampler.sample(logits, [e.req_id for e in sampled])
+        return StepOutput(*_per_entry(step.entries, result), prompt_lps, prompt_tops)
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry]) -> tuple[list, list]:
@@ -194,6 +208,17 @@ class ModelWorker:
         row = self.req_rows.pop(req_id, None)
         if row is not None:
             self.model.req_manager.free_req(row)
+
+
+def _per_entry(entries: list[BatchEntry], result: SampleResult | None) -> tuple[list, list, list]:
+    """The sampler's results spread back over all entries, None where an entry did not sample."""
+    token_ids: list[int | None] = [None] * len(entries)
+    logprobs: list[float | None] = [None] * len(entries)
+    top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(entries)
+    rows = [i for i, e in enumerate(entries) if e.sample]
+    for n, i in enumerate(rows):
+        token_ids[i], logprobs[i], top_logprobs[i] = result.token_ids[n], result.logprobs[n], result.top_logprobs[n]
+    return token_ids, logprobs, top_logprobs
 
 
 class ModelRpcServer(rpyc.Service):

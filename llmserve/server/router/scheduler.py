@@ -1,14 +1,19 @@
 """Continuous batching: which requests take part in the next forward pass.
 
-Each step mixes decodes and prefills in one batch. The running requests all go: each
-feeds the token it sampled last step. If the KV pool cannot hold those tokens, the newest
-running requests are preempted (their cache is dropped; they are prefilled again later,
-ahead of every newer arrival). Then waiting requests are admitted in arrival order while
-they fit. The scheduler only does the bookkeeping; the engine runs the step and tells it
-what happened (``update_after_step``, ``finish_request``).
+Each step mixes decodes and prefills in one batch. The running requests that are decoding all
+go: each feeds the token it sampled last step. If the KV pool cannot hold those tokens, the
+newest running requests are preempted (their cache is dropped; they are prefilled again later,
+ahead of every newer arrival). Then prefills fill the step's prefill budget
+(``max_prefill_tokens``): first the prompts already under way, then waiting requests in arrival
+order. A prompt longer than what is left of the budget is split over several steps (chunked
+prefill), so a burst of long prompts never stalls the running decodes for more than one
+budget's worth of compute; the request samples its first token with its last chunk. The
+scheduler only does the bookkeeping; the engine runs the step and tells it what happened
+(``update_after_step``, ``finish_request``).
 
-KV accounting is in token slots: a request holds ``num_cached`` slots. A step that feeds
-``n`` new tokens of a request needs ``n`` free slots.
+KV accounting is in token slots: a request holds ``num_cached`` slots. A step that feeds ``n``
+new tokens of a request needs ``n`` free slots. Admitting a request reserves room for its whole
+prompt at once, so a prefill that has started can always finish.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from llmserve.server.router.request import FinishReason, Request, RequestStatus
 class SchedulerConfig:
     max_total_token_num: int  # KV pool size in token slots
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # per step; a single larger prompt still runs, alone
+    max_prefill_tokens: int = 8192  # prompt tokens per step
+    # Split prompts over steps to stay within max_prefill_tokens. Off: a prompt runs whole, and
+    # one larger than the budget runs alone.
+    chunked_prefill: bool = True
 
 
 @dataclass
@@ -31,6 +39,9 @@ class ScheduledRequest:
     request: Request
     # Feed all_token_ids[num_cached : num_cached + num_new_tokens] this step.
     num_new_tokens: int
+    # The step reaches the end of the request's tokens, so it samples the next one (false for
+    # every chunk of a split prompt but the last).
+    samples: bool = True
 
 
 @dataclass
@@ -88,8 +99,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         preempted = self._preempt_until_decodes_fit()
-        scheduled = [ScheduledRequest(req, self._num_uncached(req)) for req in self.running]
-        scheduled += self._admit_waiting()
+        scheduled = [ScheduledRequest(req, 1) for req in self.running if self._is_decoding(req)]
+        budget = _PrefillBudget(self.config.max_prefill_tokens)
+        for req in self.running:   # prompts under way first: they are older than any waiting one
+            if not self._is_decoding(req):
+                chunk = self._chunk(req, budget)
+                if chunk == 0:
+                    break
+                scheduled.append(self._scheduled(req, chunk))
+        scheduled += self._admit_waiting(budget)
         return SchedulerOutput(scheduled, preempted)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
@@ -99,7 +117,7 @@ class Scheduler:
 
     def _preempt_until_decodes_fit(self) -> list[Request]:
         preempted = []
-        while self._num_decode_tokens() > self.num_free_slots:
+        while self._num_decode_tokens() > self._num_uncommitted_slots():
             newest = max(self.running, key=lambda req: req.arrival_time)
             self._preempt(newest)
             preempted.append(newest)
@@ -112,30 +130,46 @@ class Scheduler:
         # At the front, so it resumes before every request that arrived after it.
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self) -> list[ScheduledRequest]:
+    def _admit_waiting(self, budget: _PrefillBudget) -> list[ScheduledRequest]:
         """Move waiting requests into the running batch, in order, while they fit."""
         admitted: list[ScheduledRequest] = []
-        free_after_step = self.num_free_slots - self._num_decode_tokens()
-        prefill_tokens = 0
+        free_after_step = self._num_uncommitted_slots() - self._num_decode_tokens()
         while self.waiting:
             req = self.waiting[0]
-            num_new_tokens = self._num_uncached(req)  # the whole sequence: num_cached is 0
+            num_uncached = self._num_uncached(req)  # the whole sequence: num_cached is 0
             if len(self.running) >= self.config.max_running_requests:
                 break
-            # The first prefill of a step may exceed the budget: a long prompt must run sometime.
-            if admitted and prefill_tokens + num_new_tokens > self.config.max_prefill_tokens:
+            # Room for the whole prompt, plus one slot per running request (this one included)
+            # for the next decode, so that admitting it does not force a preemption right away.
+            if free_after_step - num_uncached < len(self.running) + 1:
                 break
-            # Keep one slot per running request (this one included) for the next decode,
-            # so that admitting it does not force a preemption right away.
-            if free_after_step - num_new_tokens < len(self.running) + 1:
+            chunk = self._chunk(req, budget)
+            if chunk == 0:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            admitted.append(ScheduledRequest(req, num_new_tokens))
-            prefill_tokens += num_new_tokens
-            free_after_step -= num_new_tokens
+            admitted.append(self._scheduled(req, chunk))
+            free_after_step -= num_uncached
         return admitted
+
+    def _chunk(self, req: Request, budget: _PrefillBudget) -> int:
+        """How many of the request's uncached tokens this step prefills (0: none this step)."""
+        num_uncached = self._num_uncached(req)
+        # Prompt logprobs are computed over a whole prompt in one forward.
+        splittable = self.config.chunked_prefill and not req.needs_prompt_logprobs
+        if splittable:
+            chunk = min(num_uncached, budget.left)
+        elif num_uncached <= budget.left or budget.untouched:
+            chunk = num_uncached   # the first prefill of a step may exceed the budget: it must run sometime
+        else:
+            chunk = 0
+        budget.take(chunk)
+        return chunk
+
+    @staticmethod
+    def _scheduled(req: Request, num_new_tokens: int) -> ScheduledRequest:
+        return ScheduledRequest(req, num_new_tokens, samples=req.num_cached + num_new_tokens == req.num_tokens)
 
     # ----------------------------------------------------------------------------------
     # Accounting
@@ -145,9 +179,18 @@ class Scheduler:
     def _num_uncached(req: Request) -> int:
         return req.num_tokens - req.num_cached
 
+    def _is_decoding(self, req: Request) -> bool:
+        """A running request feeds one sampled token; the others are part-way through a prompt."""
+        return self._num_uncached(req) == 1 and req.num_cached > 0
+
     def _num_decode_tokens(self) -> int:
-        """Tokens the running requests feed this step (one each, normally)."""
-        return sum(self._num_uncached(req) for req in self.running)
+        """Tokens the decoding requests feed this step (one each)."""
+        return sum(1 for req in self.running if self._is_decoding(req))
+
+    def _num_uncommitted_slots(self) -> int:
+        """Free slots less those reserved for the rest of the prompts under way."""
+        committed = sum(self._num_uncached(req) for req in self.running if not self._is_decoding(req))
+        return self.num_free_slots - committed
 
     @property
     def num_used_slots(self) -> int:
@@ -164,3 +207,16 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+
+class _PrefillBudget:
+    """Prompt tokens one step may still prefill."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+        self.untouched = True
+
+    def take(self, n: int) -> None:
+        if n:
+            self.left = max(0, self.left - n)
+            self.untouched = False

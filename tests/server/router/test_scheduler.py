@@ -37,6 +37,8 @@ def run_step(scheduler: Scheduler, eos_for: set[int] = frozenset()) -> Scheduler
     scheduler.update_after_step(output)
     for item in output.scheduled:
         req = item.request
+        if not item.samples:   # a chunk of a prompt that goes on next step
+            continue
         token = EOS if req.req_id in eos_for else TOKEN
         reason = req.append_token(token, "", eos_token_ids={EOS})
         if reason is not None:
@@ -98,8 +100,12 @@ def test_max_running_requests():
     assert scheduled_ids(run_step(scheduler)) == [1, 2]
 
 
-def test_max_prefill_tokens():
-    scheduler = make_scheduler(1000, max_prefill_tokens=100)
+def chunks(output: SchedulerOutput) -> list[tuple[int, int, bool]]:
+    return [(item.request.req_id, item.num_new_tokens, item.samples) for item in output.scheduled]
+
+
+def test_max_prefill_tokens_whole_prompts():
+    scheduler = make_scheduler(1000, max_prefill_tokens=100, chunked_prefill=False)
     for i, prompt_len in enumerate([60, 30, 20]):
         scheduler.add_request(make_request(i, prompt_len))
     assert scheduled_ids(run_step(scheduler)) == [0, 1]  # 60 + 30 <= 100 < 60 + 30 + 20
@@ -107,12 +113,47 @@ def test_max_prefill_tokens():
     assert [(item.request.req_id, item.num_new_tokens) for item in output.scheduled] == [(0, 1), (1, 1), (2, 20)]
 
 
-def test_a_prompt_longer_than_max_prefill_tokens_still_runs_alone():
-    scheduler = make_scheduler(1000, max_prefill_tokens=100)
+def test_a_whole_prompt_longer_than_max_prefill_tokens_still_runs_alone():
+    scheduler = make_scheduler(1000, max_prefill_tokens=100, chunked_prefill=False)
     scheduler.add_request(make_request(0, prompt_len=150))
     scheduler.add_request(make_request(1, prompt_len=10))
     assert scheduled_ids(run_step(scheduler)) == [0]
     assert scheduled_ids(run_step(scheduler)) == [0, 1]
+
+
+def test_chunked_prefill_fills_the_budget_and_samples_with_the_last_chunk():
+    scheduler = make_scheduler(1000, max_prefill_tokens=100)
+    for i, prompt_len in enumerate([60, 30, 20]):
+        scheduler.add_request(make_request(i, prompt_len))
+    assert chunks(run_step(scheduler)) == [(0, 60, True), (1, 30, True), (2, 10, False)]
+    # the prompt under way goes on before anything new; the others decode meanwhile
+    assert chunks(run_step(scheduler)) == [(0, 1, True), (1, 1, True), (2, 10, True)]
+    assert [r.num_output_tokens for r in scheduler.running] == [2, 2, 1]
+
+
+def test_a_long_prompt_is_split_and_decodes_keep_running():
+    scheduler = make_scheduler(1000, max_prefill_tokens=100)
+    scheduler.add_request(make_request(0, prompt_len=10))
+    run_step(scheduler)
+    scheduler.add_request(make_request(1, prompt_len=250))
+    scheduler.add_request(make_request(2, prompt_len=10))
+    assert chunks(run_step(scheduler)) == [(0, 1, True), (1, 100, False)]
+    assert chunks(run_step(scheduler)) == [(0, 1, True), (1, 100, False)]
+    assert chunks(run_step(scheduler)) == [(0, 1, True), (1, 50, True), (2, 10, True)]
+    assert scheduler.running[1].num_output_tokens == 1 and scheduler.running[1].num_cached == 250
+
+
+def test_admission_reserves_the_whole_prompt():
+    # 40 slots: request 1's 30-token prompt is admitted with a 10-token chunk, but the room for
+    # all 30 is reserved, so request 2 (10 tokens) must wait although 20 slots look free.
+    scheduler = make_scheduler(40, max_prefill_tokens=10)
+    scheduler.add_request(make_request(0, prompt_len=5, max_new_tokens=4))
+    scheduler.add_request(make_request(1, prompt_len=30, max_new_tokens=4))
+    scheduler.add_request(make_request(2, prompt_len=10, max_new_tokens=4))
+    assert chunks(run_step(scheduler)) == [(0, 5, True), (1, 5, False)]
+    assert scheduler.num_waiting == 1
+    assert chunks(run_step(scheduler)) == [(0, 1, True), (1, 10, False)]
+    assert scheduler.num_waiting == 1
 
 
 def test_decodes_and_prefills_share_a_step():
@@ -251,6 +292,7 @@ def workloads(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
     workload=workloads(),
     max_running=st.integers(1, 8),
     max_prefill=st.integers(1, 80),
+    chunked=st.booleans(),
     eos_probability=st.sampled_from([0.0, 0.02, 0.1]),
     abort_probability=st.sampled_from([0.0, 0.02]),
     rng=st.randoms(use_true_random=False),
@@ -259,12 +301,14 @@ def test_random_workload(
     workload: tuple[int, list[tuple[int, int, int]]],
     max_running: int,
     max_prefill: int,
+    chunked: bool,
     eos_probability: float,
     abort_probability: float,
     rng: random.Random,
 ):
     pool, specs = workload
-    scheduler = make_scheduler(pool, max_running_requests=max_running, max_prefill_tokens=max_prefill)
+    scheduler = make_scheduler(pool, max_running_requests=max_running, max_prefill_tokens=max_prefill,
+                               chunked_prefill=chunked)
     arrivals = [(arrival, make_request(i, prompt_len, max_new)) for i, (prompt_len, max_new, arrival) in enumerate(specs)]
     arrivals.sort(key=lambda pair: pair[0])  # stable: same-step arrivals keep id order
     accepted: list[Request] = []
@@ -304,12 +348,18 @@ def test_random_workload(
             req = item.request
             assert req.status is RequestStatus.RUNNING
             assert kv.get(req.req_id, 0) == req.num_cached
-            # Everything not cached is fed: a (re)prefill feeds prompt + generated tokens.
+            # A step feeds the next uncached tokens, all of them unless a prompt is split; it
+            # samples exactly when it reaches the end. A (re)prefill feeds prompt + generated tokens.
             assert item.num_new_tokens >= 1
-            assert req.num_cached + item.num_new_tokens == req.num_tokens
-            kv[req.req_id] = req.num_tokens
+            assert req.num_cached + item.num_new_tokens <= req.num_tokens
+            assert item.samples == (req.num_cached + item.num_new_tokens == req.num_tokens)
+            assert chunked or item.samples
+            kv[req.req_id] = req.num_cached + item.num_new_tokens
             needs_reprefill.discard(req.req_id)
         assert sum(kv.values()) <= pool, "KV pool overcommitted"
+        if chunked:   # decodes feed one token each; everything else is prefill, within the budget
+            assert sum(item.num_new_tokens for item in output.scheduled
+                       if not (item.num_new_tokens == 1 and item.request.num_cached > 0)) <= max_prefill
 
         # Admission is FIFO: the new prefills are the head of the queue, preempted first.
         admitted = [item.request for item in output.scheduled if item.request.num_cached == 0]
@@ -320,6 +370,8 @@ def test_random_workload(
         scheduler.update_after_step(output)
         for item in output.scheduled:
             req = item.request
+            if not item.samples:
+                continue
             token = EOS if rng.random() < eos_probability else TOKEN
             reason = req.append_token(token, "", eos_token_ids={EOS})
             if reason is not None:
