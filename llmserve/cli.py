@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_args(p)
         _add_sampling_args(p)
     for p in (serve, gen, chat):
-        p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                       help="how much to log; info adds the HTTP access log when serving (default: warning)")
     return parser
 
 

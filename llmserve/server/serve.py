@@ -16,7 +16,7 @@ import sys
 import uvicorn
 
 from llmserve.server.api.app import create_app
-from llmserve.server.api.state import ServerConfig, ServerState
+from llmserve.server.api.state import ServerConfig, ServerState, load_chat_template
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.router.async_engine import AsyncEngine
 from llmserve.server.router.engine import EngineConfig, LLMEngine
@@ -72,7 +72,9 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "warning") -> int:
+    # What can fail without the model fails before the (slow) model load.
     check_port_free(config.host, config.port)
+    load_chat_template(config.chat_template)
     engine = LLMEngine(engine_config)
     try:
         metrics = ServerMetrics()

@@ -3,11 +3,15 @@ huggingface_hub's InferenceClient."""
 
 from __future__ import annotations
 
+import subprocess
+
 import httpx
 import openai
 import pytest
 from huggingface_hub import InferenceClient
 from text_generation import Client
+
+from serving_utils import ServerProcess, llmserve_command
 
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
@@ -163,3 +167,21 @@ def test_embedded_model_answers(embedded_server):
     tgi = Client(embedded_server.url, timeout=120)
     out = tgi.generate("The capital of France is", max_new_tokens=3)
     assert "Paris" in out.generated_text
+
+
+def test_chat_template_file(tiny_llama_dir, tmp_path, smollm2_tokenizer):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    with ServerProcess(tiny_llama_dir, "--chat-template", str(template)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=1,
+                                           temperature=0)
+    rendered = "SYSTEM: You are terse.\nUSER: Name a colour.\nASSISTANT:"
+    assert r.usage.prompt_tokens == len(smollm2_tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
+def test_unreadable_chat_template_fails_at_startup(tiny_llama_dir, tmp_path):
+    proc = subprocess.run([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", "0",
+                           "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot read the chat template" in proc.stderr
