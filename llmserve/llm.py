@@ -53,9 +53,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         token_lists = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
-        for ids, p in zip(token_lists, params):       # validate all before queueing any
-            self.engine.validate(ids, p)
-        requests = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
+        # all validated before any is queued
+        requests = [self.engine.new_request(ids, p) for ids, p in zip(token_lists, params)]
+        for r in requests:
+            self.engine.enqueue(r)
         try:
             while any(not r.is_finished for r in requests):
                 self.engine.step()

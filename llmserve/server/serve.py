@@ -74,7 +74,7 @@ def check_port_free(host: str, port: int) -> None:
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "warning") -> int:
     # What can fail without the model fails before the (slow) model load.
     check_port_free(config.host, config.port)
-    load_chat_template(config.chat_template)
+    chat_template = load_chat_template(config.chat_template)
     engine = LLMEngine(engine_config)
     try:
         metrics = ServerMetrics()
@@ -85,7 +85,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
                 server.stop_with_error(error)
 
         async_engine = AsyncEngine(engine, metrics, on_fatal=on_fatal)
-        state = ServerState(config, async_engine, metrics)
+        state = ServerState(config, async_engine, metrics, chat_template)
         info = engine.info
         print(f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
               f"tp={engine_config.tp}, KV cache {info.max_total_token_num} tokens, "

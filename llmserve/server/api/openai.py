@@ -18,11 +18,10 @@ from fastapi import APIRouter, Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import APIError, generation_error, model_not_found_error, validation_error
-from llmserve.server.api.state import ServerState, fresh_seed, stream_with_cleanup
+from llmserve.server.api.errors import APIError, model_not_found_error, validation_error
+from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
-from llmserve.server.metrics import RequestOutcome
-from llmserve.server.router.async_engine import EngineError, RequestStream, TokenEvent
+from llmserve.server.router.async_engine import RequestStream, TokenEvent
 from llmserve.server.router.request import FinishReason
 
 MAX_N = 128
@@ -118,7 +117,7 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
     _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
     _check(max_tokens is None or max_tokens >= 1, f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
     _check(body.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
-    vocab = state.vocab_size
+    vocab = state.info.vocab_size
     _check(all(0 <= t < vocab for t in body.stop_token_ids or []), f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     _check(all(stop), "stop sequences must be non-empty", "stop")
@@ -156,10 +155,6 @@ def usage(prompt_tokens: int, streams: list[RequestStream]) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def _logprob(value: float | None) -> float:
-    return -9999.0 if value is None else max(value, -9999.0)
-
-
 # -- completions -------------------------------------------------------------------------
 
 async def completion_prompts(body: CompletionRequest, state: ServerState) -> list[list[int]]:
@@ -171,7 +166,7 @@ async def completion_prompts(body: CompletionRequest, state: ServerState) -> lis
     _check(len(prompt) > 0, "prompt must not be empty", "prompt")
     prompts = [await asyncio.to_thread(state.encode, p) if isinstance(p, str) else list(p) for p in prompt]
     _check(all(len(p) > 0 for p in prompts), "prompt must not be empty", "prompt")
-    vocab = state.vocab_size
+    vocab = state.info.vocab_size
     _check(all(0 <= t < vocab for p in prompts for t in p), f"prompt token ids must be in [0, {vocab})", "prompt")
     return prompts
 
@@ -184,8 +179,8 @@ def completion_logprobs(state: ServerState, events: list[TokenEvent], start_offs
         offset += len(e.text)
     return {
         "tokens": tokens,
-        "token_logprobs": [_logprob(e.logprob) for e in events],
-        "top_logprobs": [{state.token_text(t): _logprob(lp) for t, lp in e.top_logprobs or []} for e in events],
+        "token_logprobs": [json_logprob(e.logprob) for e in events],
+        "top_logprobs": [{state.token_text(t): json_logprob(lp) for t, lp in e.top_logprobs or []} for e in events],
         "text_offset": offsets,
     }
 
@@ -219,7 +214,7 @@ def render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
 def chat_logprobs(state: ServerState, events: list[TokenEvent]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
         text = state.token_text(token_id)
-        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode())}
 
     return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or []]}
                         for e in events]}
@@ -261,7 +256,7 @@ def build_router(state: ServerState) -> APIRouter:
 
         return await run_openai(
             state, body, http_request, [(p, cp) for p, ps in zip(prompts, params) for cp in ps],
-            object_name="text_completion", id_prefix="cmpl",
+            object_name="text_completion", chunk_object_name="text_completion", id_prefix="cmpl",
             full_choice=lambda i, s, events: make_choice(i, s.request.output_text, events, s.request.finish_reason, True),
             chunk_choice=lambda i, e, first: make_choice(i, e.text, [e], e.finish_reason, first),
             num_prompt_tokens=sum(len(p) for p in prompts),
@@ -294,7 +289,8 @@ def build_router(state: ServerState) -> APIRouter:
                     "finish_reason": finish_reason(e.finish_reason)}
 
         return await run_openai(
-            state, body, http_request, [(prompt, p) for p in params], object_name="chat.completion", id_prefix="chatcmpl",
+            state, body, http_request, [(prompt, p) for p in params], object_name="chat.completion",
+            chunk_object_name="chat.completion.chunk", id_prefix="chatcmpl",
             full_choice=full_choice, chunk_choice=chunk_choice, num_prompt_tokens=len(prompt),
         )
 
@@ -303,7 +299,7 @@ def build_router(state: ServerState) -> APIRouter:
 
 async def run_openai(
     state: ServerState, body: SamplingFields, http_request: HTTPRequest,
-    jobs: list[tuple[list[int], SamplingParams]], *, object_name: str, id_prefix: str,
+    jobs: list[tuple[list[int], SamplingParams]], *, object_name: str, chunk_object_name: str, id_prefix: str,
     full_choice: Callable[[int, RequestStream, list[TokenEvent]], dict[str, Any]],
     chunk_choice: Callable[[int, TokenEvent, bool], dict[str, Any]],
     num_prompt_tokens: int,
@@ -318,21 +314,17 @@ async def run_openai(
 
     streams, slot = state.start_all(jobs)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    chunk_header = header | {"object": object_name + ".chunk" if object_name == "chat.completion" else object_name}
+    chunk_header = header | {"object": chunk_object_name}
 
     async def chunks() -> AsyncIterator[dict[str, Any] | str]:
         started = [False] * len(streams)
-        try:
-            async for i, event in merge_streams(streams):
-                chunk = chunk_header | {"choices": [chunk_choice(i, event, not started[i])]}
-                started[i] = True
-                yield chunk | ({"usage": None} if include_usage else {})
-            if include_usage:
-                yield chunk_header | {"choices": [], "usage": usage(num_prompt_tokens, streams)}
-            state.metrics.count(RequestOutcome.SUCCESS)
-        except EngineError as e:
-            state.metrics.count(RequestOutcome.ERROR)
-            yield generation_error(str(e)).openai_body()
+        async for i, event in merge_streams(streams):
+            chunk = chunk_header | {"choices": [chunk_choice(i, event, not started[i])]}
+            started[i] = True
+            yield chunk | ({"usage": None} if include_usage else {})
+        if include_usage:
+            yield chunk_header | {"choices": [], "usage": usage(num_prompt_tokens, streams)}
         yield "[DONE]"
 
-    return sse_response(stream_with_cleanup(streams, chunks(), state, slot))
+    return sse_response(stream_with_cleanup(streams, chunks(), state, slot,
+                                            error_items=lambda error: [error.openai_body(), "[DONE]"]))

@@ -6,7 +6,7 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +41,8 @@ class Limits:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics):
+    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics,
+                 chat_template: str | None = None):
         self.config = config
         self.engine = engine
         self.metrics = metrics
@@ -51,10 +52,9 @@ class ServerState:
         self.model_names = frozenset({self.model_name, self.model_path, os.path.basename(self.model_path)})
         self.started_at = int(time.time())
         self.tokenizer = engine.engine.tokenizer
-        self.chat_template = load_chat_template(config.chat_template)
+        self.chat_template = chat_template        # the text of config.chat_template, read at start-up
         info = engine.engine.info
         self.info = info
-        self.vocab_size = info.vocab_size
         model_limit = min(info.max_seq_len, info.max_total_token_num)
         max_total = min(config.max_total_tokens or model_limit, model_limit)
         max_input = min(config.max_input_tokens or max_total - 1, max_total - 1)
@@ -63,6 +63,7 @@ class ServerState:
         self.limits = Limits(max_total, max_input, config.max_concurrent_requests, config.max_top_n_tokens)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self._in_flight = 0
+        metrics.in_flight.set_function(lambda: self._in_flight)
 
     # -- admission -------------------------------------------------------------------
     def admit(self) -> Slot:
@@ -71,12 +72,10 @@ class ServerState:
             self.metrics.count(RequestOutcome.OVERLOADED)
             raise overloaded_error()
         self._in_flight += 1
-        self.metrics.in_flight.inc()
         return Slot(self)
 
     def _release(self) -> None:
         self._in_flight -= 1
-        self.metrics.in_flight.dec()
 
     # -- tokens ----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -120,7 +119,6 @@ class ServerState:
         except EngineError as e:
             raise generation_error(str(e)) from None
 
-
     def start_all(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list[RequestStream], Slot]:
         """Admit one client request and queue its generations (one per prompt and choice)."""
         slot = self.admit()
@@ -163,6 +161,11 @@ def load_chat_template(path: str | None) -> str | None:
             return f.read()
     except OSError as e:
         raise ValueError(f"cannot read the chat template {path!r}: {e.strerror}") from None
+
+
+def json_logprob(value: float | None) -> float | None:
+    """JSON has no -inf: a token the model rules out entirely gets a very negative number instead."""
+    return None if value is None else max(value, -9999.0)
 
 
 def fresh_seed() -> int:
@@ -210,13 +213,21 @@ async def _wait_for_disconnect(http_request: HTTPRequest, poll_s: float = 0.2) -
 
 
 async def stream_with_cleanup(streams: list[RequestStream], events: AsyncIterator[Any], state: ServerState,
-                              slot: Slot) -> AsyncIterator[Any]:
-    """Wrap an SSE generator: whatever ends it (done, error, client gone, shutdown), abort the
+                              slot: Slot, error_items: Callable[[APIError], list[Any]]) -> AsyncIterator[Any]:
+    """Wrap an SSE generator: count its outcome; if the engine fails, end with ``error_items``
+    (the API's error event); whatever ends it (done, error, client gone, shutdown), abort the
     streams that are still running and give the concurrency slot back."""
     try:
         async with aclosing(events):
-            async for item in events:
-                yield item
+            try:
+                async for item in events:
+                    yield item
+            except EngineError as e:
+                state.metrics.count(RequestOutcome.ERROR)
+                for item in error_items(generation_error(str(e))):
+                    yield item
+            else:
+                state.metrics.count(RequestOutcome.SUCCESS)
     finally:
         if any(not s.finished for s in streams):
             state.metrics.count(RequestOutcome.ABORTED)

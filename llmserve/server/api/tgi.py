@@ -15,11 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import generation_error, validation_error
-from llmserve.server.api.state import ServerState, fresh_seed, stream_with_cleanup
+from llmserve.server.api.errors import validation_error
+from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
-from llmserve.server.metrics import RequestOutcome
-from llmserve.server.router.async_engine import EngineError, RequestStream, TokenEvent
+from llmserve.server.router.async_engine import RequestStream, TokenEvent
 
 DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
 MAX_STOP_SEQUENCES = 1024
@@ -122,13 +121,8 @@ async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], Samp
 
 # -- response pieces ---------------------------------------------------------------------
 
-def _logprob(value: float | None) -> float | None:
-    # JSON has no -inf; a token the model rules out entirely gets a very negative number instead.
-    return None if value is None else max(value, -9999.0)
-
-
 def token_json(state: ServerState, token_id: int, text: str, logprob: float | None) -> dict[str, Any]:
-    return {"id": token_id, "text": text, "logprob": _logprob(logprob), "special": token_id in state.special_ids}
+    return {"id": token_id, "text": text, "logprob": json_logprob(logprob), "special": token_id in state.special_ids}
 
 
 def top_tokens_json(state: ServerState, event: TokenEvent) -> list[dict[str, Any]]:
@@ -138,7 +132,7 @@ def top_tokens_json(state: ServerState, event: TokenEvent) -> list[dict[str, Any
 def prefill_json(state: ServerState, stream: RequestStream) -> list[dict[str, Any]]:
     req = stream.request
     logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
-    return [{"id": tid, "text": state.token_text(tid), "logprob": _logprob(lp)}
+    return [{"id": tid, "text": state.token_text(tid), "logprob": json_logprob(lp)}
             for tid, lp in zip(req.prompt_token_ids, logprobs)]
 
 
@@ -180,23 +174,19 @@ def build_router(state: ServerState) -> APIRouter:
 
         async def events():
             index = 0
-            try:
-                async for event in stream:
-                    index += 1
-                    last = event.finish_reason is not None
-                    yield {
-                        "index": index,
-                        "token": token_json(state, event.token_id, event.text, event.logprob),
-                        "top_tokens": top_tokens_json(state, event),
-                        "generated_text": generated_text(body, stream) if last else None,
-                        "details": stream_details(stream) if last else None,
-                    }
-                state.metrics.count(RequestOutcome.SUCCESS)
-            except EngineError as e:
-                state.metrics.count(RequestOutcome.ERROR)
-                yield generation_error(str(e)).tgi_body()
+            async for event in stream:
+                index += 1
+                last = event.finish_reason is not None
+                yield {
+                    "index": index,
+                    "token": token_json(state, event.token_id, event.text, event.logprob),
+                    "top_tokens": top_tokens_json(state, event),
+                    "generated_text": generated_text(body, stream) if last else None,
+                    "details": stream_details(stream) if last else None,
+                }
 
-        return sse_response(stream_with_cleanup([stream], events(), state, slot))
+        return sse_response(stream_with_cleanup([stream], events(), state, slot,
+                                                error_items=lambda error: [error.tgi_body()]))
 
     @router.post("/generate")
     async def generate(body: TGIRequest, http_request: HTTPRequest):

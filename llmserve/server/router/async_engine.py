@@ -49,6 +49,7 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[TokenEvent | EngineError] = asyncio.Queue()
         self.finished = False
+        self.last_token_time: float | None = None   # for the inter-token latency metric
 
     @property
     def req_id(self) -> int:
@@ -83,7 +84,6 @@ class AsyncEngine:
         self._streams: dict[int, RequestStream] = {}
         self._arrivals: list[RequestStream] = []
         self._aborts: list[int] = []
-        self._last_token_time: dict[int, float] = {}
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-step")
         self._task: asyncio.Task | None = None
@@ -198,7 +198,6 @@ class AsyncEngine:
         for req_id in aborts:
             self.engine.abort_request(req_id)
             self._streams.pop(req_id, None)
-            self._last_token_time.pop(req_id, None)
 
     def _publish(self, updated: list[Request]) -> None:
         now = time.monotonic()
@@ -212,21 +211,20 @@ class AsyncEngine:
                 top_logprobs=req.output_top_logprobs[-1] if req.output_top_logprobs else None,
                 finish_reason=req.finish_reason,
             )
-            self._observe_latency(req, now)
+            self._observe_latency(stream, now)
             stream._put(event)
             if req.is_finished:
                 self._streams.pop(req.req_id, None)
 
-    def _observe_latency(self, req: Request, now: float) -> None:
+    def _observe_latency(self, stream: RequestStream, now: float) -> None:
         if self.metrics is None:
             return
+        req = stream.request
         self.metrics.generated_tokens.inc()
-        last = self._last_token_time.get(req.req_id)
-        if last is None:
+        if stream.last_token_time is None:
             self.metrics.ttft.observe(now - req.arrival_time)
         else:
-            self.metrics.itl.observe(now - last)
-        self._last_token_time[req.req_id] = now
+            self.metrics.itl.observe(now - stream.last_token_time)
+        stream.last_token_time = now
         if req.is_finished:
             self.metrics.e2e.observe(now - req.arrival_time)
-            del self._last_token_time[req.req_id]

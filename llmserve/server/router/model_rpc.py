@@ -171,16 +171,14 @@ class ModelWorker:
         if self.sampler is None:
             return None
         prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries)
-        # An asking entry has one row per new token, the others one: sample from the last row of
-        # each entry that samples.
-        n_rows = [q if flag else 1 for q, flag in zip(q_lens, all_logits)]
-        last_rows = [end - 1 for end, e in zip(itertools.accumulate(n_rows), step.entries) if e.sample]
         sampled = [e for e in step.entries if e.sample]
-        result = None
-        if sampled:
-            if len(sampled) != len(n_rows) or any(all_logits):
-                logits = logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
-            result = self.sampler.sample(logits, [e.req_id for e in sampled])
+        if sampled and (len(sampled) != len(step.entries) or any(all_logits)):
+            # An asking entry has one row per new token, the others one: keep the last row of each
+            # entry that samples. (The common step, one row per entry and all sampling, skips this.)
+            n_rows = [q if flag else 1 for q, flag in zip(q_lens, all_logits)]
+            last_rows = [end - 1 for end, e in zip(itertools.accumulate(n_rows), step.entries) if e.sample]
+            logits = logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
+        result = self.sampler.sample(logits, [e.req_id for e in sampled]) if sampled else None
         return StepOutput(*_per_entry(step.entries, result), prompt_lps, prompt_tops)
 
     @staticmethod
