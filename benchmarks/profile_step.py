@@ -15,10 +15,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import remove_script_dir_from_sys_path
-from offline import LLAMA3_8B_CONFIG, build_model, prefill
-
-remove_script_dir_from_sys_path()
+from offline import LLAMA3_8B_CONFIG, build_model, prefill  # also takes this folder off sys.path (see common.py)
 
 
 def main() -> None:

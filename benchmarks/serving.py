@@ -193,11 +193,10 @@ class _Stream:
 
 
 async def _post_stream(session: aiohttp.ClientSession, ep: Endpoint, body: dict, spec: RequestSpec,
-                       handle: Callable[[_Stream, str], str | None],
-                       ended: Callable[[_Stream], str]) -> RequestResult:
+                       handle: Callable[[_Stream, str], str | None], ended: str) -> RequestResult:
     """POST ``body`` and feed each SSE data payload to ``handle(stream, data)``, which returns
-    None to go on, "" when the stream is complete, or an error text. ``ended(stream)`` gives the
-    error for a stream that closed before ``handle`` said it was complete ("" = none)."""
+    None to go on, "" when the stream is complete, or an error text. ``ended`` is the error for
+    a stream that closed before ``handle`` said it was complete."""
     stream = _Stream(spec)
     try:
         async with session.post(ep.url, json=body, headers=ep.headers()) as resp:
@@ -209,7 +208,7 @@ async def _post_stream(session: aiohttp.ClientSession, ep: Endpoint, body: dict,
                     outcome = handle(stream, data)
                     if outcome is not None:
                         return stream.finish(outcome)
-            return stream.finish(ended(stream))
+            return stream.finish(ended)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnicodeDecodeError) as e:
         return stream.finish(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
@@ -239,7 +238,6 @@ async def request_tgi(session: aiohttp.ClientSession, ep: Endpoint, spec: Reques
     if ep.ignore_eos:
         params["ignore_eos"] = True
     params.update(ep.extra_body)
-    final: dict[str, Any] = {}
 
     def handle(stream: _Stream, data: str) -> str | None:
         obj = json.loads(data)
@@ -250,14 +248,11 @@ async def request_tgi(session: aiohttp.ClientSession, ep: Endpoint, spec: Reques
         if token is not None:
             stream.token_chunk("" if token.get("special") else token.get("text") or "")
         if obj.get("generated_text") is not None:
-            final.update(obj)
             return ""
         return None
 
-    def ended(stream: _Stream) -> str:
-        return "the stream ended without the final event (generated_text)"
-
-    return await _post_stream(session, ep, {"inputs": spec.prompt, "parameters": params}, spec, handle, ended)
+    return await _post_stream(session, ep, {"inputs": spec.prompt, "parameters": params}, spec, handle,
+                              "the stream ended without the final event (generated_text)")
 
 
 def _openai_body(ep: Endpoint, spec: RequestSpec) -> dict[str, Any]:
@@ -290,10 +285,7 @@ async def _request_openai(session: aiohttp.ClientSession, ep: Endpoint, spec: Re
                 stream.token_chunk(text)
         return None
 
-    def ended(stream: _Stream) -> str:
-        return "the stream ended without [DONE]"
-
-    result = await _post_stream(session, ep, body, spec, handle, ended)
+    result = await _post_stream(session, ep, body, spec, handle, "the stream ended without [DONE]")
     if result.success and usage.get("completion_tokens") is not None:
         result.output_tokens = int(usage["completion_tokens"])
     if usage.get("prompt_tokens") is not None:
