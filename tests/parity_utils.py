@@ -26,12 +26,17 @@ def build_tiny_hf_model(config, path, seed: int = 0):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "layernorm" in name or name.endswith("ln_f.weight"):
+            if "norm" in name or name.endswith("ln_f.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
+
+
+def random_prompts(lens: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
@@ -62,10 +67,10 @@ class BatchDriver:
         self.rows: list[int] = []
         self.lens: list[int] = []
 
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], return_all_logits: bool = False) -> torch.Tensor:
         self.rows = [self.model.req_manager.alloc_req() for _ in prompts]
         self.lens = [0] * len(prompts)
-        return self.extend(prompts)
+        return self.extend(prompts, return_all_logits)
 
     def extend(self, chunks: list[list[int]], return_all_logits: bool = False) -> torch.Tensor:
         """Append ``chunks[i]`` to request i (any lengths >= 1) in one forward."""

