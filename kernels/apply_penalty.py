@@ -65,8 +65,9 @@ def apply_penalty_torch(
     cum = p_cumsum_seq_len.long()
     lengths = cum[1:] - cum[:-1]
     rows = torch.repeat_interleave(torch.arange(bs, device=logits.device), lengths)
-    ids = p_token_ids[int(cum[0]):int(cum[-1])].long()
-    counts = p_token_counts[int(cum[0]):int(cum[-1])].float()
+    start, end = int(cum[0]), int(cum[-1])
+    ids = p_token_ids[start:end].long()
+    counts = p_token_counts[start:end].float()
     logit = logits[rows, ids]
     rep = repetition[rows]
     logit = torch.where(logit > 0, logit / rep, logit * rep)

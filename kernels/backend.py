@@ -79,7 +79,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, last_dim]`` tensor whose rows are unit-stride (a view when possible),
-    the layout the row-wise norm kernels read."""
+    the layout the row-wise kernels (norms, silu_and_mul) read."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import as_rows, launcher, next_pow2, use_triton
 
 
 @triton.jit
@@ -23,11 +23,8 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
 
 def silu_and_mul_fwd_triton(x: torch.Tensor) -> torch.Tensor:
     """Triton version of `silu_and_mul_fwd`."""
-    two_i = x.shape[-1]
-    I = two_i // 2
-    x2 = x.reshape(-1, two_i)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    I = x.shape[-1] // 2
+    x2 = as_rows(x)
     y = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0:
         BLOCK = min(next_pow2(I), 1024)
