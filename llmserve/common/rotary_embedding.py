@@ -10,13 +10,15 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from llmserve.common.basemodel.basemodel import head_dim
+
 
 class RotaryEmbedding:
     def __init__(self, config: PretrainedConfig, device: torch.device, max_position: int):
         rope = dict(getattr(config, "rope_parameters", None) or {})
         self.config = config
         self.rope_type: str = rope.get("rope_type", "default")
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim: int = head_dim(config)
         self.device = device
         inv_freq, self.attention_scaling = self._inv_freq(seq_len=None)
         # Dynamic NTK stretches the frequencies once a sequence outgrows the trained context, so

@@ -117,11 +117,11 @@ class TpPartBaseModel:
 
     def _init_mem_manager(self) -> None:
         cfg = self.network_config_
-        tp_kv_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // self.world_size_
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * head_dim)
+        tp_kv_heads = num_kv_heads(cfg) // self.world_size_
+        dim = head_dim(cfg)
+        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * dim)
         self.max_total_token_num = size
-        self.mem_manager = MemoryManager(size, self.data_type, tp_kv_heads, head_dim, cfg.num_hidden_layers, self.device)
+        self.mem_manager = MemoryManager(size, self.data_type, tp_kv_heads, dim, cfg.num_hidden_layers, self.device)
         context = getattr(cfg, "max_position_embeddings", None) or size
         self.max_seq_len = self.params.max_seq_len or min(context, size)
         self.req_manager = ReqManager(self.params.max_req_num, self.max_seq_len, self.mem_manager, self.device)
@@ -214,7 +214,6 @@ class TpPartBaseModel:
             mem_index=mem_index,
             mem_manager=self.mem_manager,
             req_manager=self.req_manager,
-            return_all_logits=all(all_logits),
             logit_rows=_logit_rows(q_start, q_len, all_logits, self.device),
         )
         state.init_some_extra_state(self)
@@ -224,21 +223,31 @@ class TpPartBaseModel:
 def _logit_rows(q_start: torch.Tensor, q_len: torch.Tensor, all_logits: list[bool],
                 device: torch.device) -> torch.Tensor | None:
     """Which new-token rows need logits: every row of a flagged request, the last row of the
-    others; None when that is every row."""
-    if all(all_logits):
+    others; None when that is every row (all flagged, or one new token each, as in decode)."""
+    lens = q_len.tolist()
+    if all(flag or n == 1 for n, flag in zip(lens, all_logits)):
         return None
     last = q_start + q_len - 1
     if not any(all_logits):
         return last.long().to(device, non_blocking=True)
     rows = [torch.arange(s, s + n) if flag else torch.tensor([e])
-            for s, n, e, flag in zip(q_start.tolist(), q_len.tolist(), last.tolist(), all_logits)]
+            for s, n, e, flag in zip(q_start.tolist(), lens, last.tolist(), all_logits)]
     return torch.cat(rows).to(device, non_blocking=True)
+
+
+def num_kv_heads(cfg: PretrainedConfig) -> int:
+    """Key/value heads of the whole model (as many as attention heads without GQA)."""
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def head_dim(cfg: PretrainedConfig) -> int:
+    """Size of one attention head (explicit in the config, or hidden_size split over the heads)."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def verify_tp_split(cfg: PretrainedConfig, world_size: int) -> None:
     """Tensor parallelism gives every rank whole attention heads and whole KV heads."""
-    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", num_kv_heads)):
+    for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", num_kv_heads(cfg))):
         if n % world_size:
             raise ValueError(f"the model's {n} {what} are not divisible by tp={world_size}")
 

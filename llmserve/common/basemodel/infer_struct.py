@@ -37,7 +37,6 @@ class InferStateInfo:
     mem_index: torch.Tensor       # [total_token_num] int32, KV slots of the new tokens
     mem_manager: MemoryManager
     req_manager: ReqManager
-    return_all_logits: bool = False
     # The rows of the new tokens whose logits the post layer computes; None: all of them.
     logit_rows: torch.Tensor | None = None
 

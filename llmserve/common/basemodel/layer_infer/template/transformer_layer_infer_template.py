@@ -5,6 +5,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from llmserve.common.basemodel.basemodel import head_dim, num_kv_heads
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
 from llmserve.common.distributed import all_reduce
@@ -23,12 +24,9 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
-        cfg = network_config
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.tp_q_head_num_ = cfg.num_attention_heads // world_size
-        self.tp_kv_head_num_ = num_kv_heads // world_size
-        self.head_dim_ = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.embed_dim_ = cfg.hidden_size
+        self.tp_q_head_num_ = network_config.num_attention_heads // world_size
+        self.tp_kv_head_num_ = num_kv_heads(network_config) // world_size
+        self.head_dim_ = head_dim(network_config)
 
     # -- hooks ------------------------------------------------------------------------
     def _att_norm(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
