@@ -46,11 +46,11 @@ def _is_int(value: object) -> bool:
     return True
 
 
-def _as_cpu_index(slots: torch.Tensor | list[int], what: str = "slots") -> torch.Tensor:
+def _as_cpu_index(slots: torch.Tensor | list[int]) -> torch.Tensor:
     """``slots`` as a flat int64 CPU tensor (int64: what advanced indexing wants)."""
     t = torch.as_tensor(slots)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{what} must be an integer tensor, got dtype {t.dtype}")
+        raise TypeError(f"slots must be an integer tensor, got dtype {t.dtype}")
     return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
@@ -258,17 +258,18 @@ class ReqManager:
         ``expected_lens``, if given, are the lengths the caller believes the rows have (the
         router's view of the cache); a mismatch is a ``ValueError`` before anything changes.
         """
-        rows, counts = self._check_batch(req_idxs, n_new, expected_lens)
+        rows, counts, starts = self._check_batch(req_idxs, n_new, expected_lens)
         total = int(counts.sum())
         slots = self.mem_manager.alloc(total)  # raises before anything below changes
         if total == 0:
             return slots
-        starts = self._seq_len[rows]
         # Row and position of every new token, in batch order, without a per-request loop.
         tok_rows = torch.repeat_interleave(rows, counts)
         first_of_req = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         tok_pos = torch.repeat_interleave(starts, counts) + (torch.arange(total) - first_of_req)
-        self.req_to_token[tok_rows.to(self.device), tok_pos.to(self.device)] = slots.to(self.device)
+        # One host-to-device copy for both index columns.
+        tok_rows, tok_pos = torch.stack([tok_rows, tok_pos]).to(self.device)
+        self.req_to_token[tok_rows, tok_pos] = slots.to(self.device)
         self._seq_len[rows] = starts + counts
         return slots
 
@@ -304,8 +305,8 @@ class ReqManager:
 
     def _check_batch(
         self, req_idxs: list[int], n_new: list[int], expected_lens: list[int] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validated (rows, counts) as int64 CPU tensors; ``ValueError`` on any misuse."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Validated (rows, counts, current lengths) as int64 CPU tensors; ``ValueError`` on any misuse."""
         req_idxs, n_new = list(req_idxs), list(n_new)
         if len(req_idxs) != len(n_new):
             raise ValueError(f"req_idxs and n_new differ in length ({len(req_idxs)} vs {len(n_new)})")
@@ -334,4 +335,4 @@ class ReqManager:
                 f"request {req_idxs[i]} would reach {int(new_lens[i])} tokens, "
                 f"more than max_sequence_length={self.max_sequence_length}"
             )
-        return rows, counts
+        return rows, counts, cur_lens
