@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from llmserve.common.basemodel import TpPartBaseModel
-from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_config
+from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, load_hf_config
 from llmserve.models.bloom.model import BloomTpPartModel
 from llmserve.models.llama.model import LlamaTpPartModel
 
@@ -27,9 +28,5 @@ def get_model_class(model_type: str | None) -> type[TpPartBaseModel]:
 def peek_model_config(model_path: str) -> dict:
     """The checkpoint's HF-style config, read cheaply (no weights) before choosing the model class."""
     if model_path.endswith(".gguf"):
-        from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_config
-
         return gguf_config(model_path)
-    from llmserve.common.basemodel.layer_weights.hf_load_utils import load_hf_config
-
     return load_hf_config(model_path)
