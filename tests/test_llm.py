@@ -34,6 +34,24 @@ def tiny(tiny_llama_dir):
         yield llm
 
 
+@pytest.fixture(scope="module")
+def tiny_tp2(tiny_llama_dir):
+    with LLM(tiny_llama_dir, tp=2, dtype=DTYPE, max_total_token_num=KV_TOKENS) as llm:
+        yield llm
+
+
+STORIES = [f"Story number {i}: once upon a time there was" for i in range(6)]
+STORY_TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def small(tiny_llama_dir, tiny):
+    """The tiny model with a KV pool of room for ~1.5 of the STORIES' requests, STORY_TOKENS new tokens each."""
+    need = max(len(tiny.tokenizer(p).input_ids) for p in STORIES) + STORY_TOKENS
+    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=need + 20) as llm:
+        yield llm
+
+
 def test_embedded_model_answers_paris(smollm2):
     prompt = smollm2.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
     (out,) = smollm2.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))
@@ -51,7 +69,6 @@ def test_embedded_model_in_bfloat16_on_cpu():
 
 def test_embedded_model_greedy_matches_transformers(smollm2, default_model_path):
     from transformers import AutoModelForCausalLM
-    import os
 
     directory, name = os.path.split(default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name).eval()
@@ -187,14 +204,11 @@ def test_min_tokens_holds_back_stop_token_ids(tiny):
     assert stop_id not in held.token_ids[:4] and len(held.token_ids) >= 4
 
 
-def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny_llama_dir, tiny):
-    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
-    prompts = [f"Story number {i}: once upon a time there was" for i in range(6)]
-    expected = tiny.generate(prompts, params)
-    need = max(len(o.prompt_token_ids) for o in expected) + 30
-    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=need + 20) as small:   # room for ~1.5 requests
-        got = small.generate(prompts, params)
-        assert small.engine.scheduler.num_used_slots == 0
+def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(tiny, small):
+    params = SamplingParams(max_new_tokens=STORY_TOKENS, temperature=0, ignore_eos=True)
+    expected = tiny.generate(STORIES, params)
+    got = small.generate(STORIES, params)
+    assert small.engine.scheduler.num_used_slots == 0
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
@@ -219,17 +233,14 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_llama_dir, tiny):
             assert g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=1e-5)
 
 
-def test_prompt_logprobs_are_computed_once_across_preemption(tiny_llama_dir, tiny):
-    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=1)
-    prompts = [f"Story number {i}: once upon a time there was" for i in range(6)]
-    expected = tiny.generate(prompts, params)
-    need = max(len(o.prompt_token_ids) for o in expected) + 30
-    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=need + 20) as small:
-        preempted: list[int] = []
-        scheduler = small.engine.scheduler
-        preempt = scheduler._preempt
-        scheduler._preempt = lambda req: (preempted.append(req.req_id), preempt(req))
-        got = small.generate(prompts, params)
+def test_prompt_logprobs_are_computed_once_across_preemption(tiny, small, monkeypatch):
+    params = SamplingParams(max_new_tokens=STORY_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    expected = tiny.generate(STORIES, params)
+    preempted: list[int] = []
+    scheduler = small.engine.scheduler
+    preempt = scheduler._preempt
+    monkeypatch.setattr(scheduler, "_preempt", lambda req: (preempted.append(req.req_id), preempt(req)))
+    got = small.generate(STORIES, params)
     assert preempted
     for g, e in zip(got, expected):
         assert g.token_ids == e.token_ids
@@ -237,12 +248,11 @@ def test_prompt_logprobs_are_computed_once_across_preemption(tiny_llama_dir, tin
         assert len(g.prompt_top_logprobs) == len(g.prompt_token_ids)
 
 
-def test_tensor_parallel_2_logprobs_and_prompt_logprobs(tiny_llama_dir, tiny):
+def test_tensor_parallel_2_logprobs_and_prompt_logprobs(tiny, tiny_tp2):
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     mixed = [params, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)] * 3
     expected = tiny.generate(PROMPTS, mixed)
-    with LLM(tiny_llama_dir, tp=2, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp2:
-        got = tp2.generate(PROMPTS, mixed)
+    got = tiny_tp2.generate(PROMPTS, mixed)
     atol = 1e-4 if EXACT else 0.1
     for g, e in zip(got, expected):
         assert g.token_ids == e.token_ids
@@ -258,12 +268,16 @@ def test_tensor_parallel_2_logprobs_and_prompt_logprobs(tiny_llama_dir, tiny):
 
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_bloom_dir"])
 def test_tensor_parallel_2_matches_1(model_dir, request):
-    path = request.getfixturevalue(model_dir)
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    with LLM(path, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp1:
-        expected = tp1.generate(PROMPTS, params)
-    with LLM(path, tp=2, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp2:
-        got = tp2.generate(PROMPTS, params)
+    if model_dir == "tiny_llama_dir":   # the module's engines
+        expected = request.getfixturevalue("tiny").generate(PROMPTS, params)
+        got = request.getfixturevalue("tiny_tp2").generate(PROMPTS, params)
+    else:
+        path = request.getfixturevalue(model_dir)
+        with LLM(path, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp1:
+            expected = tp1.generate(PROMPTS, params)
+        with LLM(path, tp=2, dtype=DTYPE, max_total_token_num=KV_TOKENS) as tp2:
+            got = tp2.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
