@@ -47,8 +47,6 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "do not stall running streams; --no-chunked-prefill runs each prompt whole (default: on)")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="requests decoded together in one batch (default: 256)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own template)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send to the OpenAI endpoints (default: the model file or directory name)")
     p.add_argument("--api-key", default=None,
@@ -70,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="answer a user message through the model's chat template")
     chat.add_argument("message")
     chat.add_argument("--system", default=None, help="system message")
+    for p in (serve, chat):
+        p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                       help="how conversations become prompts: a built-in template name (llama3, chatml, ...; "
+                            "see `llmserve templates`), a JSON file of template fields, or a Jinja file "
+                            "(default: the model's own template, else one matched from its name)")
+    templates = sub.add_parser("templates", help="list the built-in chat templates, or show how one renders a conversation")
+    templates.add_argument("name", nargs="?", help="a template to show (a built-in name, a .json or .jinja file)")
     for p in (gen, chat):
         _add_model_args(p)
         _add_sampling_args(p)
@@ -98,8 +103,42 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(engine_config, config, log_level=args.log_level)
 
 
+EXAMPLE_CONVERSATION = [
+    {"role": "system", "content": "{system}"}, {"role": "user", "content": "{user 1}"},
+    {"role": "assistant", "content": "{answer 1}"}, {"role": "user", "content": "{user 2}"},
+]
+
+
+def show_templates(name: str | None) -> int:
+    from llmserve.chat_template import CHAT_TEMPLATES, ChatTemplateError, RoleTemplate, load_chat_template
+
+    if name is None:
+        print(f"{'name':<22}{'session_len':>12}  {'temperature':>11}  {'top_p':>5}  stop words")
+        for key in CHAT_TEMPLATES.names():
+            t = CHAT_TEMPLATES.get(key)()
+            kind = "" if isinstance(t, RoleTemplate) and t.capability == "chat" else "  (base model: plain prompts)"
+            print(f"{key:<22}{t.session_len:>12}  {t.temperature:>11}  {t.top_p:>5}  {t.stop_words or ''}{kind}")
+        return 0
+    chosen = load_chat_template(name)
+    if chosen.source == "jinja":
+        print("a Jinja template renders with the model's tokenizer; start `llmserve chat` with it to try it")
+        return 0
+    for title, messages in (("with a system message", EXAMPLE_CONVERSATION), ("without", EXAMPLE_CONVERSATION[1:2])):
+        try:
+            print(f"# {title}:\n{chosen.render(messages)!r}")
+        except ChatTemplateError as e:
+            print(f"# {title}: {e}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "templates":
+        try:
+            return show_templates(args.name)
+        except ValueError as e:
+            print(f"llmserve: error: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from llmserve.llm import LLM
     from llmserve.server.router.model_rpc import WorkerError
@@ -111,18 +150,18 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         )
-        with LLM(args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num) as llm:
+        chat_template = args.chat_template if args.command == "chat" else None
+        with LLM(args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
+                 chat_template=chat_template) as llm:
             info = llm.engine.info
             print(f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
                   f"tp={args.tp}, KV cache {info.max_total_token_num} tokens", file=sys.stderr)
             if args.command == "chat":
                 messages = ([{"role": "system", "content": args.system}] if args.system else [])
-                prompts = [llm.chat_prompt(messages + [{"role": "user", "content": args.message}])]
+                print(llm.chat(messages + [{"role": "user", "content": args.message}], params).text)
             else:
-                prompts = args.prompt
-            for prompt, out in zip(prompts, llm.generate(prompts, params)):
-                # a raw continuation reads best after its prompt; a chat answer stands alone
-                print(out.text if args.command == "chat" else prompt + out.text)
+                for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
+                    print(prompt + out.text)   # a raw continuation reads best after its prompt
     except (ValueError, WorkerError) as e:   # bad model, bad flags, bad prompt: one line, no traceback
         print(f"llmserve: error: {e}", file=sys.stderr)
         return 2

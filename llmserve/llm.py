@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from llmserve.chat_template import ChosenTemplate, choose_chat_template, load_chat_template
+from llmserve.chat_template.base import Message
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.router.engine import EngineConfig, LLMEngine
 from llmserve.server.router.request import Request
@@ -38,9 +41,13 @@ class LLM:
     together."""
 
     def __init__(self, model: str | None = None, tp: int = 1, dtype: str | None = None,
-                 max_total_token_num: int | None = None, **engine_options):
+                 max_total_token_num: int | None = None, chat_template: str | None = None, **engine_options):
+        """``chat_template``: as ``llmserve serve --chat-template`` (a built-in name, a .json or
+        .jinja file; None: the model's own template, else one matched from its name)."""
+        loaded = load_chat_template(chat_template) if chat_template else None
         self.engine = LLMEngine(EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options))
         self.tokenizer = self.engine.tokenizer
+        self.chat_template: ChosenTemplate | None = choose_chat_template(loaded, self.tokenizer, self.engine.model_path)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -67,9 +74,21 @@ class LLM:
         self.engine.flush()
         return [RequestOutput.from_request(r) for r in requests]
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The model's chat template applied to an OpenAI-style message list."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        """The prompt tokens of an OpenAI-style conversation, through the chat template."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template: pass chat_template= (a built-in name or a file)")
+        return self.chat_template.encode(self.tokenizer, messages)
+
+    def chat(self, messages: list[Message], params: SamplingParams | None = None) -> RequestOutput:
+        """Answer a conversation; the template's stop words end the answer too."""
+        params = params or SamplingParams()
+        stop = self.chat_template.stop_words(self.tokenizer) if self.chat_template else None
+        if stop is not None:
+            params = dataclasses.replace(params, stop=[*params.stop, *stop.texts],
+                                         stop_token_ids=[*params.stop_token_ids, *stop.token_ids])
+        (out,) = self.generate([self.chat_prompt(messages)], params)
+        return out
 
     def close(self) -> None:
         self.engine.shutdown()

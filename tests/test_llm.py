@@ -78,7 +78,7 @@ def test_embedded_model_greedy_matches_transformers(smollm2, default_model_path)
         "The history of Rome",
         "import numpy as np\n",
     ]
-    ids = [smollm2.tokenizer(p).input_ids for p in prompts]
+    ids = [p if isinstance(p, list) else smollm2.tokenizer(p).input_ids for p in prompts]
     outs = smollm2.generate(ids, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     for prompt_ids, out in zip(ids, outs):
         ref, _ = hf_greedy_with_logits(hf, prompt_ids, 20)

@@ -16,7 +16,8 @@ import sys
 import uvicorn
 
 from llmserve.server.api.app import create_app
-from llmserve.server.api.state import ServerConfig, ServerState, load_chat_template
+from llmserve.chat_template import load_chat_template
+from llmserve.server.api.state import ServerConfig, ServerState
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.router.async_engine import AsyncEngine
 from llmserve.server.router.engine import EngineConfig, LLMEngine
@@ -71,10 +72,17 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
+def describe_template(state: ServerState) -> str:
+    chosen = state.chat_template
+    if chosen is None:
+        return "none (chat requests are refused; see --chat-template)"
+    return chosen.name if chosen.source in ("registry", "tokenizer") else f"{chosen.name} ({chosen.source})"
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "warning") -> int:
     # What can fail without the model fails before the (slow) model load.
     check_port_free(config.host, config.port)
-    chat_template = load_chat_template(config.chat_template)
+    chat_template = load_chat_template(config.chat_template) if config.chat_template else None
     engine = LLMEngine(engine_config)
     try:
         metrics = ServerMetrics()
@@ -89,7 +97,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         info = engine.info
         print(f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
               f"tp={engine_config.tp}, KV cache {info.max_total_token_num} tokens, "
-              f"max {state.limits.max_total_tokens} tokens per request", file=sys.stderr, flush=True)
+              f"max {state.limits.max_total_tokens} tokens per request, chat template: {describe_template(state)}",
+              file=sys.stderr, flush=True)
         banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
                   f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions)")
         uv_config = uvicorn.Config(

@@ -72,7 +72,7 @@ def create_app(state: ServerState) -> FastAPI:
             "max_batch_prefill_tokens": state.engine.engine.config.max_prefill_tokens,
             "chunked_prefill": state.engine.engine.config.chunked_prefill,
             "kv_cache_tokens": i.max_total_token_num,
-            "chat_template": "file" if state.chat_template else ("tokenizer" if getattr(state.tokenizer, "chat_template", None) else None),
+            "chat_template": state.chat_template.describe() if state.chat_template else None,
             "router": "llmserve", "version": __version__,
         }
 

@@ -20,6 +20,7 @@ class APIError(Exception):
     status: int = HTTPStatus.UNPROCESSABLE_ENTITY
     error_type: str = "validation"     # TGI's error_type: validation | overloaded | generation | ...
     param: str | None = None            # OpenAI's param: the request field at fault
+    openai_code: int | None = None      # OpenAI's status, where it is not the usual mapping of ``status``
 
     def __str__(self) -> str:
         return self.message
@@ -30,6 +31,8 @@ class APIError(Exception):
     @property
     def openai_status(self) -> int:
         # OpenAI reports invalid parameters as 400 where TGI (and our TGI routes) say 422.
+        if self.openai_code is not None:
+            return self.openai_code
         return HTTPStatus.BAD_REQUEST if self.status == HTTPStatus.UNPROCESSABLE_ENTITY else self.status
 
     def openai_body(self) -> dict[str, Any]:
@@ -40,6 +43,13 @@ class APIError(Exception):
 
 def validation_error(message: str, param: str | None = None) -> APIError:
     return APIError(message, HTTPStatus.UNPROCESSABLE_ENTITY, "validation", param)
+
+
+def template_error(message: str, param: str | None = "messages") -> APIError:
+    """A well-formed conversation the chat template cannot take (no template, an unknown role,
+    longer than its session_len): 422 on both APIs, as TGI's chat route answers template errors."""
+    return APIError(message, HTTPStatus.UNPROCESSABLE_ENTITY, "template_error", param,
+                    openai_code=HTTPStatus.UNPROCESSABLE_ENTITY)
 
 
 def overloaded_error() -> APIError:
@@ -64,6 +74,7 @@ _OPENAI_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.UNPROCESSABLE_ENTITY: "invalid_request_error",
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
 }
 

@@ -17,8 +17,9 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmserve.chat_template import BaseTemplate, StopWords
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import APIError, model_not_found_error, validation_error
+from llmserve.server.api.errors import model_not_found_error, template_error, validation_error
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
 from llmserve.server.router.async_engine import RequestStream, TokenEvent
@@ -31,6 +32,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 # Clients that do not know the served name send a placeholder: huggingface_hub's InferenceClient
 # sends "dummy" with a base URL, TGI's docs use "tgi". TGI itself ignores the field.
 MODEL_PLACEHOLDERS = frozenset({"tgi", "dummy"})
+# OpenAI's message roles; which of them a conversation may use is the chat template's business.
+OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 class StreamOptions(BaseModel):
@@ -105,8 +108,11 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
-                    max_tokens_param: str, logprobs: int | None, prompt_param: str) -> SamplingParams:
-    """The shared OpenAI fields -> SamplingParams for one choice (the caller varies the seed)."""
+                    max_tokens_param: str, logprobs: int | None, prompt_param: str,
+                    defaults: BaseTemplate | None = None, template_stop: StopWords = StopWords()) -> SamplingParams:
+    """The shared OpenAI fields -> SamplingParams for one choice (the caller varies the seed). A
+    chat template's sampling fields fill in what the request leaves unset, and its stop words
+    join the request's."""
     _check(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
     _check(body.temperature is None or 0 <= body.temperature <= 2, "temperature must be in [0, 2]", "temperature")
     _check(body.top_p is None or 0 < body.top_p <= 1, "top_p must be in (0, 1]", "top_p")
@@ -125,14 +131,22 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
         max_tokens = state.room_for(num_prompt_tokens)
     _check(body.min_tokens <= max_tokens, f"min_tokens ({body.min_tokens}) must be <= {max_tokens_param} ({max_tokens})", "min_tokens")
     state.check_lengths(num_prompt_tokens, max_tokens, max_tokens_param, prompt_param)
-    temperature = 1.0 if body.temperature is None else body.temperature
+
+    def unless_set(value, field: str, fallback):
+        if value is not None:
+            return value
+        default = getattr(defaults, field, None)
+        return fallback if default is None else default
+
+    temperature = unless_set(body.temperature, "temperature", 1.0)
     return SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0), repetition_penalty=body.repetition_penalty or 1.0,
+        max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
+        top_k=max(0, unless_set(body.top_k, "top_k", 0)),
+        repetition_penalty=unless_set(body.repetition_penalty, "repetition_penalty", 1.0),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
-        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
-        stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs,
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop + list(template_stop.texts),
+        stop_token_ids=list(body.stop_token_ids or []) + list(template_stop.token_ids), logprobs=logprobs,
     )
 
 
@@ -198,17 +212,32 @@ def message_text(message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     _check(not body.tools, "tools are not supported", "tools")
     _check(body.response_format in (None, {"type": "text"}), "response_format other than text is not supported",
            "response_format")
-    messages = [m.model_dump(exclude_none=True) | {"content": message_text(m)} for m in body.messages]
-    try:
-        return state.render_chat(messages)
-    except APIError:
-        raise
-    except Exception as e:   # the template rejected the conversation (Jinja's raise_exception)
-        raise validation_error(f"the chat template cannot render these messages: {e}", "messages") from None
+    for m in body.messages:
+        if m.role not in OPENAI_ROLES:
+            raise template_error(f"unknown role {m.role!r}: a message's role is one of {', '.join(sorted(OPENAI_ROLES))}")
+    return [m.model_dump(exclude_none=True) | {"content": message_text(m)} for m in body.messages]
+
+
+def chat_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int | None:
+    """The chat template's session_len bounds the conversation and its answer together; an unset
+    max_tokens becomes what is left of it."""
+    template = state.chat_template
+    session_len = template.template.session_len
+    if session_len is None:
+        return max_tokens
+    if num_prompt_tokens >= session_len:
+        raise template_error(f"the conversation is {num_prompt_tokens} tokens, but the {template.name} chat template "
+                             f"allows {session_len} (session_len) for the conversation and its answer together")
+    if max_tokens is None:
+        return min(state.room_for(num_prompt_tokens), session_len - num_prompt_tokens)
+    if num_prompt_tokens + max_tokens > session_len:
+        raise template_error(f"the conversation ({num_prompt_tokens} tokens) and `{param}` ({max_tokens}) exceed "
+                             f"the {template.name} chat template's session_len of {session_len}", param)
+    return max_tokens
 
 
 def chat_logprobs(state: ServerState, events: list[TokenEvent]) -> dict[str, Any]:
@@ -230,6 +259,7 @@ def build_router(state: ServerState) -> APIRouter:
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.started_at, "owned_by": "llmserve",
             "root": state.model_path, "max_model_len": state.limits.max_total_tokens,
+            "chat_template": state.chat_template.name if state.chat_template else None,
         }]}
 
     @router.post("/completions")
@@ -268,15 +298,15 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
-        prompt_text = render_chat(state, body)
-        # The template writes the special tokens (BOS included) itself.
-        prompt = await asyncio.to_thread(state.encode, prompt_text, False)
+        prompt = await asyncio.to_thread(state.encode_chat, chat_messages(body))
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = body.max_tokens, "max_tokens"
+        max_tokens = chat_max_tokens(state, len(prompt), max_tokens, param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, param, logprobs, "messages"), body.n)
+        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, param, logprobs, "messages",
+                                               defaults=state.chat_template.template, template_stop=state.chat_stop), body.n)
 
         def full_choice(i: int, s: RequestStream, events: list[TokenEvent]) -> dict[str, Any]:
             return {"index": i, "message": {"role": "assistant", "content": s.request.output_text},

@@ -13,8 +13,10 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
+from llmserve.chat_template import ChatTemplateError, ChosenTemplate, StopWords, choose_chat_template
+from llmserve.chat_template.base import Message
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import APIError, generation_error, overloaded_error, validation_error
+from llmserve.server.api.errors import APIError, generation_error, overloaded_error, template_error, validation_error
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
 from llmserve.server.router.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
 
@@ -29,7 +31,7 @@ class ServerConfig:
     max_input_tokens: int | None = None    # None: max_total_tokens - 1
     max_top_n_tokens: int = 5
     served_model_name: str | None = None   # None: the model file or directory name
-    chat_template: str | None = None       # a Jinja file; None: the tokenizer's own template
+    chat_template: str | None = None       # a registry name, .json or .jinja file; None: the model's own or a match
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Limits:
 
 class ServerState:
     def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics,
-                 chat_template: str | None = None):
+                 chat_template: ChosenTemplate | None = None):
         self.config = config
         self.engine = engine
         self.metrics = metrics
@@ -52,7 +54,9 @@ class ServerState:
         self.model_names = frozenset({self.model_name, self.model_path, os.path.basename(self.model_path)})
         self.started_at = int(time.time())
         self.tokenizer = engine.engine.tokenizer
-        self.chat_template = chat_template        # the text of config.chat_template, read at start-up
+        # chat_template: what --chat-template loaded at start-up, or None to use the model's own
+        self.chat_template = choose_chat_template(chat_template, self.tokenizer, self.model_path)
+        self.chat_stop = self.chat_template.stop_words(self.tokenizer) if self.chat_template else StopWords()
         info = engine.engine.info
         self.info = info
         model_limit = min(info.max_seq_len, info.max_total_token_num)
@@ -81,12 +85,15 @@ class ServerState:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of a conversation, ending where the assistant's answer starts."""
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise validation_error("this model has no chat template: start the server with --chat-template FILE", "messages")
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        """The prompt tokens of a conversation, ending where the assistant's answer starts."""
+        if self.chat_template is None:
+            raise template_error("this model has no chat template: start the server with --chat-template "
+                                 "NAME, FILE.json or FILE.jinja")
+        try:
+            return self.chat_template.encode(self.tokenizer, messages)
+        except ChatTemplateError as e:
+            raise template_error(str(e)) from None
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -151,16 +158,6 @@ class ServerState:
 def default_model_name(model_path: str) -> str:
     """``/models/SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``."""
     return os.path.basename(model_path.rstrip(os.sep)).removesuffix(".gguf")
-
-
-def load_chat_template(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read the chat template {path!r}: {e.strerror}") from None
 
 
 def json_logprob(value: float | None) -> float | None:
