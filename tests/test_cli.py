@@ -27,3 +27,21 @@ def test_generate_with_a_tiny_model(capsys, tiny_llama_dir):
 def test_help_lists_the_commands():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
+
+
+def test_templates_lists_the_builtins(capsys):
+    assert main(["templates"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("llama2", "llama3", "chatml", "internlm-chat-7b", "vicuna"))
+
+
+def test_templates_shows_a_rendering(capsys):
+    assert main(["templates", "llama2"]) == 0
+    assert "'[INST] {user 1} [/INST]'" in capsys.readouterr().out
+
+
+def test_unknown_chat_template_is_a_one_line_error_before_the_model_loads(capsys, tmp_path):
+    # the model path does not exist either: the template is checked first
+    assert main(["chat", "--model", str(tmp_path / "missing"), "--chat-template", "nope", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llmserve: error: unknown chat template 'nope'") and "\n" not in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -57,6 +58,28 @@ def test_embedded_model_answers_paris(smollm2):
     (out,) = smollm2.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0))
     assert "Paris" in out.text
     assert out.finish_reason == "eos_token"
+
+
+def test_chat_answers_through_the_template(smollm2):
+    out = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(max_new_tokens=24, temperature=0))
+    assert "Paris" in out.text
+    assert out.prompt_token_ids == smollm2.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+
+
+def test_chat_ends_at_the_templates_stop_words(tiny):
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    free = tiny.chat(messages, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    word = tiny.tokenizer.decode(free.token_ids[5:7])
+    assert word.strip() and word in free.text
+    chosen = tiny.chat_template
+    tiny.chat_template = dataclasses.replace(chosen, template=dataclasses.replace(chosen.template, stop_words=[word]))
+    try:
+        stopped = tiny.chat(messages, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    finally:
+        tiny.chat_template = chosen
+    assert stopped.finish_reason == "stop_sequence"
+    assert stopped.text == free.text[:free.text.index(word)]
 
 
 def test_embedded_model_in_bfloat16_on_cpu():
