@@ -86,16 +86,18 @@ class ChosenTemplate:
 def load_chat_template(spec: str) -> ChosenTemplate:
     """``--chat-template``'s value -> a template; a Jinja one is bound to the tokenizer later
     (``choose_chat_template``). Raises ChatTemplateConfigError with a message for the operator."""
-    if spec.endswith(".json"):
+    suffix = os.path.splitext(spec)[1].lower()
+    if suffix == ".json":
         return ChosenTemplate(template_from_json(_read(spec), spec), os.path.basename(spec), "json")
-    if spec.endswith(JINJA_SUFFIXES) or os.path.isfile(spec):
+    # A built-in name wins over a file of that name in the working directory; any other file is Jinja.
+    if spec in CHAT_TEMPLATES and suffix not in JINJA_SUFFIXES:
+        return ChosenTemplate(CHAT_TEMPLATES.get(spec)(), spec, "registry")
+    if suffix in JINJA_SUFFIXES or os.path.isfile(spec):
         try:
             template = JinjaTemplate(source=_read(spec))
         except ValueError as e:
             raise ChatTemplateConfigError(f"{spec}: {e}") from None
         return ChosenTemplate(template, os.path.basename(spec), "jinja")
-    if spec in CHAT_TEMPLATES:
-        return ChosenTemplate(CHAT_TEMPLATES.get(spec)(), spec, "registry")
     raise ChatTemplateConfigError(
         f"unknown chat template {spec!r}: not a file, and not a built-in template "
         f"(known: {', '.join(CHAT_TEMPLATES.names())}; or pass a .json or .jinja file)")
@@ -111,6 +113,8 @@ def template_from_json(text: str, path: str) -> BaseTemplate:
     if not isinstance(fields, dict):
         raise ChatTemplateConfigError(f"{path} must hold a JSON object of template fields")
     base_name = fields.pop("model_name", None)
+    if base_name is not None and not isinstance(base_name, str):
+        raise ChatTemplateConfigError(f"{path}: model_name must be the name of a built-in template, got {base_name!r}")
     try:
         cls = CHAT_TEMPLATES.get(base_name) if base_name is not None else RoleTemplate
     except KeyError as e:

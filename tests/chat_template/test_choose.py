@@ -155,3 +155,21 @@ def test_stop_words_split_into_token_ids_and_texts(smollm2_tokenizer):
     stop = ChosenTemplate(template, "chatml", "registry").stop_words(smollm2_tokenizer)
     assert stop == StopWords(texts=("User:",), token_ids=(smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>"),))
     assert ChosenTemplate(RoleTemplate(), "x", "json").stop_words(smollm2_tokenizer) == StopWords()
+
+
+def test_file_kinds_go_by_suffix_whatever_its_case(tmp_path):
+    path = write(tmp_path, "T.JSON", json.dumps({"model_name": "vicuna"}))
+    assert load_chat_template(path).source == "json"
+    assert load_chat_template(write(tmp_path, "T.Jinja", "{{ 1 }}")).source == "jinja"
+
+
+def test_a_builtin_name_wins_over_a_file_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "llama3", "not a template")
+    assert load_chat_template("llama3").source == "registry"
+    assert load_chat_template("./llama3").source == "jinja"      # a path says it is a file
+
+
+def test_model_name_must_be_a_name(tmp_path):
+    with pytest.raises(ChatTemplateConfigError, match="model_name must be the name of a built-in template"):
+        load_chat_template(write(tmp_path, "list.json", '{"model_name": ["chatml"]}'))
