@@ -31,7 +31,7 @@ if [ -d "$tok" ]; then
   # fp32 so that "batched == alone" and "tp=2 == tp=1" can be asserted token for token; the tests
   # that need the embedded GGUF itself are left to the CPU suite
   run engine env LLMSERVE_TEST_TOKENIZER_DIR="$tok" LLMSERVE_TEST_DTYPE=float32 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_llm.py tests/test_model_errors.py tests/test_cli.py -k "not paris and not transformers and not stop_ and not missing_model_is"
+    tests/test_llm.py tests/test_model_errors.py tests/test_cli.py tests/chat_template -k "not paris and not transformers and not stop_ and not missing_model_is"
   # the HTTP server on the GPU, driven by the three clients (the embedded model stays on the CPU);
   # a fixed KV cache, because several test servers share the GPU
   run api env LLMSERVE_TEST_TOKENIZER_DIR="$tok" LLMSERVE_TEST_SERVER_ARGS="--dtype float32 --max-total-token-num 16384" python3 -m pytest -q \
