@@ -82,8 +82,8 @@ class ServerState:
         self._in_flight -= 1
 
     # -- tokens ----------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         """The prompt tokens of a conversation, ending where the assistant's answer starts."""
