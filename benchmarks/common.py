@@ -8,8 +8,8 @@ numbers mean nothing beyond "it runs".
 from __future__ import annotations
 
 import argparse
-
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -61,6 +61,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise SystemExit(f"unknown dtype {name!r}; expected auto or one of {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how the tables and the JSON name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def synchronize(device: torch.device) -> None:
@@ -163,8 +168,8 @@ def measure_copy_bandwidth(device: torch.device | str, nbytes: int | None = None
         nbytes = 1024**3 if device.type == "cuda" else 64 * 1024**2
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, iters=iters, device=device, flush_l2=False)
-    del src, dst
+    ms = cuda_time_ms(functools.partial(dst.copy_, src), warmup=3, iters=iters, device=device, flush_l2=False)
+    del src, dst  # free them before empty_cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3)

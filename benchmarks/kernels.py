@@ -53,6 +53,7 @@ from torch.nn.attention.bias import causal_lower_right
 from common import (
     add_device_arguments,
     cuda_time_ms,
+    dtype_name,
     environment,
     markdown_table,
     measure_copy_bandwidth,
@@ -301,7 +302,7 @@ def main() -> int:
     context_cases = QUICK_CONTEXT_CASES if args.quick else CONTEXT_CASES
 
     copy_bw = measure_copy_bandwidth(device)
-    print(f"device: {device} | dtype: {str(dtype).removeprefix('torch.')} | heads: Hq={heads.q} Hkv={heads.kv} "
+    print(f"device: {device} | dtype: {dtype_name(dtype)} | heads: Hq={heads.q} Hkv={heads.kv} "
           f"D={heads.dim} | our kernels: {ours_name} | copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s",
           file=sys.stderr)
 
@@ -314,7 +315,7 @@ def main() -> int:
         print(f"context batch={batch} new={new} cached={cached}", file=sys.stderr)
         context.append(bench_context(batch, new, cached, heads, dtype, device, warmup, iters))
 
-    print(f"\n### Decode attention (Hq={heads.q}, Hkv={heads.kv}, D={heads.dim}, {str(dtype).removeprefix('torch.')}, "
+    print(f"\n### Decode attention (Hq={heads.q}, Hkv={heads.kv}, D={heads.dim}, {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s)\n")
     print(decode_table(decode, ours_name))
     print("\n### Context attention (causal prefill)\n")
@@ -324,7 +325,7 @@ def main() -> int:
         write_json(args.json, {
             "benchmark": "kernels",
             "environment": environment(device),
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": dtype_name(dtype),
             "heads": asdict(heads),
             "kernel_backend": ours_name,
             "copy_bandwidth_bytes_per_s": copy_bw,

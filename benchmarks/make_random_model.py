@@ -43,7 +43,7 @@ import torch
 
 from offline import CONFIGS, random_llama_weights  # also takes this folder off sys.path (see common.py)
 
-from common import resolve_dtype  # noqa: E402  (sys.modules hit: common is already imported by offline)
+from common import dtype_name, resolve_dtype  # noqa: E402  (sys.modules hit: common is already imported by offline)
 
 INDEX_FILE = "model.safetensors.index.json"
 PAD_TOKEN_FORMAT = "<|t{}|>"
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     write_config(cfg, tokenizer, dtype, out)
 
-    print(f"weights: {args.shape} shapes, {cfg['num_hidden_layers']} layers, {str(dtype).removeprefix('torch.')}, "
+    print(f"weights: {args.shape} shapes, {cfg['num_hidden_layers']} layers, {dtype_name(dtype)}, "
           f"drawn on {device}", file=sys.stderr)
     with torch.no_grad():
         info = write_shards(random_llama_weights(cfg, device, dtype, seed=args.seed), out, int(args.shard_size))

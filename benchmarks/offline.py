@@ -51,6 +51,7 @@ import torch
 from common import (
     add_device_arguments,
     IntervalTimer,
+    dtype_name,
     environment,
     markdown_table,
     measure_copy_bandwidth,
@@ -304,7 +305,7 @@ def main() -> int:
 
     copy_bw = measure_copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; building {args.model_size} model "
-          f"({str(dtype).removeprefix('torch.')}, random weights) on {device} ...", file=sys.stderr)
+          f"({dtype_name(dtype)}, random weights) on {device} ...", file=sys.stderr)
     model = build_model(cfg, device, dtype, max(batch_sizes), max_len)
     held, read = weight_bytes(model)
     print(f"weights held {held / 1e9:.2f} GB, read per decode step {read / 1e9:.2f} GB; KV pool "
@@ -318,7 +319,7 @@ def main() -> int:
               file=sys.stderr)
         results.append(run_batch(model, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read))
 
-    print(f"\n### Decode step, Llama-3 {args.model_size} shapes, {str(dtype).removeprefix('torch.')}, eager mode, "
+    print(f"\n### Decode step, Llama-3 {args.model_size} shapes, {dtype_name(dtype)}, eager mode, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 
@@ -328,7 +329,7 @@ def main() -> int:
             "environment": environment(device),
             "model_size": args.model_size,
             "config": cfg,
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": dtype_name(dtype),
             "prompt_len": args.prompt_len,
             "warmup_steps": args.warmup_steps,
             "steps": args.steps,

@@ -12,7 +12,9 @@ On CPU, Triton kernels run only in Triton's interpreter, which Triton chooses wh
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,6 +22,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "LLMSERVE_KERNEL_BACKEND"
+
+# log2(e): the attention kernels run their softmax on exp2, so scores and ALiBi slopes are scaled by it.
+LOG2E = 1.4426950408889634
 
 _override: str | None = None
 
@@ -77,6 +82,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def softmax_scale(sm_scale: float | None, head_dim: int) -> float:
+    """The attention ops' score scale: ``sm_scale``, or 1/sqrt(head_dim) when it is None."""
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, last_dim]`` tensor whose rows are unit-stride (a view when possible),
     the layout the row-wise kernels (norms, silu_and_mul) read."""
@@ -88,3 +98,17 @@ def row_launch_config(n: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for a kernel that handles one row of ``n`` elements per program."""
     block = min(next_pow2(n), 4096)
     return block, 4 if block <= 1024 else 8
+
+
+def launch_row_norm(kernel: Any, x: torch.Tensor, params: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
+    """Run a row-wise norm ``kernel(X, *params, Y, stride_x, stride_y, N, eps, BLOCK_N=...)``, one
+    program per row of ``x`` (any leading dims); returns the new output, shaped like ``x``."""
+    x2 = as_rows(x)
+    y = torch.empty_like(x2)
+    if x2.shape[0] > 0:
+        block_n, num_warps = row_launch_config(x2.shape[1])
+        launcher(kernel, x2)[(x2.shape[0],)](
+            x2, *params, y, x2.stride(0), y.stride(0), x2.shape[1], eps,
+            BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y.view(x.shape)

@@ -8,15 +8,11 @@ positions 0..p, whose KV-pool slots are req_to_token[b_req_idx[i], pos].
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .backend import dot_precision, launcher, next_pow2, use_triton
-
-_LOG2E = 1.4426950408889634
+from .backend import LOG2E, dot_precision, launcher, next_pow2, softmax_scale, use_triton
 
 
 @triton.jit
@@ -129,8 +125,6 @@ def context_attention_fwd_triton(
     Hkv = k_cache.shape[1]
     if bs == 0 or max_q_len <= 0:
         return
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
     BLOCK_D = max(16, next_pow2(D))
     d_bm, d_bn, d_warps, d_stages = _default_tiles(max_q_len, bs * Hq)
     BLOCK_M, BLOCK_N = block_m or d_bm, block_n or d_bn
@@ -139,7 +133,7 @@ def context_attention_fwd_triton(
     grid = (bs, Hq, triton.cdiv(max_q_len, BLOCK_M))
     launcher(_context_attention_kernel, q)[grid](
         q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, slopes,
-        sm_scale * _LOG2E,
+        softmax_scale(sm_scale, D) * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -163,8 +157,7 @@ def context_attention_fwd_torch(
     _, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
+    sm_scale = softmax_scale(sm_scale, D)
     for req, q_start, q_len, cached in zip(
         b_req_idx.tolist(), b_q_start.tolist(), b_q_len.tolist(), b_cached_len.tolist()
     ):

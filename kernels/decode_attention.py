@@ -8,16 +8,12 @@ decode_attention_stage2 (merge of the splits).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
-from .backend import use_triton
+from .backend import LOG2E, softmax_scale, use_triton
 from .decode_attention_stage1 import decode_attention_stage1_triton
 from .decode_attention_stage2 import decode_attention_stage2_triton
-
-_LOG2E = 1.4426950408889634
 
 
 def decode_attention_fwd_triton(
@@ -30,15 +26,13 @@ def decode_attention_fwd_triton(
     bs, Hq, D = q.shape
     if bs == 0:
         return
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
     num_splits = triton.cdiv(max_seq_len, block_seq)
     # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
     mid_o = torch.empty((bs, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, Hq, num_splits), dtype=torch.float32, device=q.device)
     decode_attention_stage1_triton(
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
-        sm_scale * _LOG2E, alibi_slopes, block_seq=block_seq,
+        softmax_scale(sm_scale, D) * LOG2E, alibi_slopes, block_seq=block_seq,
     )
     decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_seq=block_seq)
 
@@ -54,8 +48,7 @@ def decode_attention_fwd_torch(
         return
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
+    sm_scale = softmax_scale(sm_scale, D)
     seq_len = b_seq_len.long()
     L = max_seq_len
     pos = torch.arange(L, device=q.device)

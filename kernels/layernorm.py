@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import as_rows, launcher, row_launch_config, use_triton
+from .backend import launch_row_norm, use_triton
 
 
 @triton.jit
@@ -40,15 +40,7 @@ def _layernorm_kernel(X, W, B, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.conste
 
 def layernorm_forward_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton version of `layernorm_forward`."""
-    x2 = as_rows(x)
-    y = torch.empty_like(x2)
-    if x2.shape[0] > 0:
-        block_n, num_warps = row_launch_config(x2.shape[1])
-        launcher(_layernorm_kernel, x2)[(x2.shape[0],)](
-            x2, weight, bias, y, x2.stride(0), y.stride(0), x2.shape[1], eps,
-            BLOCK_N=block_n, num_warps=num_warps,
-        )
-    return y.view(x.shape)
+    return launch_row_norm(_layernorm_kernel, x, (weight, bias), eps)
 
 
 def layernorm_forward_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import as_rows, launcher, row_launch_config, use_triton
+from .backend import launch_row_norm, use_triton
 
 
 @triton.jit
@@ -33,15 +33,7 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
 
 def rmsnorm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton version of `rmsnorm_forward`."""
-    x2 = as_rows(x)
-    y = torch.empty_like(x2)
-    if x2.shape[0] > 0:
-        block_n, num_warps = row_launch_config(x2.shape[1])
-        launcher(_rmsnorm_kernel, x2)[(x2.shape[0],)](
-            x2, weight, y, x2.stride(0), y.stride(0), x2.shape[1], eps,
-            BLOCK_N=block_n, num_warps=num_warps,
-        )
-    return y.view(x.shape)
+    return launch_row_norm(_rmsnorm_kernel, x, (weight,), eps)
 
 
 def rmsnorm_forward_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -96,10 +96,13 @@ class PagedKV:
     b_req_idx: torch.Tensor  # [bs] int32
     kv_lens: list[int]
 
-    def dense(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request i's K, V as dense [L, Hkv, D] tensors (the independent reference's view)."""
+    def dense(self, i: int, Hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's K, V as dense fp64 [Hq, L, D] tensors, each kv head repeated for its group
+        of query heads (the independent reference's view)."""
         slots = self.req_to_token[self.b_req_idx[i].item(), : self.kv_lens[i]].long()
-        return self.k_cache[slots], self.v_cache[slots]
+        group = Hq // self.k_cache.shape[1]
+        k, v = (c[slots].double().repeat_interleave(group, dim=1).transpose(0, 1) for c in (self.k_cache, self.v_cache))
+        return k, v
 
 
 def make_paged_kv(gen: torch.Generator, kv_lens: list[int], Hkv: int, D: int, dtype: torch.dtype,

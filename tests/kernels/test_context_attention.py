@@ -41,7 +41,6 @@ def make_inputs(seed: int, Hq: int, Hkv: int, D: int, cached: list[int], q_lens:
     )
 
 
-
 def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
     """Dense per-request attention through torch's SDPA with an explicit causal(+ALiBi) mask."""
     q, kv, slopes = inputs["q"], inputs["_kv"], inputs["alibi_slopes"]
@@ -49,10 +48,7 @@ def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
     out = torch.full_like(q, float("nan"), dtype=torch.float64)
     for i, (start, n, cached) in enumerate(zip(inputs["b_q_start"].tolist(), inputs["b_q_len"].tolist(),
                                                 inputs["b_cached_len"].tolist())):
-        k, v = kv.dense(i)
-        group = Hq // k.shape[1]
-        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
-        v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        k, v = kv.dense(i, Hq)  # [Hq, L, D]
         qi = q[start:start + n].double().transpose(0, 1)  # [Hq, n, D]
         rel = (torch.arange(cached + n, device=q.device)[None, :]
                - torch.arange(cached, cached + n, device=q.device)[:, None]).double()

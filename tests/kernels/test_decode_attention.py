@@ -32,16 +32,12 @@ def make_inputs(seed: int, Hq: int, Hkv: int, D: int, seq_lens: list[int], alibi
     )
 
 
-
 def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
     q, kv, slopes = inputs["q"], inputs["_kv"], inputs["alibi_slopes"]
     Hq = q.shape[1]
     out = torch.empty_like(q, dtype=torch.float64)
     for i, n in enumerate(inputs["b_seq_len"].tolist()):
-        k, v = kv.dense(i)
-        group = Hq // k.shape[1]
-        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-        v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        k, v = kv.dense(i, Hq)  # [Hq, n, D]
         bias = torch.zeros(Hq, 1, n, dtype=torch.float64, device=q.device)
         if slopes is not None:
             bias = bias + slopes.double()[:, None, None] * (torch.arange(n, device=q.device) - (n - 1)).double()
