@@ -170,36 +170,33 @@ class ModelWorker:
         logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], q_lens, return_all_logits=all_logits)
         if self.sampler is None:
             return None
-        prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries)
+        # An asking entry has one row of logits per new token, the others one, entries back to back.
+        row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
+        prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends)
         sampled = [e for e in step.entries if e.sample]
-        if sampled and (len(sampled) != len(step.entries) or any(all_logits)):
-            # An asking entry has one row per new token, the others one: keep the last row of each
-            # entry that samples. (The common step, one row per entry and all sampling, skips this.)
-            n_rows = [q if flag else 1 for q, flag in zip(q_lens, all_logits)]
-            last_rows = [end - 1 for end, e in zip(itertools.accumulate(n_rows), step.entries) if e.sample]
+        if sampled and row_ends[-1] != len(sampled):
+            # Keep the last row of each entry that samples. (The common step, one row per entry
+            # and all sampling, skips this.)
+            last_rows = [end - 1 for end, e in zip(row_ends, step.entries) if e.sample]
             logits = logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
         result = self.sampler.sample(logits, [e.req_id for e in sampled]) if sampled else None
         return StepOutput(*_per_entry(step.entries, result), prompt_lps, prompt_tops)
 
     @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry]) -> tuple[list, list]:
-        """Per entry, its prompt logprobs, or None if it did not ask. The forward returned one row
-        per new token for an asking entry, one row for the others, entries back to back."""
+    def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry], row_ends: list[int]) -> tuple[list, list]:
+        """Per entry, its prompt logprobs, or None if it did not ask; entry i's rows of ``logits``
+        end at ``row_ends[i]``."""
         from llmserve.server.router.sampler import prompt_logprobs
 
-        logprobs: list[list[float | None] | None] = []
-        top_logprobs: list[list[list[tuple[int, float]] | None] | None] = []
-        start = 0
-        for e in entries:
-            end = start + (len(e.token_ids) if e.want_prompt_logprobs else 1)
-            lps, tops = None, None
+        logprobs: list[list[float | None] | None] = [None] * len(entries)
+        top_logprobs: list[list[list[tuple[int, float]] | None] | None] = [None] * len(entries)
+        for i, (e, end) in enumerate(zip(entries, row_ends)):
             if e.want_prompt_logprobs:
                 # A first prefill: the new tokens are the whole prompt, from position 0.
                 assert e.num_cached == 0 and e.params is not None and e.params.prompt_logprobs is not None
-                lps, tops = prompt_logprobs(logits[start:end], e.token_ids, e.params.prompt_logprobs)
-            logprobs.append(lps)
-            top_logprobs.append(tops)
-            start = end
+                logprobs[i], top_logprobs[i] = prompt_logprobs(
+                    logits[end - len(e.token_ids) : end], e.token_ids, e.params.prompt_logprobs
+                )
         return logprobs, top_logprobs
 
     def _free_kv(self, req_id: int) -> None:
