@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import openai
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -98,6 +99,10 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             raise
+
+    def openai_client(self, api_key: str = "unused", timeout: float = 60.0) -> openai.OpenAI:
+        """The `openai` SDK pointed at this server, with no retries (a 429 or 5xx must show as such)."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
 
     def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
         """The unlabelled samples of /metrics (and labelled ones as name{labels})."""

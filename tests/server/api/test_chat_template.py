@@ -204,7 +204,7 @@ def json_server(plain_model_dir, json_case, tmp_path_factory):
 # -- helpers -----------------------------------------------------------------------------
 
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    return server.openai_client()
 
 
 def tokenize(server: ServerProcess, text: str) -> list[int]:

@@ -165,7 +165,7 @@ def test_text_generation_client_raises_validation_error(tiny_server):
 
 
 def test_openai_sdk_raises_bad_request_and_not_found(tiny_server):
-    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = tiny_server.openai_client()
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     assert e.value.status_code == 404 and "no-such-model" in e.value.message

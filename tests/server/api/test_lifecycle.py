@@ -21,18 +21,14 @@ from serving_utils import ServerProcess, llmserve_command, pid_alive, tgi_stream
 EXIT_TIMEOUT_S = 15.0
 
 
-async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event | None = None) -> list[dict]:
-    """All the JSON events of a TGI stream, until the server ends it; ``started`` is set after the first."""
-    return await tgi_stream_events(client, url, body, on_event=started.set if started is not None else None)
-
-
 async def streams_across(url: str, n: int, action, timeout: float = 30.0) -> list[list[dict]]:
     """Open ``n`` long streams, wait until each has a token, run ``action()``, then read every
     stream to its end (each must end within ``timeout``)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=httpx.Limits(max_connections=n)) as client:
         started = [asyncio.Event() for _ in range(n)]
-        tasks = [asyncio.ensure_future(read_stream(client, url, {"inputs": f"Story number {i}:",
-                                                                 "parameters": {"max_new_tokens": 400}}, started[i]))
+        tasks = [asyncio.ensure_future(tgi_stream_events(client, url, {"inputs": f"Story number {i}:",
+                                                                       "parameters": {"max_new_tokens": 400}},
+                                                         on_event=started[i].set))
                  for i in range(n)]
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
@@ -203,13 +199,13 @@ def test_health_needs_no_key(keyed_server):
 
 
 def test_clients_with_api_key(keyed_server):
-    client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    client = keyed_server.openai_client(api_key=API_KEY)
     assert [m.id for m in client.models.list()] == ["tiny"]
     assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2).usage.completion_tokens == 2
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert chat.usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="wrong", max_retries=0, timeout=60).models.list()
+        keyed_server.openai_client(api_key="wrong").models.list()
 
     tgi = text_generation.Client(keyed_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert tgi.generate("Hello", max_new_tokens=2).details.generated_tokens == 2

@@ -19,7 +19,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def oai(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    return tiny_server.openai_client()
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_huggingface_hub_chat_completion(tiny_server, oai):
 
 
 def test_embedded_model_answers(embedded_server):
-    client = openai.OpenAI(base_url=embedded_server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    client = embedded_server.openai_client(timeout=120)
     [model] = client.models.list().data
     r = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
                                        max_tokens=20, temperature=0)
@@ -174,7 +174,7 @@ def test_chat_template_file(tiny_llama_dir, tmp_path, smollm2_tokenizer):
     template.write_text("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
                         "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
     with ServerProcess(tiny_llama_dir, "--chat-template", str(template)) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        client = server.openai_client()
         r = client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=1,
                                            temperature=0)
     rendered = "SYSTEM: You are terse.\nUSER: Name a colour.\nASSISTANT:"
