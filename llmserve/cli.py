@@ -153,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         chat_template = args.chat_template if args.command == "chat" else None
         with LLM(args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
                  chat_template=chat_template) as llm:
-            info = llm.engine.info
-            print(f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
-                  f"tp={args.tp}, KV cache {info.max_total_token_num} tokens", file=sys.stderr)
+            print(llm.engine.summary(), file=sys.stderr)
             if args.command == "chat":
                 messages = ([{"role": "system", "content": args.system}] if args.system else [])
                 print(llm.chat(messages + [{"role": "user", "content": args.message}], params).text)

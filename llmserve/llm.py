@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from llmserve.chat_template import ChosenTemplate, choose_chat_template, load_chat_template
+from llmserve.chat_template import ChosenTemplate, StopWords, choose_chat_template, load_chat_template
 from llmserve.chat_template.base import Message
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.router.engine import EngineConfig, LLMEngine
@@ -47,7 +46,17 @@ class LLM:
         loaded = load_chat_template(chat_template) if chat_template else None
         self.engine = LLMEngine(EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options))
         self.tokenizer = self.engine.tokenizer
-        self.chat_template: ChosenTemplate | None = choose_chat_template(loaded, self.tokenizer, self.engine.model_path)
+        self.chat_template = choose_chat_template(loaded, self.tokenizer, self.engine.model_path)
+
+    @property
+    def chat_template(self) -> ChosenTemplate | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, chosen: ChosenTemplate | None) -> None:
+        # Its stop words are tokenized here, once per template, not on every chat() (as the server does at start-up).
+        self._chat_template = chosen
+        self._chat_stop = chosen.stop_words(self.tokenizer) if chosen else StopWords()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -82,11 +91,7 @@ class LLM:
 
     def chat(self, messages: list[Message], params: SamplingParams | None = None) -> RequestOutput:
         """Answer a conversation; the template's stop words end the answer too."""
-        params = params or SamplingParams()
-        stop = self.chat_template.stop_words(self.tokenizer) if self.chat_template else None
-        if stop is not None:
-            params = dataclasses.replace(params, stop=[*params.stop, *stop.texts],
-                                         stop_token_ids=[*params.stop_token_ids, *stop.token_ids])
+        params = self._chat_stop.add_to(params or SamplingParams())
         (out,) = self.generate([self.chat_prompt(messages)], params)
         return out
 

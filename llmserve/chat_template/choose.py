@@ -19,6 +19,7 @@ import pydantic
 from llmserve.chat_template.base import BaseTemplate, Messages, RoleTemplate
 from llmserve.chat_template.builtin import CHAT_TEMPLATES
 from llmserve.chat_template.jinja import JinjaTemplate
+from llmserve.sampling_params import SamplingParams
 
 TemplateSource = Literal["registry", "json", "jinja", "tokenizer", "matched"]
 JINJA_SUFFIXES = (".jinja", ".jinja2", ".j2")
@@ -52,6 +53,13 @@ class StopWords:
     shows) stops by id, any other by text."""
     texts: tuple[str, ...] = ()
     token_ids: tuple[int, ...] = ()
+
+    def add_to(self, params: SamplingParams) -> SamplingParams:
+        """``params`` that also stop at these words."""
+        if not (self.texts or self.token_ids):
+            return params
+        return dataclasses.replace(params, stop=[*params.stop, *self.texts],
+                                   stop_token_ids=[*params.stop_token_ids, *self.token_ids])
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import sys
 
 import uvicorn
 
-from llmserve.server.api.app import create_app
 from llmserve.chat_template import load_chat_template
+from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.router.async_engine import AsyncEngine
@@ -94,11 +94,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
 
         async_engine = AsyncEngine(engine, metrics, on_fatal=on_fatal)
         state = ServerState(config, async_engine, metrics, chat_template)
-        info = engine.info
-        print(f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
-              f"tp={engine_config.tp}, KV cache {info.max_total_token_num} tokens, "
-              f"max {state.limits.max_total_tokens} tokens per request, chat template: {describe_template(state)}",
-              file=sys.stderr, flush=True)
+        print(f"{engine.summary()}, max {state.limits.max_total_tokens} tokens per request, "
+              f"chat template: {describe_template(state)}", file=sys.stderr, flush=True)
         banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
                   f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions)")
         uv_config = uvicorn.Config(

@@ -139,15 +139,15 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
         return fallback if default is None else default
 
     temperature = unless_set(body.temperature, "temperature", 1.0)
-    return SamplingParams(
+    return template_stop.add_to(SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
         top_k=max(0, unless_set(body.top_k, "top_k", 0)),
         repetition_penalty=unless_set(body.repetition_penalty, "repetition_penalty", 1.0),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
-        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop + list(template_stop.texts),
-        stop_token_ids=list(body.stop_token_ids or []) + list(template_stop.token_ids), logprobs=logprobs,
-    )
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs,
+    ))
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -80,6 +80,12 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # -- requests ----------------------------------------------------------------------
+    def summary(self) -> str:
+        """The line ``llmserve`` prints once the model is loaded: what runs, and where."""
+        info = self.info
+        return (f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
+                f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens")
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request; ``ValueError`` with a one-line reason if it can never run."""
         req = self.new_request(prompt_token_ids, params)
