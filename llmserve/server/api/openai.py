@@ -12,14 +12,15 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request as HTTPRequest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from llmserve.chat_template import BaseTemplate, StopWords
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.api.errors import model_not_found_error, template_error, validation_error
+from llmserve.server.api.schema import MAX_SEED, APIModel, check_repetition_penalty, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
 from llmserve.server.router.async_engine import RequestStream, TokenEvent
@@ -27,6 +28,7 @@ from llmserve.server.router.request import FinishReason
 
 MAX_N = 128
 MAX_LOGPROBS = 20      # vLLM's limit for both completions' logprobs and chat's top_logprobs
+MAX_STOP_TOKEN_IDS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
 # Clients that do not know the served name send a placeholder: huggingface_hub's InferenceClient
@@ -36,11 +38,11 @@ MODEL_PLACEHOLDERS = frozenset({"tgi", "dummy"})
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(APIModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(APIModel):
     """What both endpoints share."""
     model_config = ConfigDict(extra="ignore")
 
@@ -73,16 +75,19 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(APIModel):
+    """One part of a message's content; only text parts are served (images: not yet)."""
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(APIModel):
     model_config = ConfigDict(extra="allow")   # name, tool_call_id, ... go to the template as they are
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -119,14 +124,17 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
     _check(-2 <= body.presence_penalty <= 2, "presence_penalty must be in [-2, 2]", "presence_penalty")
     _check(-2 <= body.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
     _check(body.top_k is None or body.top_k >= -1, "top_k must be -1 or 0 (no limit) or positive", "top_k")
-    _check(body.repetition_penalty is None or body.repetition_penalty > 0, "repetition_penalty must be > 0", "repetition_penalty")
+    check_repetition_penalty(body.repetition_penalty)
+    _check(body.seed is None or 0 <= body.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]", "seed")
     _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
     _check(max_tokens is None or max_tokens >= 1, f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
     _check(body.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
     vocab = state.info.vocab_size
     _check(all(0 <= t < vocab for t in body.stop_token_ids or []), f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    _check(all(stop), "stop sequences must be non-empty", "stop")
+    _check(len(body.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS,
+           f"stop_token_ids supports up to {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+    stop = stop_list(body.stop)
+    check_stop(stop)
     if max_tokens is None:            # as much as fits, like vLLM
         max_tokens = state.room_for(num_prompt_tokens)
     _check(body.min_tokens <= max_tokens, f"min_tokens ({body.min_tokens}) must be <= {max_tokens_param} ({max_tokens})", "min_tokens")
@@ -141,7 +149,8 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
     temperature = unless_set(body.temperature, "temperature", 1.0)
     return template_stop.add_to(SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
-        top_k=max(0, unless_set(body.top_k, "top_k", 0)),
+        # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
+        top_k=min(max(0, unless_set(body.top_k, "top_k", 0)), vocab),
         repetition_penalty=unless_set(body.repetition_penalty, "repetition_penalty", 1.0),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
@@ -155,7 +164,8 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     seeded request is reproducible and its choices still differ."""
     if n == 1:
         return [params]
-    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**64)
+            for i in range(n)]
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -178,7 +188,13 @@ async def completion_prompts(body: CompletionRequest, state: ServerState) -> lis
     if prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     _check(len(prompt) > 0, "prompt must not be empty", "prompt")
-    prompts = [await asyncio.to_thread(state.encode, p) if isinstance(p, str) else list(p) for p in prompt]
+    # Each prompt x choice is a generation with a concurrency slot: refuse a list that can never
+    # be admitted before tokenizing any of it.
+    generations = len(prompt) * body.n
+    limit = state.limits.max_concurrent_requests
+    _check(generations <= limit, f"the request asks for {generations} generations (prompts x n); this server runs "
+                                 f"at most {limit} at once (--max-concurrent-requests)", "prompt")
+    prompts = [await asyncio.to_thread(state.encode, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
     _check(all(len(p) > 0 for p in prompts), "prompt must not be empty", "prompt")
     vocab = state.info.vocab_size
     _check(all(0 <= t < vocab for p in prompts for t in p), f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -206,9 +222,11 @@ def message_text(message: ChatMessage) -> str:
         return message.content or ""
     parts = []
     for part in message.content:
-        if part.get("type") != "text":
-            raise validation_error(f"content part of type {part.get('type')!r} is not supported by this model", "messages")
-        parts.append(TextPart.model_validate(part).text)
+        if part.type != "text":
+            raise validation_error(f"content part of type {part.type!r} is not supported by this model", "messages")
+        if part.text is None:
+            raise validation_error("a content part of type 'text' needs a `text` string", "messages")
+        parts.append(part.text)
     return "".join(parts)
 
 

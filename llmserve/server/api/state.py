@@ -17,8 +17,14 @@ from llmserve.chat_template import ChatTemplateError, ChosenTemplate, StopWords,
 from llmserve.chat_template.base import Message
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.api.errors import APIError, generation_error, overloaded_error, template_error, validation_error
+from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
 from llmserve.server.router.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
+
+# A text longer than this many characters per allowed token is first tokenized by its head
+# (see ServerState.encode); real text averages 3-5 characters per token.
+_HEAD_CHARS_PER_TOKEN = 8
+_HEAD_MARGIN_TOKENS = 8
 
 
 @dataclass
@@ -70,20 +76,57 @@ class ServerState:
         metrics.in_flight.set_function(lambda: self._in_flight)
 
     # -- admission -------------------------------------------------------------------
-    def admit(self) -> Slot:
-        """Take a concurrency slot for one client request, or raise the 429 TGI gives."""
-        if self._in_flight >= self.limits.max_concurrent_requests:
+    def admit(self, generations: int = 1) -> Slot:
+        """Take one concurrency slot per generation a client request asks for (prompts x n), or
+        raise the 429 TGI gives; a request that asks for more than the server ever runs at
+        once is refused outright, since waiting would not help."""
+        limit = self.limits.max_concurrent_requests
+        if generations > limit:
+            raise validation_error(f"the request asks for {generations} generations (prompts x n); this server "
+                                   f"runs at most {limit} at once (--max-concurrent-requests)")
+        if self._in_flight + generations > limit:
             self.metrics.count(RequestOutcome.OVERLOADED)
             raise overloaded_error()
-        self._in_flight += 1
-        return Slot(self)
+        self._in_flight += generations
+        return Slot(self, generations)
 
-    def _release(self) -> None:
-        self._in_flight -= 1
+    def _release(self, generations: int) -> None:
+        self._in_flight -= generations
 
     # -- tokens ----------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
+    def encode(self, text: str, param: str = "inputs", add_special_tokens: bool = True,
+               check_size: bool = True) -> list[int]:
+        """A prompt's tokens; with ``check_size``, refused (422) as soon as it cannot fit
+        ``max_input_tokens`` (see ``check_size``)."""
+        if check_size:
+            self.check_size(text, param, add_special_tokens)
+        else:
+            _check_chars(text, param)
+        return self._tokenize(text, param, add_special_tokens)
+
+    def check_size(self, text: str, param: str, add_special_tokens: bool = True) -> None:
+        """Refuse a text that cannot fit ``max_input_tokens`` without tokenizing it whole.
+
+        Tokenizing costs microseconds per character, so beyond ``MAX_INPUT_CHARS`` a text is
+        refused outright, and a long one is judged first by its head: a text has at least
+        about as many tokens as any head of it.
+        """
+        limit = self.limits.max_input_tokens
+        _check_chars(text, param)
+        head_chars = _HEAD_CHARS_PER_TOKEN * (limit + 1)
+        if len(text) > head_chars:
+            head = self._tokenize(text[:head_chars], param, add_special_tokens)
+            # Cutting the text can split a word, so the head may have a token or two more
+            # than the same characters have inside the whole text: keep a margin.
+            if len(head) > limit + _HEAD_MARGIN_TOKENS:
+                raise validation_error(f"`{param}` must have less than {limit + 1} tokens. "
+                                       f"Given: more than {len(head) - _HEAD_MARGIN_TOKENS}", param)
+
+    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        except Exception as e:     # the tokenizer's own refusal of this text is the client's error
+            raise validation_error(f"`{param}` could not be tokenized: {e}", param) from None
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         """The prompt tokens of a conversation, ending where the assistant's answer starts."""
@@ -91,9 +134,10 @@ class ServerState:
             raise template_error("this model has no chat template: start the server with --chat-template "
                                  "NAME, FILE.json or FILE.jinja")
         try:
-            return self.chat_template.encode(self.tokenizer, messages)
+            text = self.chat_template.render(messages)
         except ChatTemplateError as e:
             raise template_error(str(e)) from None
+        return self.encode(text, "messages", self.chat_template.template.add_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -128,7 +172,7 @@ class ServerState:
 
     def start_all(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list[RequestStream], Slot]:
         """Admit one client request and queue its generations (one per prompt and choice)."""
-        slot = self.admit()
+        slot = self.admit(len(jobs))
         streams: list[RequestStream] = []
         try:
             for prompt, params in jobs:
@@ -155,6 +199,11 @@ class ServerState:
         return streams, events
 
 
+def _check_chars(text: str, param: str) -> None:
+    if len(text) > MAX_INPUT_CHARS:
+        raise validation_error(f"`{param}` must have at most {MAX_INPUT_CHARS} characters. Given: {len(text)}", param)
+
+
 def default_model_name(model_path: str) -> str:
     """``/models/SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``."""
     return os.path.basename(model_path.rstrip(os.sep)).removesuffix(".gguf")
@@ -173,12 +222,13 @@ def fresh_seed() -> int:
 class Slot:
     """One client request's share of --max-concurrent-requests; release() is idempotent."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, state: ServerState, generations: int):
         self._state: ServerState | None = state
+        self.generations = generations
 
     def release(self) -> None:
         if self._state is not None:
-            self._state._release()
+            self._state._release(self.generations)
             self._state = None
 
 

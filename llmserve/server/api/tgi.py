@@ -11,22 +11,23 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request as HTTPRequest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.api.errors import validation_error
+from llmserve.server.api.schema import (
+    MAX_SEED, MAX_STOP_SEQUENCES, APIModel, check_repetition_penalty, check_stop, stop_list,
+)
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
 from llmserve.server.router.async_engine import RequestStream, TokenEvent
 
 DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
-MAX_STOP_SEQUENCES = 1024
-MAX_STOP_LENGTH = 1024
-_MAX_SEED = 2**64 - 1
+__all__ = ["MAX_STOP_SEQUENCES", "build_router"]   # /info reports the stop limit
 
 
-class TGIParameters(BaseModel):
+class TGIParameters(APIModel):
     model_config = ConfigDict(extra="ignore")
 
     adapter_id: str | None = None
@@ -50,13 +51,13 @@ class TGIParameters(BaseModel):
     watermark: bool = False   # accepted and ignored: no watermarking here
 
 
-class TGIRequest(BaseModel):
+class TGIRequest(APIModel):
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(APIModel):
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
 
@@ -72,19 +73,18 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
     _check(p.top_p is None or 0 < p.top_p < 1, "`top_p` must be > 0.0 and < 1.0")
     _check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
     _check(p.typical_p is None or 0 < p.typical_p < 1, "`typical_p` must be > 0.0 and < 1.0")
-    _check(p.repetition_penalty is None or p.repetition_penalty > 0, "`repetition_penalty` must be strictly positive")
+    check_repetition_penalty(p.repetition_penalty)
     _check(p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0")
     _check(p.max_new_tokens is None or p.max_new_tokens > 0, "`max_new_tokens` must be strictly positive")
-    _check(p.seed is None or 0 <= p.seed <= _MAX_SEED, f"`seed` must be in [0, {_MAX_SEED}]")
+    _check(p.seed is None or 0 <= p.seed <= MAX_SEED, f"`seed` must be in [0, {MAX_SEED}]")
     lim = state.limits.max_top_n_tokens
     _check(p.top_n_tokens is None or 0 <= p.top_n_tokens <= lim,
            f"`top_n_tokens` must be >= 0 and <= {lim}. Given: {p.top_n_tokens}")
     _check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
     _check(p.grammar is None, "`grammar` is not supported")
     _check(p.adapter_id in (None, "None"), f"adapter `{p.adapter_id}` is not loaded: this server serves no LoRA adapters")
-    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-    _check(len(stop) <= MAX_STOP_SEQUENCES, f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stop)}")
-    _check(all(1 <= len(s) <= MAX_STOP_LENGTH for s in stop), f"each `stop` sequence must have 1 to {MAX_STOP_LENGTH} characters")
+    stop = stop_list(p.stop)
+    check_stop(stop)
 
     # TGI samples when asked to, or when any warper is set (the text-generation client always
     # sends do_sample=false, and a temperature of 0.7 there still means sampling).
@@ -98,7 +98,8 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=(p.temperature or 1.0) if sample else 0.0,
-        top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+        # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
+        top_k=min(p.top_k or 0, state.info.vocab_size), top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
         repetition_penalty=p.repetition_penalty or 1.0, frequency_penalty=p.frequency_penalty or 0.0,
         seed=(p.seed if p.seed is not None else fresh_seed()) if sample else None,
         stop=stop,
@@ -112,11 +113,21 @@ async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], Samp
     p = body.parameters
     _check(p.truncate is None or 0 < p.truncate <= state.limits.max_input_tokens,
            f"`truncate` must be strictly positive and less than {state.limits.max_input_tokens + 1}. Given: {p.truncate}")
-    ids = await asyncio.to_thread(state.encode, body.inputs)
+    # With truncate, a long input is cut to its last tokens rather than refused.
+    ids = await asyncio.to_thread(state.encode, body.inputs, "inputs", True, p.truncate is None)
     if p.truncate is not None:
         ids = ids[-p.truncate:]
     _check(len(ids) > 0, "`inputs` encodes to no tokens")
     return ids, sampling_params(p, state, len(ids))
+
+
+def tokenize_with_offsets(state: ServerState, text: str) -> Any:
+    """/tokenize's encoding (ids and character offsets), within the same bounds as a prompt."""
+    state.check_size(text, "inputs")
+    try:
+        return state.tokenizer(text, return_offsets_mapping=True)
+    except Exception as e:
+        raise validation_error(f"`inputs` could not be tokenized: {e}") from None
 
 
 # -- response pieces ---------------------------------------------------------------------
@@ -206,7 +217,7 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         _check(body.inputs != "", "`inputs` cannot be empty")
-        enc = await asyncio.to_thread(state.tokenizer, body.inputs, return_offsets_mapping=True)
+        enc = await asyncio.to_thread(tokenize_with_offsets, state, body.inputs)
         return [{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
                 for tid, (start, stop) in zip(enc.input_ids, enc.offset_mapping)]
 

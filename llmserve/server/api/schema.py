@@ -1,0 +1,90 @@
+"""What every request body shares before any route looks at it: strict JSON types, finite
+numbers, real Unicode, and the bounds both APIs apply.
+
+Pydantic's lax mode would take ``false`` as token 0, ``"5"`` as 5 and ``1e20`` as an int, and
+Python's JSON parser reads ``Infinity``, ``NaN`` and ``1e999`` as floats: none of those is what
+a client meant, so request models are strict and reject non-finite floats. A lone UTF-16
+surrogate (``"\\ud800"`` in JSON) parses into a Python ``str`` that cannot be encoded as UTF-8,
+so it would fail deep inside the tokenizer; it is refused here, wherever it sits in the body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from llmserve.server.api.errors import validation_error
+
+# Seed 004: a prompt is at most 4 MB of characters.
+MAX_INPUT_CHARS = 4 * 1024 * 1024
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+# A penalty divides (or multiplies) logits of up to ~1e2; outside these bounds the logits
+# overflow or the penalty has no meaning left. vLLM allows (0, 2]; TGI any positive number.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+MAX_SEED = 2**64 - 1                 # both APIs' seeds are unsigned 64-bit
+
+
+class APIModel(BaseModel):
+    """Base of every request body model."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            field = where or "the request"
+            raise validation_error(f"`{field}` contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                                   where.split(".")[0] if where else None)
+        return data
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or dict key) holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        return path if _has_lone_surrogate(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _has_lone_surrogate(key):
+                return inner
+            found = find_lone_surrogate(item, inner)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    # JSON joins an escaped *pair* into one code point, so any surrogate left is a lone one.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def check_stop(stop: list[str], param: str = "stop") -> None:
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise validation_error(f"`{param}` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stop)}",
+                               param)
+    if not all(1 <= len(s) <= MAX_STOP_LENGTH for s in stop):
+        raise validation_error(f"each `{param}` sequence must have 1 to {MAX_STOP_LENGTH} characters", param)
+
+
+def check_repetition_penalty(value: float | None, param: str = "repetition_penalty") -> None:
+    if value is not None and not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+        raise validation_error(f"`{param}` must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]. "
+                               f"Given: {value}", param)
