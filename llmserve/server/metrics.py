@@ -41,8 +41,10 @@ class ServerMetrics:
         self.batch_size = Gauge("llmserve_running_batch_size", "Requests in the running batch.", registry=r)
         self.kv_slots_used = Gauge("llmserve_kv_cache_slots_used", "KV-cache token slots held by running requests.", registry=r)
         self.kv_slots_total = Gauge("llmserve_kv_cache_slots_total", "KV-cache token slots in the pool.", registry=r)
-        # set_function'ed by the server to its count of admitted requests
-        self.in_flight = Gauge("llmserve_requests_in_flight", "Client requests being served now.", registry=r)
+        # set_function'ed by the server to its count of admitted generations
+        self.in_flight = Gauge("llmserve_requests_in_flight",
+                               "Generations being served now (a client request with several prompts or choices "
+                               "counts each; --max-concurrent-requests bounds this).", registry=r)
         self.healthy = Gauge("llmserve_healthy", "1 while every model worker is alive.", registry=r)
         for outcome in RequestOutcome:
             self.requests.labels(outcome.value)   # every series exists from the start, at 0

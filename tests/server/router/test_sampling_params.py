@@ -16,6 +16,10 @@ from llmserve.sampling_params import SamplingParams
         ({"min_tokens": 17, "max_new_tokens": 16}, "min_tokens"),
         ({"min_tokens": 1.5}, "min_tokens"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
     ],
 )
 def test_out_of_range_is_a_value_error(kwargs: dict, match: str):
