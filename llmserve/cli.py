@@ -49,6 +49,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together in one batch (default: 256)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send to the OpenAI endpoints (default: the model file or directory name)")
+    p.add_argument("--payload-limit", type=int, default=None, metavar="BYTES",
+                   help="largest request body; larger ones get HTTP 413 before they are parsed (default: 25 MiB, "
+                        "room for a 4 MiB-character prompt however its client escapes it)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $LLMSERVE_API_KEY, else none)")
 
@@ -98,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,
         max_concurrent_requests=args.max_concurrent_requests, max_total_tokens=args.max_total_tokens,
         max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
-        chat_template=args.chat_template,
+        chat_template=args.chat_template, payload_limit=args.payload_limit,
     )
     return run_server(engine_config, config, log_level=args.log_level)
 

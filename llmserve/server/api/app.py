@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import hmac
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
-from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
 from llmserve.server.api import openai, tgi
-from llmserve.server.api.errors import APIError, error_response, unauthorized_error, validation_error
+from llmserve.server.api.errors import (
+    APIError, error_response, http_error, internal_error, not_json_error, validation_error,
+)
+from llmserve.server.api.middleware import DEFAULT_PAYLOAD_LIMIT, APIKeyMiddleware, BodyLimitMiddleware
+from llmserve.server.api.openapi import install_openapi
 from llmserve.server.api.state import ServerState
 from llmserve.server.metrics import RequestOutcome
 
@@ -24,20 +28,15 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         await state.engine.close()
 
-    async def require_api_key(request: HTTPRequest) -> None:
-        expected = state.config.api_key
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-            raise unauthorized_error()
-
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
     app.state.server = state
-    protected = [Depends(require_api_key)]
-    app.include_router(tgi.build_router(state), dependencies=protected)
-    app.include_router(openai.build_router(state), dependencies=protected)
+    app.include_router(tgi.build_router(state))
+    app.include_router(openai.build_router(state))
+    install_openapi(app, api_key_set=state.config.api_key is not None)
+    # The last middleware added runs first: the key is checked before the body is even read.
+    app.add_middleware(BodyLimitMiddleware, limit=payload_limit(state))
+    if state.config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: HTTPRequest, error: APIError) -> JSONResponse:
@@ -48,7 +47,29 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_bad_body(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
         state.metrics.count(RequestOutcome.VALIDATION_ERROR)
+        content_type = request.headers.get("content-type")
+        if _body_not_an_object(exc) and not _is_json(content_type):
+            # FastAPI parses only JSON content types and hands the raw bytes on otherwise
+            return error_response(not_json_error(content_type), request.url.path)
         return error_response(validation_error(describe_validation_error(exc), _first_field(exc)), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        """The router's 404 and 405 and FastAPI's body-parse 400, in the API's shape."""
+        headers = exc.headers or {}
+        detail = str(exc.detail)
+        if exc.__cause__ is not None:     # FastAPI's "There was an error parsing the body" hides why
+            detail = f"the request body could not be parsed ({' '.join(str(exc.__cause__).split())})"
+        allow = next((v for k, v in headers.items() if k.lower() == "allow"), None)
+        error = http_error(exc.status_code, detail, request.method, request.url.path, allow)
+        if exc.status_code == HTTPStatus.BAD_REQUEST:
+            state.metrics.count(RequestOutcome.VALIDATION_ERROR)
+        return error_response(error, request.url.path, headers)
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback and re-raises after this answer; clients get the shape.
+        return error_response(internal_error(exc), request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -58,7 +79,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"error": f"unhealthy: {reason}", "error_type": "unhealthy"},
                             status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
-    @app.get("/info", dependencies=protected)
+    @app.get("/info")
     async def info() -> dict:
         i = state.info
         lim = state.limits
@@ -76,11 +97,20 @@ def create_app(state: ServerState) -> FastAPI:
             "router": "llmserve", "version": __version__,
         }
 
-    @app.get("/metrics", dependencies=protected)
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.CONTENT_TYPE)
 
     return app
+
+
+def payload_limit(state: ServerState) -> int:
+    limit = state.config.payload_limit
+    if limit is None:
+        return DEFAULT_PAYLOAD_LIMIT
+    if limit < 1:
+        raise ValueError(f"--payload-limit must be at least 1 byte, got {limit}")
+    return limit
 
 
 def describe_validation_error(exc: RequestValidationError) -> str:
@@ -92,9 +122,21 @@ def describe_validation_error(exc: RequestValidationError) -> str:
             parts.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
         elif loc:
             parts.append(f"{loc}: {err.get('msg')}")
+        elif err.get("type") == "missing":      # loc ("body",): no body at all
+            parts.append("the request has no body: send a JSON object")
         else:
             parts.append(str(err.get("msg")))
     return "; ".join(parts) or "invalid request"
+
+
+def _body_not_an_object(exc: RequestValidationError) -> bool:
+    """The body as a whole is not a JSON object (what FastAPI passes on when it is not JSON)."""
+    return any(tuple(err.get("loc", ())) == ("body",) for err in exc.errors())
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _first_field(exc: RequestValidationError) -> str | None:

@@ -7,11 +7,13 @@ TGI clients read ``{"error": "...", "error_type": "validation"}``; OpenAI client
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 
 @dataclass
@@ -70,10 +72,45 @@ def model_not_found_error(model: str) -> APIError:
     return APIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "not_found", "model")
 
 
+def payload_too_large_error(size: int | None, limit: int) -> APIError:
+    given = f"Given: {size} bytes" if size is not None else f"Given: more than {limit} bytes"
+    return APIError(f"the request body must be at most {limit} bytes (--payload-limit). {given}",
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "validation")
+
+
+def not_json_error(content_type: str | None) -> APIError:
+    # TGI (axum's Json extractor) answers 415 too; curl -d sends form encoding unless told.
+    given = f"`{content_type}`" if content_type else "none"
+    return APIError(f"the request body must be JSON sent with `Content-Type: application/json`. Given: {given}",
+                    HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "validation")
+
+
+def http_error(status: int, detail: str, method: str, path: str, allow: str | None = None) -> APIError:
+    """A Starlette ``HTTPException`` (the router's 404 and 405, FastAPI's body-parse 400) as an
+    APIError. A body that cannot be parsed is a validation error like malformed JSON."""
+    if status == HTTPStatus.NOT_FOUND:
+        return APIError(f"no route `{path}` on this server (see /openapi.json)", status, "not_found")
+    if status == HTTPStatus.METHOD_NOT_ALLOWED:
+        return APIError(f"{method} is not allowed on `{path}`; it takes {allow or 'other methods'}",
+                        status, "method_not_allowed")
+    if status == HTTPStatus.BAD_REQUEST:
+        return validation_error(detail)
+    return APIError(detail, status, "validation" if status < 500 else "internal")
+
+
+def internal_error(exc: BaseException) -> APIError:
+    # No details: a traceback's text is for the server's log, not for clients.
+    return APIError(f"internal server error ({type(exc).__name__}); see the server log",
+                    HTTPStatus.INTERNAL_SERVER_ERROR, "internal")
+
+
 _OPENAI_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
+    HTTPStatus.UNSUPPORTED_MEDIA_TYPE: "invalid_request_error",
     HTTPStatus.UNPROCESSABLE_ENTITY: "invalid_request_error",
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
 }
@@ -83,7 +120,26 @@ def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
 
 
-def error_response(error: APIError, path: str) -> JSONResponse:
+def error_response(error: APIError, path: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """``error`` in the shape of ``path``'s route family; ``headers`` go along (a 405's ``Allow``)."""
     if is_openai_path(path):
-        return JSONResponse(error.openai_body(), status_code=error.openai_status)
-    return JSONResponse(error.tgi_body(), status_code=error.status)
+        return JSONResponse(error.openai_body(), status_code=error.openai_status, headers=headers)
+    return JSONResponse(error.tgi_body(), status_code=error.status, headers=headers)
+
+
+# -- the shapes as OpenAPI documents them ------------------------------------------------
+
+class TGIErrorBody(BaseModel):
+    error: str
+    error_type: str
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIErrorDetail

@@ -38,6 +38,7 @@ class ServerConfig:
     max_top_n_tokens: int = 5
     served_model_name: str | None = None   # None: the model file or directory name
     chat_template: str | None = None       # a registry name, .json or .jinja file; None: the model's own or a match
+    payload_limit: int | None = None       # request body bytes; None: middleware.DEFAULT_PAYLOAD_LIMIT
 
 
 @dataclass

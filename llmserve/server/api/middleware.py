@@ -1,0 +1,118 @@
+"""What every HTTP request passes before any route sees it: the API key, then the body size.
+
+Both are pure ASGI middleware rather than FastAPI dependencies, because a dependency runs only
+after FastAPI has read, parsed and validated the body: a client without the key would learn
+from a 422 what the body should look like, and a huge body would be parsed before any size
+check. Here the key is checked on the headers alone, and the body is counted as it arrives.
+Refusals are written in the shape of the route family the path belongs to (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve.server.api.errors import APIError, error_response, payload_too_large_error, unauthorized_error
+from llmserve.server.api.schema import MAX_INPUT_CHARS
+
+# Seed 004 allows a prompt of up to 4 MiB characters. In JSON one character can take 6 bytes:
+# `requests`-based clients (text_generation among them) escape every non-ASCII character as
+# \uXXXX (a character beyond the BMP is a surrogate pair there, two characters as UTF-16 counts
+# them). Raw UTF-8 takes at most 4. So 6 bytes a character, plus 1 MiB for the rest of the body
+# (parameters, stop strings, chat structure): 25 MiB. TGI's own default (--payload-limit
+# 2,000,000) would refuse an ASCII prompt half the seed's size.
+DEFAULT_PAYLOAD_LIMIT = 6 * MAX_INPUT_CHARS + 1024 * 1024
+
+# The one path a load balancer must reach without the key.
+OPEN_PATHS = frozenset({"/health"})
+
+
+async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    await error_response(error, scope["path"])(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value
+    return None
+
+
+class APIKeyMiddleware:
+    """With a key set, every path but /health (the docs and /openapi.json included) needs
+    ``Authorization: Bearer <key>``; without it the request gets a 401 before its body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        await _refuse(unauthorized_error(), scope, receive, send)
+
+    def authorized(self, scope: Scope) -> bool:
+        scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
+        # compare_digest takes as long whatever the token, so timing tells nothing of the key
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+
+
+class BodyLimitMiddleware:
+    """Refuse (413) a request body over ``limit`` bytes: at once by its Content-Length, else by
+    counting the bytes of a chunked body as they arrive. The body is read ahead of the app, which
+    so sees only bodies within the limit and holds at most ``limit`` bytes of one."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.limit:
+            await _refuse(payload_too_large_error(declared, self.limit), scope, receive, send)
+            return
+        messages = await self._read_body(receive)
+        if messages is None:
+            await _refuse(payload_too_large_error(None, self.limit), scope, receive, send)
+            return
+        await self.app(scope, _replay(messages, receive), send)
+
+    async def _read_body(self, receive: Receive) -> list[Message] | None:
+        """The request's body messages, up to the last one or a disconnect; None past the limit."""
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return None
+            if not message.get("more_body", False):
+                return messages
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None     # the HTTP server refuses a malformed Content-Length itself
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that gives back the messages read ahead, then the client's own (a disconnect)."""
+    pending = list(reversed(messages))
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed
