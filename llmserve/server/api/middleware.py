@@ -28,8 +28,9 @@ DEFAULT_PAYLOAD_LIMIT = 6 * MAX_INPUT_CHARS + 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
 
 
-async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-    await error_response(error, scope["path"])(scope, receive, send)
+async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send,
+                  headers: dict[str, str] | None = None) -> None:
+    await error_response(error, scope["path"], headers)(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -62,7 +63,7 @@ class APIKeyMiddleware:
 class BodyLimitMiddleware:
     """Refuse (413) a request body over ``limit`` bytes: at once by its Content-Length, else by
     counting the bytes of a chunked body as they arrive. The body is read ahead of the app, which
-    so sees only bodies within the limit and holds at most ``limit`` bytes of one."""
+    so sees only bodies within the limit; no more than ``limit`` bytes of one are ever held."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -78,7 +79,10 @@ class BodyLimitMiddleware:
             return
         messages = await self._read_body(receive)
         if messages is None:
-            await _refuse(payload_too_large_error(None, self.limit), scope, receive, send)
+            # A chunked body may never end: close the connection rather than let the HTTP
+            # server read on (and throw away) whatever the client still sends. A body with
+            # a Content-Length is bounded by it, and the client gets to read its 413 whole.
+            await _refuse(payload_too_large_error(None, self.limit), scope, receive, send, {"Connection": "close"})
             return
         await self.app(scope, _replay(messages, receive), send)
 
