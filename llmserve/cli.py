@@ -52,6 +52,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload-limit", type=int, default=None, metavar="BYTES",
                    help="largest request body; larger ones get HTTP 413 before they are parsed (default: 25 MiB, "
                         "room for a 4 MiB-character prompt however its client escapes it)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|none|vllm|PATH",
+                   help="defaults for the sampling fields a request leaves unset (temperature, top_p, top_k, "
+                        "typical_p, repetition_penalty): 'auto' takes the model's generation_config.json (for a "
+                        ".gguf, one beside it, or for the embedded model its model card's temperature 0.2, "
+                        "top_p 0.9); 'none' (or vLLM's 'vllm') keeps each API's own defaults; PATH: a folder "
+                        "holding a generation_config.json. /info shows what applies (default: auto)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $LLMSERVE_API_KEY, else none)")
 
@@ -101,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,
         max_concurrent_requests=args.max_concurrent_requests, max_total_tokens=args.max_total_tokens,
         max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
-        chat_template=args.chat_template, payload_limit=args.payload_limit,
+        chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
     )
     return run_server(engine_config, config, log_level=args.log_level)
 

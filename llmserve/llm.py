@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from llmserve.chat_template import ChosenTemplate, StopWords, choose_chat_template, load_chat_template
 from llmserve.chat_template.base import Message
+from llmserve.generation_config import load_sampling_defaults
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.router.engine import EngineConfig, LLMEngine
+from llmserve.server.router.engine import EngineConfig, LLMEngine, resolve_model_path
 from llmserve.server.router.request import Request
 
 
@@ -40,10 +41,14 @@ class LLM:
     together."""
 
     def __init__(self, model: str | None = None, tp: int = 1, dtype: str | None = None,
-                 max_total_token_num: int | None = None, chat_template: str | None = None, **engine_options):
+                 max_total_token_num: int | None = None, chat_template: str | None = None,
+                 generation_config: str = "auto", **engine_options):
         """``chat_template``: as ``llmserve serve --chat-template`` (a built-in name, a .json or
-        .jinja file; None: the model's own template, else one matched from its name)."""
+        .jinja file; None: the model's own template, else one matched from its name).
+        ``generation_config``: as ``llmserve serve --generation-config``; its values make the
+        SamplingParams of a ``generate``/``chat`` call that passes none (as vLLM's LLM does)."""
         loaded = load_chat_template(chat_template) if chat_template else None
+        self.sampling_defaults = load_sampling_defaults(generation_config, resolve_model_path(model))
         self.engine = LLMEngine(EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self.chat_template = choose_chat_template(loaded, self.tokenizer, self.engine.model_path)
@@ -63,7 +68,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:
-            params = SamplingParams()
+            params = self.default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -83,6 +88,10 @@ class LLM:
         self.engine.flush()
         return [RequestOutput.from_request(r) for r in requests]
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams' defaults with the model's recommended sampling (see generation_config.py)."""
+        return SamplingParams(**self.sampling_defaults.values())
+
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         """The prompt tokens of an OpenAI-style conversation, through the chat template."""
         if self.chat_template is None:
@@ -91,7 +100,7 @@ class LLM:
 
     def chat(self, messages: list[Message], params: SamplingParams | None = None) -> RequestOutput:
         """Answer a conversation; the template's stop words end the answer too."""
-        params = self._chat_stop.add_to(params or SamplingParams())
+        params = self._chat_stop.add_to(params or self.default_sampling_params())
         (out,) = self.generate([self.chat_prompt(messages)], params)
         return out
 

@@ -45,3 +45,24 @@ def test_unknown_chat_template_is_a_one_line_error_before_the_model_loads(capsys
     assert main(["chat", "--model", str(tmp_path / "missing"), "--chat-template", "nope", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("llmserve: error: unknown chat template 'nope'") and "\n" not in err
+
+
+def test_serve_help_explains_generation_config(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--generation-config auto|none|vllm|PATH" in help_text
+    assert "generation_config.json" in help_text and "(default: auto)" in help_text
+
+
+def test_bad_generation_config_is_a_one_line_error_before_the_model_loads(capsys, tmp_path, tiny_llama_dir, monkeypatch):
+    import llmserve.server.serve as serve_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(serve_module, "LLMEngine", no_model)
+    (tmp_path / "generation_config.json").write_text('{"top_p": 7}')
+    assert main(["serve", "--model", tiny_llama_dir, "--port", "0", "--generation-config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llmserve: error: ") and "top_p must be in (0, 1]" in err and "\n" not in err

@@ -16,11 +16,12 @@ import sys
 import uvicorn
 
 from llmserve.chat_template import load_chat_template
+from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.router.async_engine import AsyncEngine
-from llmserve.server.router.engine import EngineConfig, LLMEngine
+from llmserve.server.router.engine import EngineConfig, LLMEngine, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     # What can fail without the model fails before the (slow) model load.
     check_port_free(config.host, config.port)
     chat_template = load_chat_template(config.chat_template) if config.chat_template else None
+    sampling_defaults = load_sampling_defaults(config.generation_config, resolve_model_path(engine_config.model))
     engine = LLMEngine(engine_config)
     try:
         metrics = ServerMetrics()
@@ -93,9 +95,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
                 server.stop_with_error(error)
 
         async_engine = AsyncEngine(engine, metrics, on_fatal=on_fatal)
-        state = ServerState(config, async_engine, metrics, chat_template)
+        state = ServerState(config, async_engine, metrics, chat_template, sampling_defaults)
         print(f"{engine.summary()}, max {state.limits.max_total_tokens} tokens per request, "
-              f"chat template: {describe_template(state)}", file=sys.stderr, flush=True)
+              f"chat template: {describe_template(state)}, sampling defaults: {sampling_defaults.summary()}",
+              file=sys.stderr, flush=True)
         banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
                   f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions)")
         uv_config = uvicorn.Config(

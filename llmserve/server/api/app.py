@@ -94,6 +94,8 @@ def create_app(state: ServerState) -> FastAPI:
             "chunked_prefill": state.engine.engine.config.chunked_prefill,
             "kv_cache_tokens": i.max_total_token_num,
             "chat_template": state.chat_template.describe() if state.chat_template else None,
+            # the sampling defaults a request's unset fields take (--generation-config)
+            "generation_config": state.sampling_defaults.describe(),
             "router": "llmserve", "version": __version__,
         }
 

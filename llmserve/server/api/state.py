@@ -15,6 +15,7 @@ from fastapi import Request as HTTPRequest
 
 from llmserve.chat_template import ChatTemplateError, ChosenTemplate, StopWords, choose_chat_template
 from llmserve.chat_template.base import Message
+from llmserve.generation_config import SamplingDefaults, load_sampling_defaults
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.api.errors import APIError, generation_error, overloaded_error, template_error, validation_error
 from llmserve.server.api.schema import MAX_INPUT_CHARS
@@ -38,6 +39,7 @@ class ServerConfig:
     max_top_n_tokens: int = 5
     served_model_name: str | None = None   # None: the model file or directory name
     chat_template: str | None = None       # a registry name, .json or .jinja file; None: the model's own or a match
+    generation_config: str = "auto"        # sampling defaults: auto (the model's), none/vllm, or a folder
     payload_limit: int | None = None       # request body bytes; None: middleware.DEFAULT_PAYLOAD_LIMIT
 
 
@@ -51,7 +53,7 @@ class Limits:
 
 class ServerState:
     def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics,
-                 chat_template: ChosenTemplate | None = None):
+                 chat_template: ChosenTemplate | None = None, sampling_defaults: SamplingDefaults | None = None):
         self.config = config
         self.engine = engine
         self.metrics = metrics
@@ -64,6 +66,10 @@ class ServerState:
         # chat_template: what --chat-template loaded at start-up, or None to use the model's own
         self.chat_template = choose_chat_template(chat_template, self.tokenizer, self.model_path)
         self.chat_stop = self.chat_template.stop_words(self.tokenizer) if self.chat_template else StopWords()
+        # Values for the sampling fields a request leaves unset (see generation_config.py); serve
+        # loads them before the model, so that a bad --generation-config fails fast.
+        self.sampling_defaults = (sampling_defaults if sampling_defaults is not None
+                                  else load_sampling_defaults(config.generation_config, self.model_path))
         info = engine.engine.info
         self.info = info
         model_limit = min(info.max_seq_len, info.max_total_token_num)
