@@ -33,6 +33,7 @@ from typing import Any
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+from llmserve.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 __all__ = ["GENERATION_CONFIG_FILE", "GenerationConfigError", "SamplingDefaults", "load_sampling_defaults"]
 
@@ -42,10 +43,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 AUTO = "auto"
 NONE_SPECS = ("none", "vllm")   # vLLM's "vllm" means its own (the API's) defaults: no model defaults
 
-# The bounds the APIs accept from a client (server/api/schema.py): a default the API would refuse
-# in a request is refused here too, at start-up.
-_MIN_REPETITION_PENALTY = 0.01
-_MAX_REPETITION_PENALTY = 100.0
 # The sampler holds top_k in an int tensor; beyond any vocabulary a top_k cuts nothing anyway.
 _MAX_TOP_K = 2**31 - 1
 
@@ -167,6 +164,6 @@ def _check_value(name: str, value: Any) -> None:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {value}")
     if name in ("top_p", "typical_p") and not 0 < value <= 1:
         raise ValueError(f"{name} must be in (0, 1], got {value}")
-    if name == "repetition_penalty" and not _MIN_REPETITION_PENALTY <= value <= _MAX_REPETITION_PENALTY:
-        raise ValueError(f"repetition_penalty must be in [{_MIN_REPETITION_PENALTY}, {_MAX_REPETITION_PENALTY:g}], "
+    if name == "repetition_penalty" and not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+        raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
                          f"got {value}")

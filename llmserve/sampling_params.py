@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# A penalty divides (or multiplies) logits of up to ~1e2; outside these bounds the logits
+# overflow or the penalty has no meaning left. (vLLM allows (0, 2]; TGI any positive number.)
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+
 
 @dataclass
 class SamplingParams:
@@ -63,8 +68,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.typical_p <= 1.0:
             raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

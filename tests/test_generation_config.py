@@ -222,11 +222,4 @@ def test_serve_refuses_a_bad_generation_config_before_the_model_loads(tmp_path, 
     assert "llmserve: serving" not in done.stdout + done.stderr
 
 
-def test_info_reports_the_defaults(tiny_dir_with_config):
-    with ServerProcess(tiny_dir_with_config) as server:
-        info = httpx.get(server.url + "/info", timeout=30).json()
-        assert "sampling defaults: temperature=0, top_k=7, repetition_penalty=1.3" in server.output()
-    assert info["generation_config"] == {
-        "temperature": 0.0, "top_p": None, "top_k": 7, "typical_p": None, "repetition_penalty": 1.3,
-        "source": os.path.join(tiny_dir_with_config, GENERATION_CONFIG_FILE),
-    }
+# /info, the start-up line and the APIs' use of the defaults: tests/server/api/test_sampling_defaults.py

@@ -141,16 +141,19 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
     state.check_lengths(num_prompt_tokens, max_tokens, max_tokens_param, prompt_param)
 
     def unless_set(value, field: str, fallback):
+        """The request's value; else the model's recommended one (its generation_config); else
+        the chat template's; else the API's own default."""
         if value is not None:
             return value
-        default = getattr(defaults, field, None)
-        return fallback if default is None else default
+        template_default = getattr(defaults, field, None)
+        return state.sampling_defaults.get(field, fallback if template_default is None else template_default)
 
     temperature = unless_set(body.temperature, "temperature", 1.0)
     return template_stop.add_to(SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
         # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
         top_k=min(max(0, unless_set(body.top_k, "top_k", 0)), vocab),
+        typical_p=unless_set(None, "typical_p", 1.0),
         repetition_penalty=unless_set(body.repetition_penalty, "repetition_penalty", 1.0),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),

@@ -14,16 +14,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from llmserve.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from llmserve.server.api.errors import validation_error
 
 # Seed 004: a prompt is at most 4 MB of characters.
 MAX_INPUT_CHARS = 4 * 1024 * 1024
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
-# A penalty divides (or multiplies) logits of up to ~1e2; outside these bounds the logits
-# overflow or the penalty has no meaning left. vLLM allows (0, 2]; TGI any positive number.
-MIN_REPETITION_PENALTY = 0.01
-MAX_REPETITION_PENALTY = 100.0
 MAX_SEED = 2**64 - 1                 # both APIs' seeds are unsigned 64-bit
 
 

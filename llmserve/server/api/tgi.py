@@ -95,12 +95,17 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
     else:
         max_new_tokens = p.max_new_tokens
     state.check_lengths(num_prompt_tokens, max_new_tokens)
+    # Fields the request leaves unset take the model's recommended values (its
+    # generation_config); they never turn a greedy request into a sampling one.
+    model = state.sampling_defaults
     return SamplingParams(
         max_new_tokens=max_new_tokens,
-        temperature=(p.temperature or 1.0) if sample else 0.0,
+        temperature=(p.temperature or model.get("temperature", 1.0)) if sample else 0.0,
         # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
-        top_k=min(p.top_k or 0, state.info.vocab_size), top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
-        repetition_penalty=p.repetition_penalty or 1.0, frequency_penalty=p.frequency_penalty or 0.0,
+        top_k=min(p.top_k or model.get("top_k", 0), state.info.vocab_size), top_p=p.top_p or model.get("top_p", 1.0),
+        typical_p=p.typical_p or model.get("typical_p", 1.0),
+        repetition_penalty=p.repetition_penalty or model.get("repetition_penalty", 1.0),
+        frequency_penalty=p.frequency_penalty or 0.0,
         seed=(p.seed if p.seed is not None else fresh_seed()) if sample else None,
         stop=stop,
         logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
