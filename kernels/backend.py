@@ -12,12 +12,12 @@ On CPU, Triton kernels run only in Triton's interpreter, which Triton chooses wh
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
 BACKENDS = ("auto", "triton", "torch")
@@ -83,8 +83,28 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def softmax_scale(sm_scale: float | None, head_dim: int) -> float:
-    """The attention ops' score scale: ``sm_scale``, or 1/sqrt(head_dim) when it is None."""
-    return 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    """The attention ops' score scale: ``sm_scale``, or head_dim**-0.5 when it is None (HF's
+    ``scaling``; 1/sqrt(head_dim) is a different double for head_dim 32, 96 or 128)."""
+    return head_dim ** -0.5 if sm_scale is None else sm_scale
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Causal attention of one request's new queries q ``[n, Hq, D]`` over its keys and values
+    k, v ``[L, Hkv, D]`` (the n new tokens last), through torch's SDPA called as HF's "sdpa"
+    attention calls it. The attention twins use this so that half precision on CPU rounds as HF
+    does: SDPA's CPU kernel rounds the probabilities to q's dtype before the product with V, an
+    fp32 softmax @ V does not, and the two differ by a unit in the last place on about a quarter
+    of the outputs (SmolLM2's first layer). Returns ``[n, Hq, D]`` in q's dtype."""
+    n, L = q.shape[0], k.shape[0]
+    mask = None
+    if 1 < n < L:  # new tokens after a cached prefix: the causal mask is aligned bottom-right
+        pos = torch.arange(L, device=q.device)
+        mask = pos[None, :] <= pos[L - n:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=n > 1 and mask is None, scale=sm_scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import LOG2E, dot_precision, launcher, next_pow2, softmax_scale, use_triton
+from .backend import LOG2E, dot_precision, launcher, next_pow2, sdpa_attention, softmax_scale, use_triton
 
 
 @triton.jit
@@ -153,32 +153,41 @@ def context_attention_fwd_torch(
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
 ) -> None:
-    """Torch twin of `context_attention_fwd`: per request, gather K/V and run fp32 softmax attention."""
-    _, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-    G = Hq // Hkv
-    sm_scale = softmax_scale(sm_scale, D)
+    """Torch twin of `context_attention_fwd`: per request, gather K/V and attend through SDPA as
+    HF does (`sdpa_attention`), or with an fp32 softmax when there are ALiBi biases."""
+    sm_scale = softmax_scale(sm_scale, q.shape[-1])
     for req, q_start, q_len, cached in zip(
         b_req_idx.tolist(), b_q_start.tolist(), b_q_len.tolist(), b_cached_len.tolist()
     ):
         if q_len == 0:
             continue
-        kv_len = cached + q_len
-        slots = req_to_token[req, :kv_len].long()
-        k = k_cache[slots].float()  # [L, Hkv, D]
-        v = v_cache[slots].float()
-        # Query heads grouped by kv head, so GQA needs no repeated K/V.
-        qi = q[q_start:q_start + q_len].float().view(q_len, Hkv, G, D)
-        scores = torch.einsum("qhgd,khd->hgqk", qi, k) * sm_scale  # [Hkv, G, q, L]
-        q_pos = torch.arange(cached, kv_len, device=q.device)
-        k_pos = torch.arange(kv_len, device=q.device)
-        rel = (k_pos[None, :] - q_pos[:, None]).float()  # kpos - p, [q, L]
-        if alibi_slopes is not None:
-            scores = scores + alibi_slopes.float().view(Hkv, G, 1, 1) * rel
-        scores = scores.masked_fill(rel > 0, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_len, Hq, D)
+        slots = req_to_token[req, :cached + q_len].long()
+        qi, k, v = q[q_start:q_start + q_len], k_cache[slots], v_cache[slots]
+        if alibi_slopes is None:
+            out = sdpa_attention(qi, k, v, sm_scale)
+        else:
+            out = _alibi_attention(qi, k, v, alibi_slopes, cached, sm_scale)
         o[q_start:q_start + q_len] = out.to(o.dtype)
+
+
+def _alibi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.Tensor,
+                     cached: int, sm_scale: float) -> torch.Tensor:
+    """fp32 causal attention of q ``[n, Hq, D]`` at positions cached.. over k, v ``[L, Hkv, D]``
+    with ALiBi. Not SDPA: its float mask must be in q's dtype, and slope * distance in bf16 would
+    lose the bias's precision."""
+    q_len, Hq, D = q.shape
+    kv_len, Hkv = k.shape[0], k.shape[1]
+    G = Hq // Hkv
+    # Query heads grouped by kv head, so GQA needs no repeated K/V.
+    qi = q.float().view(q_len, Hkv, G, D)
+    scores = torch.einsum("qhgd,khd->hgqk", qi, k.float()) * sm_scale  # [Hkv, G, q, L]
+    q_pos = torch.arange(cached, kv_len, device=q.device)
+    k_pos = torch.arange(kv_len, device=q.device)
+    rel = (k_pos[None, :] - q_pos[:, None]).float()  # kpos - p, [q, L]
+    scores = scores + alibi_slopes.float().view(Hkv, G, 1, 1) * rel
+    scores = scores.masked_fill(rel > 0, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hgqk,khd->qhgd", probs, v.float()).reshape(q_len, Hq, D)
 
 
 def context_attention_fwd(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .backend import LOG2E, softmax_scale, use_triton
+from .backend import LOG2E, sdpa_attention, softmax_scale, use_triton
 from .decode_attention_stage1 import decode_attention_stage1_triton
 from .decode_attention_stage2 import decode_attention_stage2_triton
 
@@ -42,13 +42,30 @@ def decode_attention_fwd_torch(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
 ) -> None:
-    """Torch twin of `decode_attention_fwd`: gather K/V padded to max_seq_len, masked fp32 softmax."""
-    bs, Hq, D = q.shape
-    if bs == 0:
+    """Torch twin of `decode_attention_fwd`: per request through SDPA as HF does
+    (`sdpa_attention`), or, with ALiBi biases, a padded batch with an fp32 softmax."""
+    if q.shape[0] == 0:
         return
+    sm_scale = softmax_scale(sm_scale, q.shape[-1])
+    if alibi_slopes is not None:
+        o.copy_(_alibi_decode(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_seq_len,
+                              alibi_slopes, sm_scale).to(o.dtype))
+        return
+    for i, (req, seq_len) in enumerate(zip(b_req_idx.tolist(), b_seq_len.tolist())):
+        slots = req_to_token[req, :seq_len].long()
+        o[i:i + 1] = sdpa_attention(q[i:i + 1], k_cache[slots], v_cache[slots], sm_scale)
+
+
+def _alibi_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int, alibi_slopes: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """fp32 decode attention with ALiBi: K/V gathered padded to max_seq_len, masked softmax. Not
+    SDPA: its float mask must be in q's dtype, and slope * distance in bf16 would lose precision."""
+    bs, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
-    sm_scale = softmax_scale(sm_scale, D)
     seq_len = b_seq_len.long()
     L = max_seq_len
     pos = torch.arange(L, device=q.device)
@@ -59,13 +76,11 @@ def decode_attention_fwd_torch(
     v = v_cache[slots].float()
     qg = q.float().view(bs, Hkv, G, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
-    if alibi_slopes is not None:
-        rel = (pos[None, :] - (seq_len - 1)[:, None]).float()  # kpos - p, [bs, L]
-        scores = scores + alibi_slopes.float().view(1, Hkv, G, 1) * rel[:, None, None, :]
+    rel = (pos[None, :] - (seq_len - 1)[:, None]).float()  # kpos - p, [bs, L]
+    scores = scores + alibi_slopes.float().view(1, Hkv, G, 1) * rel[:, None, None, :]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(bs, Hq, D)
-    o.copy_(out.to(o.dtype))
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(bs, Hq, D)
 
 
 def decode_attention_fwd(

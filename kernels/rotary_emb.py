@@ -1,6 +1,11 @@
 """Rotary position embedding, in place, HF "rotate_half" (NeoX) layout.
 
 x1 = x[..., :D/2], x2 = x[..., D/2:]; x1' = x1*cos - x2*sin; x2' = x2*cos + x1*sin.
+
+Rounded as HF's ``apply_rotary_pos_emb`` rounds in x's dtype: cos/sin are cast to it first (HF's
+rotary embedding returns them so), and each product and the sum round to it. In fp32 that is
+plain fp32 math; in bf16 one rounding at the end instead would land a unit in the last place
+away from HF's on a fifth of the values, enough to flip a near-tie greedy pick downstream.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ def _rotary_emb_kernel(
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
     mask = (offs_h[:, None] < H) & d_mask[None, :]
-    cos = tl.load(Cos + t * stride_c_t + offs_d * stride_c_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(Sin + t * stride_s_t + offs_d * stride_s_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    dt = X.dtype.element_ty
+    cos = tl.load(Cos + t * stride_c_t + offs_d * stride_c_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(Sin + t * stride_s_t + offs_d * stride_s_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
     p1 = X + t * stride_x_t + offs_h[:, None] * stride_x_h + offs_d[None, :] * stride_x_d
     p2 = p1 + HALF * stride_x_d
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
-    tl.store(p2, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
+    # Each product rounds to x's dtype before the sum, as HF's eager ops do (see the module doc).
+    x1c, x2s = (x1 * cos).to(dt).to(tl.float32), (x2 * sin).to(dt).to(tl.float32)
+    x2c, x1s = (x2 * cos).to(dt).to(tl.float32), (x1 * sin).to(dt).to(tl.float32)
+    tl.store(p1, (x1c - x2s).to(dt), mask=mask)
+    tl.store(p2, (x2c + x1s).to(dt), mask=mask)
 
 
 def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -57,11 +66,12 @@ def rotary_emb_fwd_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, s
 
 
 def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    # HF's apply_rotary_pos_emb, op for op in x's dtype (every eager op rounds to it), so bf16 on
+    # CPU is bitwise HF's; rotate_half's -x2 makes x1*c + (-x2)*s, which is exactly x1*c - x2*s.
     half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c = cos.float()[:, None, :]  # broadcast over heads
-    s = sin.float()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    c = cos.to(x.dtype)[:, None, :]  # broadcast over heads
+    s = sin.to(x.dtype)[:, None, :]
     x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
 
 
@@ -72,7 +82,8 @@ def rotary_emb_fwd_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
 
 def rotary_emb_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [n, Hq, D] and k [n, Hk, D] in place by cos, sin [n, D//2] (fp32), math in fp32."""
+    """Rotate q [n, Hq, D] and k [n, Hk, D] in place by cos, sin [n, D//2] (fp32), rounded as HF
+    rounds (see the module doc)."""
     if use_triton(q):
         rotary_emb_fwd_triton(q, k, cos, sin)
     else:
