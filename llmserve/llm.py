@@ -17,12 +17,15 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None                       # per generated token, when asked for
-    finish_reason: str                                 # length | eos_token | stop_sequence
+    finish_reason: str                                 # length | eos_token | stop_sequence | error
     prompt_token_ids: list[int]
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # Per prompt token when params.prompt_logprobs was set (None for the first token).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # Why this prompt failed (finish_reason "error"), e.g. parameters the sampler cannot use; the
+    # other prompts of the call are unaffected. Its text and tokens are what came before.
+    error: str | None = None
 
     @classmethod
     def from_request(cls, req: Request) -> RequestOutput:
@@ -31,14 +34,16 @@ class RequestOutput:
             text=req.output_text, token_ids=list(req.output_token_ids),
             logprobs=list(req.output_logprobs) if wants else None, finish_reason=req.finish_reason.value,
             prompt_token_ids=list(req.prompt_token_ids), top_logprobs=list(req.output_top_logprobs) if wants else None,
-            prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs,
+            prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs, error=req.error,
         )
 
 
 class LLM:
     """A model served by worker processes (one per tensor-parallel rank) behind the same
     continuous-batching scheduler the HTTP server uses. All prompts of a ``generate`` call run
-    together."""
+    together. A prompt that fails on its own (say, parameters the sampler cannot use) does not
+    raise: its output has ``finish_reason == "error"`` and ``error`` set, and the other prompts
+    complete as if it had not been there."""
 
     def __init__(self, model: str | None = None, tp: int = 1, dtype: str | None = None,
                  max_total_token_num: int | None = None, chat_template: str | None = None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.router.engine import LLMEngine
+from llmserve.server.router.model_rpc import WorkerError
 from llmserve.server.router.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,11 @@ _LIVENESS_INTERVAL_S = 0.5
 
 class EngineError(RuntimeError):
     """The request could not complete: a worker died, or the server is shutting down."""
+
+
+class RequestError(EngineError):
+    """This request failed on its own (its parameters broke the sampler, its rows the forward,
+    its tokens the detokenizer); the engine goes on serving the others."""
 
 
 @dataclass
@@ -146,12 +152,12 @@ class AsyncEngine:
                     await self._in_thread(self.engine.flush)   # hand the workers the last frees
                     await self._idle()
                     continue
-                updated = await self._in_thread(self.engine.step)
+                updated = await self._step()
                 self._publish(updated)
                 await asyncio.sleep(0)   # let handlers run between steps even when steps are fast
         except asyncio.CancelledError:
             raise
-        except BaseException as e:
+        except BaseException as e:      # a worker died or fell out of step: nothing can run any more
             logger.error("the engine failed: %s", e)
             self.error = e
             if self.metrics is not None:
@@ -159,6 +165,19 @@ class AsyncEngine:
             self.fail_all(f"the engine failed: {e}")
             if self.on_fatal is not None:
                 self.on_fatal(e)
+
+    async def _step(self) -> list[Request]:
+        """One engine step. The engine ends a request that fails on its own; what it raises
+        beyond a worker's failure is tied to no request (a bug of ours), and costs the requests
+        in flight, not the server."""
+        try:
+            return await self._in_thread(self.engine.step)
+        except (WorkerError, EngineError):
+            raise
+        except Exception as e:
+            logger.exception("an engine step failed; ending the requests in flight")
+            self.fail_all(f"the engine step failed: {e}")
+            return []
 
     async def _idle(self) -> None:
         """Wait for work, checking now and then that the workers are still there."""
@@ -204,6 +223,10 @@ class AsyncEngine:
         for req in updated:
             stream = self._streams.get(req.req_id)
             if stream is None:           # aborted while the step ran
+                continue
+            if req.error is not None:
+                stream._put(RequestError(f"the request failed: {req.error}"))
+                self._streams.pop(req.req_id, None)
                 continue
             event = TokenEvent(
                 token_id=req.output_token_ids[-1], text=req.take_stream_delta(),

@@ -2,6 +2,11 @@
 
 The offline ``LLM`` loops ``step()`` until its prompts finish; the HTTP server's router drives
 the same engine from its event loop. Nothing here knows which of them is calling.
+
+A failure tied to one request (its sampling parameters, a forward that raises on its rows, its
+text that will not decode) ends that request: it finishes with ``FinishReason.ERROR`` and
+``Request.error`` set, its KV slots are freed, and the others go on as if it had never been
+there. Only a ``WorkerError`` (a worker died or fell out of step) escapes ``step()``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from llmserve.default_model import default_model_path
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.detokenize import IncrementalDetokenizer
 from llmserve.server.router.model_rpc import (
-    BatchEntry, ModelWorkerGroup, StepInput, WorkerInitArgs, free_tcp_port,
+    BatchEntry, ModelWorkerGroup, StepInput, StepOutput, WorkerInitArgs, free_tcp_port,
 )
-from llmserve.server.router.request import Request
+from llmserve.server.router.request import FinishReason, Request, error_line
 from llmserve.server.router.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llmserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -128,34 +133,65 @@ class LLMEngine:
 
     # -- one step ----------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one forward over the scheduled batch; return the requests that got a token."""
+        """Run one forward over the scheduled batch; return the requests that got a token, or
+        failed (those are finished, with ``error`` set)."""
         plan = self.scheduler.schedule()
         entries = [self._batch_entry(s) for s in plan.scheduled]
         step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted])
         self._to_free = []
         if not entries and not step.finished_req_ids and not step.preempted_req_ids:
             return []
-        result = self.workers.step(step)
+        result = self._run(step)
         self.scheduler.update_after_step(plan)
         if result is None:
             return []
         updated = []
         for i, s in enumerate(plan.scheduled):
-            req = s.request
+            error = result.errors[i] or self._take_output(s, result, i)
+            if error is not None:
+                self._fail(s.request, error)
+            if error is not None or s.samples:
+                updated.append(s.request)
+        return updated
+
+    def _run(self, step: StepInput) -> StepOutput | None:
+        """The workers run the step. When the forward fails, its entries run again in halves,
+        so that those which cause it fail alone and the others get their tokens as if alone (an
+        entry's logits depend only on its own tokens, and nothing was sampled by the failed try)."""
+        result = self.workers.step(step)
+        if result is None or not result.forward_failed or len(step.entries) == 1:
+            return result
+        half = len(step.entries) // 2
+        return StepOutput.concat([self._run(StepInput(step.entries[:half])), self._run(StepInput(step.entries[half:]))])
+
+    def _take_output(self, s: ScheduledRequest, result: StepOutput, i: int) -> str | None:
+        """Give the request what entry ``i`` of the step made for it (prompt logprobs, a token),
+        finishing it if a stop rule fires. Returns None, or why the request must fail."""
+        req = s.request
+        try:
             if result.prompt_logprobs[i] is not None:
                 req.set_prompt_logprobs(result.prompt_logprobs[i], result.prompt_top_logprobs[i])
             if not s.samples:      # a chunk of a prompt still being prefilled: no token yet
-                continue
+                return None
             token = result.token_ids[i]
             reason = req.append_token(
                 token, self._detokenizers[req.req_id].step(token), eos_token_ids=self.eos_token_ids,
                 logprob=result.logprobs[i], top_logprobs=result.top_logprobs[i],
             )
-            if reason is not None:
-                self.scheduler.finish_request(req, reason)
-                self._release(req)
-            updated.append(req)
-        return updated
+        except Exception as e:     # a tokenizer that cannot decode its tokens, say: its failure, not the engine's
+            logger.exception("request %d: its output could not be taken", req.req_id)
+            return error_line(e)
+        if reason is not None:
+            self.scheduler.finish_request(req, reason)
+            self._release(req)
+        return None
+
+    def _fail(self, req: Request, error: str) -> None:
+        """End a request with an error; the engine goes on without it."""
+        logger.warning("request %d failed: %s", req.req_id, error)
+        req.error = error
+        self.scheduler.finish_request(req, FinishReason.ERROR)
+        self._release(req)
 
     def _batch_entry(self, s: ScheduledRequest) -> BatchEntry:
         req, start = s.request, s.request.num_cached

@@ -3,6 +3,10 @@
 Every step the router sends all ranks the same batch description; each rank runs its share of
 the forward (the collectives inside line them up), and rank 0 samples and returns the ids.
 Messages are pickled dataclasses sent as bytes, which keeps rpyc's proxies out of the hot path.
+
+A failure tied to some entries of a step (bad sampling parameters, a forward that raises) is
+reported in ``StepOutput.errors``, and the worker stays usable; anything a worker raises
+instead is a ``WorkerError``, like its death: its state is then unknown, and the engine stops.
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ import itertools
 import logging
 import os
 import pickle
+import secrets
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -26,6 +30,7 @@ from rpyc.utils.factory import unix_connect
 from rpyc.utils.server import ThreadedServer
 
 from llmserve.sampling_params import SamplingParams
+from llmserve.server.router.request import error_line
 
 if TYPE_CHECKING:
     from llmserve.server.router.sampler import SampleResult
@@ -97,13 +102,32 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    # Per entry; None where the entry did not sample (a chunk of a prompt that continues).
+    # Per entry; None where the entry did not sample (a chunk of a prompt that continues) or failed.
     token_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
     # Per entry: None unless it had want_prompt_logprobs; see sampler.prompt_logprobs.
     prompt_logprobs: list[list[float | None] | None]
     prompt_top_logprobs: list[list[list[tuple[int, float]] | None] | None]
+    # Per entry: None, or why it failed (its request must end with that error).
+    errors: list[str | None]
+    # The forward raised, so every entry has that error, though maybe only one caused it. The
+    # worker has undone the step (the KV slots it took), so the entries can run again, fewer
+    # at a time, to find out which.
+    forward_failed: bool = False
+
+    @classmethod
+    def failed_forward(cls, num_entries: int, error: str) -> StepOutput:
+        def nones() -> list:
+            return [None] * num_entries
+
+        return cls(nones(), nones(), nones(), nones(), nones(), [error] * num_entries, forward_failed=True)
+
+    @classmethod
+    def concat(cls, parts: list[StepOutput]) -> StepOutput:
+        """The outputs of consecutive slices of one batch, as one output of the whole batch."""
+        return cls(*(sum((getattr(p, name) for p in parts), []) for name in (
+            "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "errors")))
 
 
 class ModelWorker:
@@ -156,47 +180,83 @@ class ModelWorker:
         if not step.entries:
             return None
 
-        rows = []
-        for e in step.entries:
-            if e.req_id not in self.req_rows:
-                self.req_rows[e.req_id] = self.model.req_manager.alloc_req()
-            rows.append(self.req_rows[e.req_id])
-            if e.params is not None and self.sampler is not None:
-                self.sampler.add_request(e.req_id, e.params, e.prompt_token_ids or [])
+        rows = [self._row(e.req_id) for e in step.entries]
+        # Entries whose sampling setup failed still run the forward: every rank must run the
+        # same batch (only rank 0 has a sampler), and their rows harm no one.
+        errors = self._add_to_sampler(step.entries)
         input_ids = torch.tensor([t for e in step.entries for t in e.token_ids], dtype=torch.int64)
         q_lens = [len(e.token_ids) for e in step.entries]
         # The same flag on every rank: the lm_head's all-gather is a collective.
         all_logits = [e.want_prompt_logprobs for e in step.entries]
-        logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], q_lens, return_all_logits=all_logits)
+        try:
+            logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], q_lens,
+                                        return_all_logits=all_logits)
+        except Exception as e:
+            return self._forward_failed(step.entries, rows, e)
         if self.sampler is None:
             return None
         # An asking entry has one row of logits per new token, the others one, entries back to back.
         row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
-        prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends)
-        sampled = [e for e in step.entries if e.sample]
-        if sampled and row_ends[-1] != len(sampled):
+        prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends, errors)
+        sampling = [i for i, e in enumerate(step.entries) if e.sample and errors[i] is None]
+        if sampling and row_ends[-1] != len(sampling):
             # Keep the last row of each entry that samples. (The common step, one row per entry
             # and all sampling, skips this.)
-            last_rows = [end - 1 for end, e in zip(row_ends, step.entries) if e.sample]
+            last_rows = [row_ends[i] - 1 for i in sampling]
             logits = logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
-        result = self.sampler.sample(logits, [e.req_id for e in sampled]) if sampled else None
-        return StepOutput(*_per_entry(step.entries, result), prompt_lps, prompt_tops)
+        result = self.sampler.sample(logits, [step.entries[i].req_id for i in sampling]) if sampling else None
+        return StepOutput(*_per_entry(len(step.entries), sampling, result, errors), prompt_lps, prompt_tops, errors)
+
+    def _row(self, req_id: int) -> int:
+        """The request's row of the req -> token table, taken on its first step."""
+        if req_id not in self.req_rows:
+            self.req_rows[req_id] = self.model.req_manager.alloc_req()
+        return self.req_rows[req_id]
+
+    def _add_to_sampler(self, entries: list[BatchEntry]) -> list[str | None]:
+        """Start sampling the entries that bring their parameters; per entry, None or why that failed."""
+        errors: list[str | None] = [None] * len(entries)
+        for i, e in enumerate(entries):
+            if e.params is not None and self.sampler is not None:
+                try:
+                    self.sampler.add_request(e.req_id, e.params, e.prompt_token_ids or [])
+                except Exception as err:
+                    errors[i] = error_line(err)
+        return errors
+
+    def _forward_failed(self, entries: list[BatchEntry], rows: list[int], error: Exception) -> StepOutput:
+        """Undo the step (free the KV slots the forward took) and say so; the router finds the culprit."""
+        if self.args.world_size > 1:
+            # This rank may have left the forward before a collective the others now wait in: the
+            # ranks can never be in step again. Dying is how the router (and the other ranks, whose
+            # collective then fails) learn it, rather than waiting forever.
+            logger.exception("rank %d: the forward failed; the ranks are out of step, exiting", self.args.tp_rank)
+            os._exit(1)
+        logger.warning("the forward of a batch of %d failed: %s", len(entries), error, exc_info=error)
+        for e, row in zip(entries, rows):
+            if self.model.req_manager.seq_len(row) > e.num_cached:
+                self.model.req_manager.truncate(row, e.num_cached)
+        return StepOutput.failed_forward(len(entries), error_line(error))
 
     @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry], row_ends: list[int]) -> tuple[list, list]:
+    def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry], row_ends: list[int],
+                         errors: list[str | None]) -> tuple[list, list]:
         """Per entry, its prompt logprobs, or None if it did not ask; entry i's rows of ``logits``
-        end at ``row_ends[i]``."""
+        end at ``row_ends[i]``. An entry for which that fails gets its error in ``errors``."""
         from llmserve.server.router.sampler import prompt_logprobs
 
         logprobs: list[list[float | None] | None] = [None] * len(entries)
         top_logprobs: list[list[list[tuple[int, float]] | None] | None] = [None] * len(entries)
         for i, (e, end) in enumerate(zip(entries, row_ends)):
-            if e.want_prompt_logprobs:
+            if e.want_prompt_logprobs and errors[i] is None:
                 # A first prefill: the new tokens are the whole prompt, from position 0.
                 assert e.num_cached == 0 and e.params is not None and e.params.prompt_logprobs is not None
-                logprobs[i], top_logprobs[i] = prompt_logprobs(
-                    logits[end - len(e.token_ids) : end], e.token_ids, e.params.prompt_logprobs
-                )
+                try:
+                    logprobs[i], top_logprobs[i] = prompt_logprobs(
+                        logits[end - len(e.token_ids) : end], e.token_ids, e.params.prompt_logprobs
+                    )
+                except Exception as err:
+                    errors[i] = error_line(err)
         return logprobs, top_logprobs
 
     def _free_kv(self, req_id: int) -> None:
@@ -205,14 +265,16 @@ class ModelWorker:
             self.model.req_manager.free_req(row)
 
 
-def _per_entry(entries: list[BatchEntry], result: SampleResult | None) -> tuple[list, list, list]:
-    """The sampler's results spread back over all entries, None where an entry did not sample."""
-    token_ids: list[int | None] = [None] * len(entries)
-    logprobs: list[float | None] = [None] * len(entries)
-    top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(entries)
-    rows = [i for i, e in enumerate(entries) if e.sample]
-    for n, i in enumerate(rows):
+def _per_entry(num_entries: int, sampled: list[int], result: SampleResult | None,
+               errors: list[str | None]) -> tuple[list, list, list]:
+    """The sampler's results (row n for entry ``sampled[n]``) spread back over all entries, None
+    where an entry did not sample; a row the sampler failed on sets its entry's error."""
+    token_ids: list[int | None] = [None] * num_entries
+    logprobs: list[float | None] = [None] * num_entries
+    top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_entries
+    for n, i in enumerate(sampled):
         token_ids[i], logprobs[i], top_logprobs[i] = result.token_ids[n], result.logprobs[n], result.top_logprobs[n]
+        errors[i] = errors[i] or result.errors[n]
     return token_ids, logprobs, top_logprobs
 
 
@@ -229,24 +291,27 @@ class ModelRpcServer(rpyc.Service):
         return pickle.dumps(self.worker.step(pickle.loads(step)))
 
 
-def _serve(socket_path: str) -> None:
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    server = ThreadedServer(ModelRpcServer(), socket_path=socket_path, protocol_config=RPYC_CONFIG)
+# Linux names sockets in an abstract namespace (no file: the name goes with the last socket
+# using it, however its process dies). Addresses there are written "@name", as ss(8) does,
+# since a command line cannot carry the real leading NUL.
+_ABSTRACT_SOCKETS = sys.platform.startswith("linux")
+
+
+def _socket_path(address: str) -> str:
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def serve(address: str) -> None:
+    """A worker process's life (see worker_main): serve the router until it closes us."""
+    server = ThreadedServer(ModelRpcServer(), socket_path=_socket_path(address), protocol_config=RPYC_CONFIG)
     server.start()
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """A worker outlives its router only by accident (the router was killed): then leave too,
-    rather than hold a GPU and a socket forever."""
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def _start_worker_process(socket_path: str) -> subprocess.Popen:
+def _start_worker_process(address: str) -> subprocess.Popen:
     # A fresh interpreter (not multiprocessing's spawn), so the parent's __main__ is never
     # re-imported: scripts using LLM need no `if __name__ == "__main__"` guard.
-    return subprocess.Popen([sys.executable, "-m", "llmserve.server.router.model_rpc", socket_path], stdin=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "llmserve.server.router.worker_main", address, str(os.getpid())],
+                            stdin=subprocess.DEVNULL)
 
 
 class ModelRpcClient:
@@ -282,13 +347,17 @@ class ModelWorkerGroup:
     """All ranks of one model, stepped together."""
 
     def __init__(self, args: list[WorkerInitArgs]):
-        self._tmpdir = tempfile.TemporaryDirectory(prefix="llmserve-")
+        # Elsewhere than on Linux, socket files in a directory removed on close (a killed router
+        # leaves them behind there).
+        self._tmpdir = None if _ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
+        # The router's PID in the name tells whose workers these are (ss -xlp; tests look for it).
+        prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
         self.clients: list[ModelRpcClient] = []
         try:
             for a in args:
-                path = os.path.join(self._tmpdir.name, f"rank{a.tp_rank}.sock")
-                proc = _start_worker_process(path)
-                self.clients.append(ModelRpcClient(proc, _connect(path, proc)))
+                address = f"{prefix}rank{a.tp_rank}.sock"
+                proc = _start_worker_process(address)
+                self.clients.append(ModelRpcClient(proc, _connect(address, proc)))
             infos = self._gather([c.init_model(a) for c, a in zip(self.clients, args)])
             self.info: WorkerInfo = infos[0]
         except BaseException:
@@ -296,7 +365,14 @@ class ModelWorkerGroup:
             raise
 
     def step(self, step: StepInput) -> StepOutput | None:
-        return self._gather([c.step(step) for c in self.clients])[0]
+        try:
+            return self._gather([c.step(step) for c in self.clients])[0]
+        except WorkerError:
+            raise
+        except Exception as e:
+            # A worker reports its requests' own failures in StepOutput; what it raises instead
+            # leaves its state (KV cache, rows, sampler) unknown.
+            raise WorkerError(f"a model worker's step failed: {e}") from e
 
     def _gather(self, results: list) -> list:
         out = []
@@ -316,7 +392,8 @@ class ModelWorkerGroup:
         for c in self.clients:
             c.close()
         self.clients = []
-        self._tmpdir.cleanup()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
 
 
 def _as_local_error(e: Exception) -> Exception:
@@ -330,11 +407,13 @@ def _as_local_error(e: Exception) -> Exception:
         return WorkerError(message)
 
 
-def _connect(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> rpyc.Connection:
+def _connect(address: str, proc: subprocess.Popen, timeout: float = 600.0) -> rpyc.Connection:
+    # Generous: a new interpreter importing torch on a busy machine can take minutes, and a worker
+    # that died is noticed at once anyway.
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return unix_connect(path, config=RPYC_CONFIG)
+            return unix_connect(_socket_path(address), config=RPYC_CONFIG)
         except (FileNotFoundError, ConnectionRefusedError):
             if proc.poll() is not None:
                 raise WorkerError(f"model worker exited during start-up (exit code {proc.returncode})")
@@ -348,10 +427,3 @@ def free_tcp_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-if __name__ == "__main__":
-    # Run from the imported module, not this __main__ copy, so pickled classes keep their real
-    # module path on the way back to the router.
-    from llmserve.server.router import model_rpc
-
-    model_rpc._serve(sys.argv[1])

@@ -29,6 +29,14 @@ class FinishReason(str, enum.Enum):
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
     ABORT = "abort"
+    ERROR = "error"            # the request failed (see Request.error); the engine went on
+
+
+def error_line(e: BaseException) -> str:
+    """Why a request failed, as one line for its client: the exception's type and first line
+    (a torch error's message may go on for a page)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 @dataclass(eq=False)  # a request is an entity: equal only to itself, and hashable
@@ -52,6 +60,8 @@ class Request:
     num_cached: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Why the request failed (finish_reason ERROR): one line, fit for the client.
+    error: str | None = None
 
     # The detokenized output. A matched stop string and everything after it are cut off,
     # and the text of a stop token or EOS token is never added.

@@ -12,6 +12,10 @@ Runs in the model worker (rank 0), right after the forward pass. The pipeline pe
 Everything is vectorised over the batch except the random draw: each request draws its
 noise from its own ``torch.Generator``, so a seeded request produces the same tokens
 whatever other requests share its batch, and wherever it sits in it.
+
+A request whose parameters break a step (say a top_k no tensor can hold) fails alone: the
+batch is sampled again row by row from the same logits and random state, so every other row
+gets exactly the token it would have got, and the culprit gets an error instead.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from llmserve.kernels import apply_penalty
 from llmserve.sampling_params import SamplingParams
+from llmserve.server.router.request import error_line
 
 # Below this temperature, logits / temperature can overflow float32 and softmax returns
 # NaN; such a request is sampled greedily instead (which is what T -> 0 tends to anyway).
@@ -32,13 +37,16 @@ _MIN_TEMPERATURE = 1e-5
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    # None where the row failed (see errors).
+    token_ids: list[int | None]
     # log_softmax of the raw logits (before penalties and temperature) at the chosen
     # token; None for requests whose params.logprobs is None.
     logprobs: list[float | None]
     # The params.logprobs most likely tokens under the raw logits, as (token id, logprob)
     # pairs, most likely first; None for requests whose params.logprobs is None.
     top_logprobs: list[list[tuple[int, float]] | None]
+    # Per row: None, or why this row got no token (the request must fail).
+    errors: list[str | None]
 
 
 @dataclass
@@ -107,20 +115,70 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, req_ids: list[int]) -> SampleResult:
-        """Pick one token per row of ``logits`` ([batch, vocab] float32, modified in place)."""
+        """Pick one token per row of ``logits`` ([batch, vocab] float32, left as it is).
+
+        A row that cannot be sampled gets an error in ``errors`` and no token; the others are
+        sampled exactly as if it had not been in the batch."""
         states = [self._requests[req_id] for req_id in req_ids]
-        raw_logprobs = _raw_logprobs(logits, states)  # before the penalties touch logits
-        _ban_stop_tokens_below_min_tokens(logits, states)
-        _apply_penalties(logits, states)
-        token_ids = _choose_tokens(logits, states)
+        saved = [_RandomState.save(s) for s in states]
+        try:
+            # On a copy, so a failed attempt leaves the rows as the forward made them for the
+            # retry (the copy is small beside the lm_head matmul that made the logits).
+            return _sample_batch(logits.clone(), states)
+        except Exception:
+            for snapshot in saved:
+                snapshot.restore()
+        return self._sample_row_by_row(logits, states)
 
-        token_id_list = token_ids.tolist()
-        for state, token_id in zip(states, token_id_list):
-            state.token_counts[token_id] = state.token_counts.get(token_id, 0) + 1
-            state.num_sampled += 1
+    @staticmethod
+    def _sample_row_by_row(logits: torch.Tensor, states: list[_RequestState]) -> SampleResult:
+        """The slow path after a failed batch: each row alone, its failure its own."""
+        result = SampleResult([], [], [], [])
+        for row, state in enumerate(states):
+            try:
+                one = _sample_batch(logits[row : row + 1].clone(), [state])
+                token_id, logprob, top, error = one.token_ids[0], one.logprobs[0], one.top_logprobs[0], None
+            except Exception as e:
+                token_id, logprob, top, error = None, None, None, error_line(e)
+            result.token_ids.append(token_id)
+            result.logprobs.append(logprob)
+            result.top_logprobs.append(top)
+            result.errors.append(error)
+        return result
 
-        logprobs, top_logprobs = _gather_logprobs(raw_logprobs, token_ids, states)
-        return SampleResult(token_id_list, logprobs, top_logprobs)
+
+@dataclass
+class _RandomState:
+    """A request's random stream as it was before an attempt, so that an attempt that failed
+    part-way (some rows drawn, then an error) does not advance it twice."""
+    request: _RequestState
+    generator_state: torch.Tensor | None
+
+    @classmethod
+    def save(cls, state: _RequestState) -> _RandomState:
+        return cls(state, None if state.generator is None else state.generator.get_state())
+
+    def restore(self) -> None:
+        if self.generator_state is None:
+            self.request.generator = None    # created on first use: the next use re-seeds it
+        else:
+            self.request.generator.set_state(self.generator_state)
+
+
+def _sample_batch(logits: torch.Tensor, states: list[_RequestState]) -> SampleResult:
+    """The pipeline over all rows at once (``logits`` is modified in place). The requests'
+    state (counts, number sampled) changes only once every step has succeeded."""
+    raw_logprobs = _raw_logprobs(logits, states)  # before the penalties touch logits
+    _ban_stop_tokens_below_min_tokens(logits, states)
+    _apply_penalties(logits, states)
+    token_ids = _choose_tokens(logits, states)
+    logprobs, top_logprobs = _gather_logprobs(raw_logprobs, token_ids, states)
+
+    token_id_list = token_ids.tolist()
+    for state, token_id in zip(states, token_id_list):
+        state.token_counts[token_id] = state.token_counts.get(token_id, 0) + 1
+        state.num_sampled += 1
+    return SampleResult(token_id_list, logprobs, top_logprobs, [None] * len(states))
 
 
 # --------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """The server process from outside: shutting down with streams open, a model worker dying,
-the API key, a busy port, and tensor parallelism through the whole stack."""
+the API key, a busy port, tensor parallelism through the whole stack, and a SIGKILL at any
+moment leaving nothing behind."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 import httpx
@@ -16,7 +20,9 @@ import pytest
 import text_generation
 import torch
 
-from serving_utils import ServerProcess, llmserve_command, pid_alive, tgi_stream_events
+from serving_utils import (
+    STARTUP_STALL_S, ServerProcess, child_pids, free_port, llmserve_command, pid_alive, tgi_stream_events,
+)
 
 EXIT_TIMEOUT_S = 15.0
 
@@ -254,3 +260,49 @@ def test_tp2_server_matches_tp1(tiny_server, tiny_llama_dir):
         workers = list(tp2.worker_pids)
     assert tp2.proc.returncode == 0
     assert not any(pid_alive(p) for p in workers)
+
+
+# -- (6) SIGKILL: nothing of the server stays behind ---------------------------------------
+
+def unix_sockets_of(server_pid: int) -> list[str]:
+    """The unix sockets named after this server (its workers'), as /proc/net/unix lists them:
+    "@name" for the abstract namespace, a path for a file."""
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.read().splitlines()[1:]]
+    return [row[7] for row in rows if len(row) > 7 and f"llmserve-{server_pid}-" in row[7]]
+
+
+def socket_files() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "llmserve-*", "*.sock")))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/unix"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("moment", ["worker_starting", "worker_listening", "serving"])
+def test_sigkill_leaves_no_worker_and_no_socket(tiny_llama_dir, moment):
+    """Whenever the server is SIGKILLed (here: as soon as its worker process exists, once it
+    listens, i.e. while the model loads, and while it serves), its workers exit within seconds
+    and no socket remains, on disk or anywhere."""
+    files_before = socket_files()
+    with contextlib.ExitStack() as cleanup:
+        if moment == "serving":
+            server = cleanup.enter_context(ServerProcess(tiny_llama_dir, "--served-model-name", "tiny"))
+            proc, workers = server.proc, server.worker_pids
+            assert unix_sockets_of(proc.pid)
+        else:
+            proc = subprocess.Popen([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", str(free_port())],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cleanup.callback(proc.kill)   # should an assertion fail before the kill
+            wait_until(lambda: child_pids(proc.pid) or proc.poll() is not None, STARTUP_STALL_S, "a worker starts")
+            if moment == "worker_listening":
+                wait_until(lambda: unix_sockets_of(proc.pid) or proc.poll() is not None, STARTUP_STALL_S, "it listens")
+            workers = child_pids(proc.pid)
+            assert proc.poll() is None and workers
+        # every socket of the server's is abstract: no file to leave behind, whatever happens
+        assert all(name.startswith("@") for name in unix_sockets_of(proc.pid)), unix_sockets_of(proc.pid)
+
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not any(pid_alive(p) for p in workers), 10.0, f"the workers exit ({moment})")
+        # (the kernel may let go of a dead process's listening socket a moment after it is gone)
+        wait_until(lambda: not unix_sockets_of(proc.pid), 5.0, f"the sockets go ({moment})")
+        assert socket_files() <= files_before

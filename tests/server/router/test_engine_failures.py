@@ -1,0 +1,241 @@
+"""A request that fails inside a step fails alone: the engine ends it with an error, the requests
+beside it complete with exactly the output they get alone, and the engine keeps serving.
+
+The poisons skip ``SamplingParams.verify()``: validation stops them at the edge, and these tests
+are about the engine surviving whatever gets past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+
+import pytest
+
+import llmserve.server.router.engine as engine_module
+from llmserve import LLM, SamplingParams
+from llmserve.server.detokenize import IncrementalDetokenizer
+from llmserve.server.router.async_engine import AsyncEngine, RequestError
+from llmserve.server.router.engine import EngineConfig, LLMEngine
+from llmserve.server.router.model_rpc import ModelWorker, StepInput, StepOutput, WorkerInitArgs
+
+DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")   # as in tests/test_llm.py
+KV_TOKENS = 4096
+N = 10   # new tokens per request
+
+GOOD_PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3,", "def main():"]
+GOOD_PARAMS = [
+    SamplingParams(max_new_tokens=N, temperature=0, ignore_eos=True),
+    SamplingParams(max_new_tokens=N, temperature=1.0, top_k=40, seed=7, ignore_eos=True),
+    SamplingParams(max_new_tokens=N, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True),
+    SamplingParams(max_new_tokens=N, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS) as llm:
+        yield llm
+
+
+def poisoned(**fields) -> SamplingParams:
+    """Sampling parameters that break the worker's sampler (once let past verify())."""
+    params = SamplingParams(max_new_tokens=N, temperature=1.0, seed=1, ignore_eos=True)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+def alone(llm: LLM) -> list[list[int]]:
+    return [llm.generate([p], params)[0].token_ids for p, params in zip(GOOD_PROMPTS, GOOD_PARAMS)]
+
+
+def assert_idle(llm: LLM) -> None:
+    """Nothing of the failed batch is left in the engine: no request, no KV slot."""
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.scheduler.num_used_slots == 0
+    assert not llm.engine.requests
+
+
+POISONS = {
+    # the draw's setup: a top-k no int64 tensor can hold (the issue's request)
+    "top_k_overflows": (poisoned(top_k=2**63), "Overflow"),
+    # after every row has drawn: the good rows' generators moved, and must not move twice
+    "logprobs_after_the_draw": (poisoned(logprobs=-1), "out of range"),
+    # the sampler's setup of the request (add_request)
+    "sampler_setup": (poisoned(stop_token_ids=[[0]]), "unhashable"),
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_poisonous_sampling_params_fail_alone(tiny, poison, monkeypatch):
+    params, words = POISONS[poison]
+    expected = alone(tiny)
+    # the poison in the middle of the batch, so rows on both sides of it must survive
+    prompts = GOOD_PROMPTS[:2] + ["Poison:"] + GOOD_PROMPTS[2:]
+    with monkeypatch.context() as unchecked:
+        unchecked.setattr(SamplingParams, "verify", lambda self: None)
+        outs = tiny.generate(prompts, GOOD_PARAMS[:2] + [params] + GOOD_PARAMS[2:])
+    bad = outs.pop(2)
+    assert bad.finish_reason == "error" and words in bad.error, bad
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.finish_reason == "length" and o.error is None for o in outs)
+    assert_idle(tiny)
+    assert alone(tiny) == expected     # and it goes on serving, as before
+
+
+def test_a_detokenizer_error_mid_generation_fails_that_request_alone(tiny, monkeypatch):
+    poison_prompt = tiny.tokenizer("Poison:").input_ids
+    fail_at = 4
+
+    class FailingDetokenizer(IncrementalDetokenizer):
+        """Raises on the poisoned request's ``fail_at``-th token, as a tokenizer might on odd ids."""
+
+        def __init__(self, tokenizer, prompt_token_ids):
+            super().__init__(tokenizer, prompt_token_ids=prompt_token_ids)
+            self.poisoned, self.tokens = list(prompt_token_ids) == poison_prompt, 0
+
+        def step(self, token_id: int) -> str:
+            self.tokens += 1
+            if self.poisoned and self.tokens == fail_at:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return super().step(token_id)
+
+    expected = alone(tiny)
+    monkeypatch.setattr(engine_module, "IncrementalDetokenizer", FailingDetokenizer)
+    outs = tiny.generate(["Poison:", *GOOD_PROMPTS], [GOOD_PARAMS[0], *GOOD_PARAMS])
+    bad = outs.pop(0)
+    assert bad.finish_reason == "error" and "UnicodeDecodeError" in bad.error, bad
+    assert len(bad.token_ids) == fail_at - 1       # what it had before
+    assert [o.token_ids for o in outs] == expected
+    assert_idle(tiny)
+
+
+# -- a forward that raises ----------------------------------------------------------------
+
+class InProcessWorkers:
+    """The engine's worker group as one ModelWorker in this process (so that its forward can be
+    made to fail), messages pickled both ways as over rpyc."""
+
+    def __init__(self, worker: ModelWorker):
+        self.worker = worker
+        self.info = worker.info()
+
+    def step(self, step: StepInput) -> StepOutput | None:
+        return pickle.loads(pickle.dumps(self.worker.step(pickle.loads(pickle.dumps(step)))))
+
+    def alive(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def failing_forward(tiny):
+    """``tiny`` running on an in-process worker whose forward raises on any batch that feeds a
+    token of ``poison`` (a set the test fills); yields (llm, poison, worker)."""
+    engine = tiny.engine
+    worker = ModelWorker(WorkerInitArgs(
+        model_path=engine.model_path, model_type=engine.info.model_type, tp_rank=0, world_size=1, device="cpu",
+        dtype=DTYPE, max_total_token_num=KV_TOKENS, max_req_num=engine.config.max_running_requests,
+        eos_token_ids=sorted(engine.eos_token_ids),
+    ))
+    poison: set[int] = set()
+    # It fails in the last layer: once the step's KV slots are taken and the first layer's written.
+    model, fed = worker.model, set()
+    forward, last_layer = model.forward, model.layers_infer[-1]
+    last_layer_forward = last_layer.forward
+
+    def recording_forward(input_ids, *args, **kwargs):
+        fed.clear()
+        fed.update(input_ids.tolist())
+        return forward(input_ids, *args, **kwargs)
+
+    def failing_last_layer(*args, **kwargs):
+        if poison & fed:
+            raise RuntimeError("a kernel failed on these rows")
+        return last_layer_forward(*args, **kwargs)
+
+    model.forward, last_layer.forward = recording_forward, failing_last_layer
+    real_workers, engine.workers = engine.workers, InProcessWorkers(worker)
+    try:
+        yield tiny, poison, worker
+    finally:
+        engine.workers = real_workers
+
+
+def assert_kv_all_free(worker: ModelWorker) -> None:
+    model = worker.model
+    assert model.mem_manager.can_use_mem_size == model.mem_manager.size
+    assert model.req_manager.can_use_req_size == model.req_manager.max_request_num
+    assert not worker.req_rows
+
+
+def test_a_forward_failing_on_prompts_fails_those_requests_alone(failing_forward):
+    llm, poison, worker = failing_forward
+    expected = alone(llm)
+    bad_prompts = ["Poison: zebra", "More poison: zebra"]
+    poison.update(llm.tokenizer(" zebra", add_special_tokens=False).input_ids)
+    assert not any(poison & set(llm.tokenizer(p).input_ids) for p in GOOD_PROMPTS)
+    # the two poisoned prompts apart, so the batch is split more than once to find them
+    prompts = [bad_prompts[0], *GOOD_PROMPTS[:3], bad_prompts[1], GOOD_PROMPTS[3]]
+    params = [GOOD_PARAMS[0], *GOOD_PARAMS[:3], GOOD_PARAMS[1], GOOD_PARAMS[3]]
+    outs = llm.generate(prompts, params)
+    bad = [outs.pop(4), outs.pop(0)]
+    for b in bad:
+        assert b.finish_reason == "error" and "a kernel failed" in b.error and not b.token_ids, b
+    assert [o.token_ids for o in outs] == expected
+    llm.engine.flush()
+    assert_idle(llm)
+    assert_kv_all_free(worker)
+    assert alone(llm) == expected
+
+
+def test_a_forward_failing_mid_generation_fails_that_request_alone(failing_forward):
+    llm, poison, worker = failing_forward
+    expected = alone(llm)
+    (victim,) = llm.generate(["Poison:"], GOOD_PARAMS[0])
+    # the request's 3rd token becomes poison: the forward of the step that feeds it fails, a
+    # decode step with every other request in it (none of which sees that token)
+    third = victim.token_ids[2]
+    assert all(third not in ids + llm.tokenizer(p).input_ids for ids, p in zip(expected, GOOD_PROMPTS))
+    poison.add(third)
+    outs = llm.generate(["Poison:", *GOOD_PROMPTS], [GOOD_PARAMS[0], *GOOD_PARAMS])
+    bad = outs.pop(0)
+    assert bad.finish_reason == "error" and "a kernel failed" in bad.error, bad
+    assert bad.token_ids == victim.token_ids[:3]
+    assert [o.token_ids for o in outs] == expected
+    llm.engine.flush()
+    assert_idle(llm)
+    assert_kv_all_free(worker)
+
+
+# -- the server's router ------------------------------------------------------------------
+
+def test_the_router_ends_only_the_failed_stream(tiny, tiny_llama_dir, monkeypatch):
+    """AsyncEngine (the server's router): the failed request's stream raises RequestError (an
+    EngineError, which the APIs answer as such), the others stream to their end, and the engine
+    stays healthy and serving."""
+    monkeypatch.setattr(SamplingParams, "verify", lambda self: None)
+
+    async def tokens(stream) -> list[int]:
+        return [event.token_id async for event in stream]
+
+    async def run(engine: AsyncEngine, tokenizer) -> tuple[list, list[int]]:
+        engine.start()
+        prompts = [tokenizer(p).input_ids for p in ["Poison:", *GOOD_PROMPTS]]
+        streams = [engine.generate(ids, params) for ids, params in zip(prompts, [poisoned(top_k=2**63), *GOOD_PARAMS])]
+        results = await asyncio.gather(*(tokens(s) for s in streams), return_exceptions=True)
+        after = await tokens(engine.generate(prompts[1], GOOD_PARAMS[0]))
+        return results, after
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS)))
+    try:
+        results, after = asyncio.run(run(engine, engine.engine.tokenizer))
+        assert engine.is_healthy and engine.error is None
+    finally:
+        asyncio.run(engine.close())
+    bad = results.pop(0)
+    assert isinstance(bad, RequestError) and "Overflow" in str(bad), bad
+    expected = alone(tiny)
+    assert results == expected
+    assert after == expected[0]
