@@ -16,8 +16,7 @@ import pytest
 import llmserve.server.router.engine as engine_module
 from llmserve import LLM, SamplingParams
 from llmserve.server.detokenize import IncrementalDetokenizer
-from llmserve.server.router.async_engine import AsyncEngine, RequestError
-from llmserve.server.router.engine import EngineConfig, LLMEngine
+from llmserve.server.router.async_engine import AsyncEngine, EngineError, RequestError
 from llmserve.server.router.model_rpc import ModelWorker, StepInput, StepOutput, WorkerInitArgs
 
 DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")   # as in tests/test_llm.py
@@ -211,31 +210,68 @@ def test_a_forward_failing_mid_generation_fails_that_request_alone(failing_forwa
 
 # -- the server's router ------------------------------------------------------------------
 
-def test_the_router_ends_only_the_failed_stream(tiny, tiny_llama_dir, monkeypatch):
-    """AsyncEngine (the server's router): the failed request's stream raises RequestError (an
-    EngineError, which the APIs answer as such), the others stream to their end, and the engine
-    stays healthy and serving."""
+async def tokens(stream) -> list[int]:
+    return [event.token_id async for event in stream]
+
+
+def run_router(llm: LLM, monkeypatch, main) -> tuple:
+    """``await main(router)`` on an AsyncEngine (the server's router) over ``llm``'s engine, which
+    stays open for the other tests; returns main's result and whether the router stayed healthy."""
+    monkeypatch.setattr(llm.engine, "shutdown", lambda: None)
+
+    async def run():
+        router = AsyncEngine(llm.engine)
+        router.start()
+        try:
+            return await main(router), router.is_healthy and router.error is None
+        finally:
+            await router.close()
+
+    return asyncio.run(run())
+
+
+def test_the_router_ends_only_the_failed_stream(tiny, monkeypatch):
+    """The failed request's stream raises RequestError (an EngineError, which the APIs answer as
+    such), the others stream to their end, and the router stays healthy and serving."""
     monkeypatch.setattr(SamplingParams, "verify", lambda self: None)
+    prompts = [tiny.tokenizer(p).input_ids for p in ["Poison:", *GOOD_PROMPTS]]
 
-    async def tokens(stream) -> list[int]:
-        return [event.token_id async for event in stream]
-
-    async def run(engine: AsyncEngine, tokenizer) -> tuple[list, list[int]]:
-        engine.start()
-        prompts = [tokenizer(p).input_ids for p in ["Poison:", *GOOD_PROMPTS]]
-        streams = [engine.generate(ids, params) for ids, params in zip(prompts, [poisoned(top_k=2**63), *GOOD_PARAMS])]
+    async def main(router: AsyncEngine) -> tuple[list, list[int]]:
+        streams = [router.generate(ids, params) for ids, params in zip(prompts, [poisoned(top_k=2**63), *GOOD_PARAMS])]
         results = await asyncio.gather(*(tokens(s) for s in streams), return_exceptions=True)
-        after = await tokens(engine.generate(prompts[1], GOOD_PARAMS[0]))
-        return results, after
+        return results, await tokens(router.generate(prompts[1], GOOD_PARAMS[0]))
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS)))
-    try:
-        results, after = asyncio.run(run(engine, engine.engine.tokenizer))
-        assert engine.is_healthy and engine.error is None
-    finally:
-        asyncio.run(engine.close())
+    (results, after), healthy = run_router(tiny, monkeypatch, main)
+    assert healthy
     bad = results.pop(0)
     assert isinstance(bad, RequestError) and "Overflow" in str(bad), bad
     expected = alone(tiny)
     assert results == expected
     assert after == expected[0]
+    assert_idle(tiny)
+
+
+def test_a_step_failing_for_no_request_costs_the_requests_in_flight_not_the_router(tiny, monkeypatch):
+    """An engine step that raises without a worker's failure (a bug of ours, tied to no request):
+    the requests in flight end with an EngineError, and the router goes on serving."""
+    schedule, failures = tiny.engine.scheduler.schedule, []
+
+    def schedule_failing_once():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a scheduler bug")
+        return schedule()
+
+    prompts = [tiny.tokenizer(p).input_ids for p in GOOD_PROMPTS]
+
+    async def main(router: AsyncEngine) -> tuple[list, list[int]]:
+        monkeypatch.setattr(tiny.engine.scheduler, "schedule", schedule_failing_once)
+        streams = [router.generate(ids, params) for ids, params in zip(prompts, GOOD_PARAMS)]
+        results = await asyncio.gather(*(tokens(s) for s in streams), return_exceptions=True)
+        return results, await tokens(router.generate(prompts[0], GOOD_PARAMS[0]))
+
+    (results, after), healthy = run_router(tiny, monkeypatch, main)
+    assert healthy
+    assert all(isinstance(r, EngineError) and "a scheduler bug" in str(r) for r in results), results
+    assert after == alone(tiny)[0]
+    assert_idle(tiny)
