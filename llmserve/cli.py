@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     from llmserve.server.api.state import ServerConfig
-    from llmserve.server.router.engine import EngineConfig
+    from llmserve.engine.engine import EngineConfig
     from llmserve.server.serve import run_server
 
     engine_config = EngineConfig(
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from llmserve.llm import LLM
-    from llmserve.server.router.model_rpc import WorkerError
+    from llmserve.worker.protocol import WorkerError
 
     try:
         if args.command == "serve":

@@ -8,8 +8,8 @@ from llmserve.chat_template import ChosenTemplate, StopWords, choose_chat_templa
 from llmserve.chat_template.base import Message
 from llmserve.generation_config import load_sampling_defaults
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.router.engine import EngineConfig, LLMEngine, resolve_model_path
-from llmserve.server.router.request import Request
+from llmserve.engine.engine import EngineConfig, LLMEngine, resolve_model_path
+from llmserve.engine.request import Request
 
 
 @dataclass

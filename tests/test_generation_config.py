@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 
-import httpx
 import pytest
 from transformers import GenerationConfig
 
@@ -20,7 +19,7 @@ from llmserve.generation_config import (
     GENERATION_CONFIG_FILE, SAMPLING_FIELDS, GenerationConfigError, SamplingDefaults, load_sampling_defaults,
 )
 from llmserve.sampling_params import SamplingParams
-from serving_utils import ServerProcess, free_port, llmserve_command
+from serving_utils import free_port, llmserve_command
 
 
 def write_config(folder, **fields) -> str:

@@ -20,8 +20,8 @@ from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState
 from llmserve.server.metrics import ServerMetrics
-from llmserve.server.router.async_engine import AsyncEngine
-from llmserve.server.router.engine import EngineConfig, LLMEngine, resolve_model_path
+from llmserve.server.async_engine import AsyncEngine
+from llmserve.engine.engine import EngineConfig, LLMEngine, resolve_model_path
 
 logger = logging.getLogger(__name__)
 

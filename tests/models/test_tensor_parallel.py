@@ -28,7 +28,7 @@ def _rank_main(rank: int, world: int, path: str, port: int, out: str) -> None:
 
 
 def _free_port() -> int:
-    from llmserve.server.router.model_rpc import free_tcp_port
+    from llmserve.engine.worker_client import free_tcp_port
 
     return free_tcp_port()
 

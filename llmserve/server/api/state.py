@@ -20,7 +20,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.api.errors import APIError, generation_error, overloaded_error, template_error, validation_error
 from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
-from llmserve.server.router.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
+from llmserve.server.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
 
 # A text longer than this many characters per allowed token is first tokenized by its head
 # (see ServerState.encode); real text averages 3-5 characters per token.

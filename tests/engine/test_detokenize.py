@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from llmserve.server.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
+from llmserve.engine.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -9,8 +9,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.router.request import FinishReason, Request, RequestStatus
-from llmserve.server.router.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmserve.engine.request import FinishReason, Request, RequestStatus
+from llmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 2
 TOKEN = 7  # any token that does not stop a request

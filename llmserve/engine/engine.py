@@ -20,14 +20,13 @@ import torch
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.default_model import default_model_path
+from llmserve.engine.detokenize import IncrementalDetokenizer
+from llmserve.engine.request import FinishReason, Request
+from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from llmserve.engine.worker_client import ModelWorkerGroup, free_tcp_port
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.detokenize import IncrementalDetokenizer
-from llmserve.server.router.model_rpc import (
-    BatchEntry, ModelWorkerGroup, StepInput, StepOutput, WorkerInitArgs, free_tcp_port,
-)
-from llmserve.server.router.request import FinishReason, Request, error_line
-from llmserve.server.router.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llmserve.tokenizer import eos_token_ids, load_tokenizer
+from llmserve.worker.protocol import BatchEntry, StepInput, StepOutput, WorkerInitArgs, error_line
 
 logger = logging.getLogger(__name__)
 

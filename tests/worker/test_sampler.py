@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import llmserve.server.router.sampler as sampler_module
+import llmserve.worker.sampler as sampler_module
 from llmserve import kernels
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.router.sampler import Sampler
+from llmserve.worker.sampler import Sampler
 
 VOCAB = 64
 

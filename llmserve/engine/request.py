@@ -32,13 +32,6 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"            # the request failed (see Request.error); the engine went on
 
 
-def error_line(e: BaseException) -> str:
-    """Why a request failed, as one line for its client: the exception's type and first line
-    (a torch error's message may go on for a page)."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
 @dataclass(eq=False)  # a request is an entity: equal only to itself, and hashable
 class Request:
     req_id: int

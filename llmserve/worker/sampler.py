@@ -28,7 +28,7 @@ import torch
 
 from llmserve.kernels import apply_penalty
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.router.request import error_line
+from llmserve.worker.protocol import error_line
 
 # Below this temperature, logits / temperature can overflow float32 and softmax returns
 # NaN; such a request is sampled greedily instead (which is what T -> 0 tends to anyway).

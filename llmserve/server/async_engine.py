@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import ServerMetrics
-from llmserve.server.router.engine import LLMEngine
-from llmserve.server.router.model_rpc import WorkerError
-from llmserve.server.router.request import FinishReason, Request
+from llmserve.engine.engine import LLMEngine
+from llmserve.worker.protocol import WorkerError
+from llmserve.engine.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""The entry point of a model worker process: ``python -m llmserve.server.router.worker_main
+"""The entry point of a model worker process: ``python -m llmserve.worker.main
 ADDRESS ROUTER_PID``.
 
 Its first job, before the seconds it takes to import torch, is to tie its life to the router's:
 a worker outlives its router only by accident (the router was killed, maybe while this worker
 was still starting or loading weights), and should then leave at once rather than hold a GPU
-and memory forever. Only then does it import the model code and serve (``model_rpc``).
+and memory forever. Only then does it import the model code and serve (``model_worker``).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def main(argv: list[str]) -> None:
     exit_with_parent(int(parent_pid))
     # Imported, not run as __main__, so pickled classes keep their real module path on the way
     # back to the router.
-    from llmserve.server.router import model_rpc
+    from llmserve.worker import model_worker
 
-    model_rpc.serve(address)
+    model_worker.serve(address)
 
 
 if __name__ == "__main__":

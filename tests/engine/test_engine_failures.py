@@ -13,11 +13,12 @@ import pickle
 
 import pytest
 
-import llmserve.server.router.engine as engine_module
+import llmserve.engine.engine as engine_module
 from llmserve import LLM, SamplingParams
-from llmserve.server.detokenize import IncrementalDetokenizer
-from llmserve.server.router.async_engine import AsyncEngine, EngineError, RequestError
-from llmserve.server.router.model_rpc import ModelWorker, StepInput, StepOutput, WorkerInitArgs
+from llmserve.engine.detokenize import IncrementalDetokenizer
+from llmserve.server.async_engine import AsyncEngine, EngineError, RequestError
+from llmserve.worker.model_worker import ModelWorker
+from llmserve.worker.protocol import StepInput, StepOutput, WorkerInitArgs
 
 DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")   # as in tests/test_llm.py
 KV_TOKENS = 4096

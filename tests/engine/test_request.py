@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.router.request import FinishReason, Request, RequestStatus
+from llmserve.engine.request import FinishReason, Request, RequestStatus
 
 EOS = 2
 

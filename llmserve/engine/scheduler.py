@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from llmserve.server.router.request import FinishReason, Request, RequestStatus
+from llmserve.engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass

@@ -1,0 +1,142 @@
+"""The engine's side of the model workers: start one process per tensor-parallel rank, connect
+over a unix socket, and step them all together."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import rpyc
+from rpyc.utils.factory import unix_connect
+
+from llmserve.worker.protocol import (
+    ABSTRACT_SOCKETS, RPYC_CONFIG, StepInput, StepOutput, WorkerError, WorkerInfo, WorkerInitArgs, socket_path,
+)
+
+
+def _start_worker_process(address: str) -> subprocess.Popen:
+    # A fresh interpreter (not multiprocessing's spawn), so the parent's __main__ is never
+    # re-imported: scripts using LLM need no `if __name__ == "__main__"` guard.
+    return subprocess.Popen([sys.executable, "-m", "llmserve.worker.main", address, str(os.getpid())],
+                            stdin=subprocess.DEVNULL)
+
+
+class ModelRpcClient:
+    """Handle on one worker process."""
+
+    def __init__(self, proc: subprocess.Popen, conn: rpyc.Connection):
+        self.proc = proc
+        self.conn = conn
+        self._init_model = rpyc.async_(conn.root.init_model)
+        self._step = rpyc.async_(conn.root.step)
+
+    def init_model(self, args: WorkerInitArgs):
+        return self._init_model(pickle.dumps(args))
+
+    def step(self, step: StepInput):
+        return self._step(pickle.dumps(step))
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:
+            pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class ModelWorkerGroup:
+    """All ranks of one model, stepped together."""
+
+    def __init__(self, args: list[WorkerInitArgs]):
+        # Elsewhere than on Linux, socket files in a directory removed on close (a killed router
+        # leaves them behind there).
+        self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
+        # The router's PID in the name tells whose workers these are (ss -xlp; tests look for it).
+        prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
+        self.clients: list[ModelRpcClient] = []
+        try:
+            for a in args:
+                address = f"{prefix}rank{a.tp_rank}.sock"
+                proc = _start_worker_process(address)
+                self.clients.append(ModelRpcClient(proc, _connect(address, proc)))
+            infos = self._gather([c.init_model(a) for c, a in zip(self.clients, args)])
+            self.info: WorkerInfo = infos[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, step: StepInput) -> StepOutput | None:
+        try:
+            return self._gather([c.step(step) for c in self.clients])[0]
+        except WorkerError:
+            raise
+        except Exception as e:
+            # A worker reports its requests' own failures in StepOutput; what it raises instead
+            # leaves its state (KV cache, rows, sampler) unknown.
+            raise WorkerError(f"a model worker's step failed: {e}") from e
+
+    def _gather(self, results: list) -> list:
+        out = []
+        for rank, r in enumerate(results):
+            try:
+                out.append(pickle.loads(r.value))
+            except EOFError as e:
+                raise WorkerError(f"model worker rank {rank} died (exit code {self.clients[rank].proc.poll()})") from e
+            except Exception as e:
+                raise _as_local_error(e) from None
+        return out
+
+    def alive(self) -> bool:
+        return all(c.proc.poll() is None for c in self.clients)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.clients = []
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+
+
+def _as_local_error(e: Exception) -> Exception:
+    """The worker's exception as the router should see it: same type, the worker's own one-line
+    message, without the remote traceback rpyc appends (that went to the worker's stderr)."""
+    message = str(e.args[0]) if e.args else type(e).__name__
+    base = next((c for c in type(e).__mro__ if c.__module__ != "rpyc.core.vinegar"), RuntimeError)
+    try:
+        return base(message)
+    except TypeError:
+        return WorkerError(message)
+
+
+def _connect(address: str, proc: subprocess.Popen, timeout: float = 600.0) -> rpyc.Connection:
+    # Generous: a new interpreter importing torch on a busy machine can take minutes, and a worker
+    # that died is noticed at once anyway.
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return unix_connect(socket_path(address), config=RPYC_CONFIG)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if proc.poll() is not None:
+                raise WorkerError(f"model worker exited during start-up (exit code {proc.returncode})")
+            if time.monotonic() > deadline:
+                raise WorkerError("model worker did not start listening in time")
+            time.sleep(0.05)
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

@@ -1,0 +1,194 @@
+"""One tensor-parallel rank: the model, its KV cache and the sampler, served over rpyc.
+
+A worker process starts in ``llmserve.worker.main`` and serves ``ModelRpcServer``; the engine
+drives it through ``llmserve.engine.worker_client``. The messages are in ``protocol``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+from typing import TYPE_CHECKING
+
+import rpyc
+import torch
+from rpyc.utils.server import ThreadedServer
+
+
+from llmserve.worker.protocol import (
+    RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
+)
+
+if TYPE_CHECKING:
+    from llmserve.worker.sampler import SampleResult
+
+logger = logging.getLogger(__name__)
+
+
+class ModelWorker:
+    """One rank: owns the model, its KV cache and the request -> table-row map."""
+
+    def __init__(self, args: WorkerInitArgs):
+        from llmserve.common.basemodel import ModelInitParams
+        from llmserve.common.distributed import init_distributed
+        from llmserve.models.registry import get_model_class
+        from llmserve.worker.sampler import Sampler
+
+        self.args = args
+        device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.tp_rank}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            # ranks share the machine's cores; each one taking all of them would oversubscribe
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+        init_distributed(args.tp_rank, args.world_size, args.dist_init_method, device)
+        params = ModelInitParams(
+            model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
+            dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
+            mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
+        )
+        model_cls = get_model_class(args.model_type)
+        self.model = model_cls(params)
+        self.device = device
+        self.sampler = Sampler(eos_token_ids=args.eos_token_ids) if args.tp_rank == 0 else None
+        self.req_rows: dict[int, int] = {}   # req_id -> row of req_to_token
+
+    def info(self) -> WorkerInfo:
+        m = self.model
+        # by identity: a tied lm_head is the embedding tensor itself
+        tensors = {id(t): t for w in [m.pre_post_weight, *m.trans_layers_weight] for t in vars(w).values()
+                   if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        n_params = sum(t.numel() for t in tensors.values())
+        return WorkerInfo(
+            model_type=m.network_config_.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
+            max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
+            device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
+        )
+
+    def step(self, step: StepInput) -> StepOutput | None:
+        for req_id in step.preempted_req_ids:
+            self._free_kv(req_id)
+        for req_id in step.finished_req_ids:
+            self._free_kv(req_id)
+            if self.sampler is not None:
+                self.sampler.remove_request(req_id)
+        if not step.entries:
+            return None
+
+        rows = [self._row(e.req_id) for e in step.entries]
+        # Entries whose sampling setup failed still run the forward: every rank must run the
+        # same batch (only rank 0 has a sampler), and their rows harm no one.
+        errors = self._add_to_sampler(step.entries)
+        input_ids = torch.tensor([t for e in step.entries for t in e.token_ids], dtype=torch.int64)
+        q_lens = [len(e.token_ids) for e in step.entries]
+        # The same flag on every rank: the lm_head's all-gather is a collective.
+        all_logits = [e.want_prompt_logprobs for e in step.entries]
+        try:
+            logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], q_lens,
+                                        return_all_logits=all_logits)
+        except Exception as e:
+            return self._forward_failed(step.entries, rows, e)
+        if self.sampler is None:
+            return None
+        # An asking entry has one row of logits per new token, the others one, entries back to back.
+        row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
+        prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends, errors)
+        sampling = [i for i, e in enumerate(step.entries) if e.sample and errors[i] is None]
+        if sampling and row_ends[-1] != len(sampling):
+            # Keep the last row of each entry that samples. (The common step, one row per entry
+            # and all sampling, skips this.)
+            last_rows = [row_ends[i] - 1 for i in sampling]
+            logits = logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
+        result = self.sampler.sample(logits, [step.entries[i].req_id for i in sampling]) if sampling else None
+        return StepOutput(*_per_entry(len(step.entries), sampling, result, errors), prompt_lps, prompt_tops, errors)
+
+    def _row(self, req_id: int) -> int:
+        """The request's row of the req -> token table, taken on its first step."""
+        if req_id not in self.req_rows:
+            self.req_rows[req_id] = self.model.req_manager.alloc_req()
+        return self.req_rows[req_id]
+
+    def _add_to_sampler(self, entries: list[BatchEntry]) -> list[str | None]:
+        """Start sampling the entries that bring their parameters; per entry, None or why that failed."""
+        errors: list[str | None] = [None] * len(entries)
+        for i, e in enumerate(entries):
+            if e.params is not None and self.sampler is not None:
+                try:
+                    self.sampler.add_request(e.req_id, e.params, e.prompt_token_ids or [])
+                except Exception as err:
+                    errors[i] = error_line(err)
+        return errors
+
+    def _forward_failed(self, entries: list[BatchEntry], rows: list[int], error: Exception) -> StepOutput:
+        """Undo the step (free the KV slots the forward took) and say so; the router finds the culprit."""
+        if self.args.world_size > 1:
+            # This rank may have left the forward before a collective the others now wait in: the
+            # ranks can never be in step again. Dying is how the router (and the other ranks, whose
+            # collective then fails) learn it, rather than waiting forever.
+            logger.exception("rank %d: the forward failed; the ranks are out of step, exiting", self.args.tp_rank)
+            os._exit(1)
+        logger.warning("the forward of a batch of %d failed: %s", len(entries), error, exc_info=error)
+        for e, row in zip(entries, rows):
+            if self.model.req_manager.seq_len(row) > e.num_cached:
+                self.model.req_manager.truncate(row, e.num_cached)
+        return StepOutput.failed_forward(len(entries), error_line(error))
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, entries: list[BatchEntry], row_ends: list[int],
+                         errors: list[str | None]) -> tuple[list, list]:
+        """Per entry, its prompt logprobs, or None if it did not ask; entry i's rows of ``logits``
+        end at ``row_ends[i]``. An entry for which that fails gets its error in ``errors``."""
+        from llmserve.worker.sampler import prompt_logprobs
+
+        logprobs: list[list[float | None] | None] = [None] * len(entries)
+        top_logprobs: list[list[list[tuple[int, float]] | None] | None] = [None] * len(entries)
+        for i, (e, end) in enumerate(zip(entries, row_ends)):
+            if e.want_prompt_logprobs and errors[i] is None:
+                # A first prefill: the new tokens are the whole prompt, from position 0.
+                assert e.num_cached == 0 and e.params is not None and e.params.prompt_logprobs is not None
+                try:
+                    logprobs[i], top_logprobs[i] = prompt_logprobs(
+                        logits[end - len(e.token_ids) : end], e.token_ids, e.params.prompt_logprobs
+                    )
+                except Exception as err:
+                    errors[i] = error_line(err)
+        return logprobs, top_logprobs
+
+    def _free_kv(self, req_id: int) -> None:
+        row = self.req_rows.pop(req_id, None)
+        if row is not None:
+            self.model.req_manager.free_req(row)
+
+
+def _per_entry(num_entries: int, sampled: list[int], result: SampleResult | None,
+               errors: list[str | None]) -> tuple[list, list, list]:
+    """The sampler's results (row n for entry ``sampled[n]``) spread back over all entries, None
+    where an entry did not sample; a row the sampler failed on sets its entry's error."""
+    token_ids: list[int | None] = [None] * num_entries
+    logprobs: list[float | None] = [None] * num_entries
+    top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_entries
+    for n, i in enumerate(sampled):
+        token_ids[i], logprobs[i], top_logprobs[i] = result.token_ids[n], result.logprobs[n], result.top_logprobs[n]
+        errors[i] = errors[i] or result.errors[n]
+    return token_ids, logprobs, top_logprobs
+
+
+class ModelRpcServer(rpyc.Service):
+    """The rpyc face of a ModelWorker: bytes in, bytes out."""
+
+    worker: ModelWorker | None = None
+
+    def exposed_init_model(self, args: bytes) -> bytes:
+        self.worker = ModelWorker(pickle.loads(args))
+        return pickle.dumps(self.worker.info())
+
+    def exposed_step(self, step: bytes) -> bytes:
+        return pickle.dumps(self.worker.step(pickle.loads(step)))
+
+
+def serve(address: str) -> None:
+    """A worker process's life (see worker_main): serve the router until it closes us."""
+    server = ThreadedServer(ModelRpcServer(), socket_path=socket_path(address), protocol_config=RPYC_CONFIG)
+    server.start()

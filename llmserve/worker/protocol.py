@@ -1,0 +1,125 @@
+"""What the engine and a model worker say to each other, once per step: plain dataclasses,
+pickled and sent as bytes over rpyc (which keeps rpyc's proxies out of the hot path).
+
+Every step the engine sends all ranks the same ``StepInput``; each rank runs its share of the
+forward (the collectives inside line them up), and rank 0 samples and returns a ``StepOutput``.
+A failure tied to some entries of a step (bad sampling parameters, a forward that raises) is
+reported in ``StepOutput.errors``, and the worker stays usable; anything a worker raises
+instead is a ``WorkerError``, like its death: its state is then unknown, and the engine stops.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from llmserve.sampling_params import SamplingParams
+
+RPYC_CONFIG = {
+    "allow_pickle": False,
+    "sync_request_timeout": None,      # loading a large model takes minutes
+    "import_custom_exceptions": True,  # a worker's ModelLoadError arrives as a ModelLoadError
+    "instantiate_custom_exceptions": True,
+}
+
+
+class WorkerError(RuntimeError):
+    """A model worker failed or died; the engine cannot go on."""
+
+
+# Linux names sockets in an abstract namespace (no file: the name goes with the last socket
+# using it, however its process dies). Addresses there are written "@name", as ss(8) does,
+# since a command line cannot carry the real leading NUL.
+ABSTRACT_SOCKETS = sys.platform.startswith("linux")
+
+
+def socket_path(address: str) -> str:
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+@dataclass
+class WorkerInitArgs:
+    model_path: str
+    model_type: str                  # picks the model class (the router has read the config already)
+    tp_rank: int
+    world_size: int
+    device: str                      # "cpu" or "cuda" (rank r takes cuda:r)
+    dtype: str | None = None         # "float32" | "float16" | "bfloat16" | None (model default)
+    max_total_token_num: int | None = None
+    mem_fraction: float = 0.85
+    max_req_num: int = 256
+    dist_init_method: str = ""       # tcp://127.0.0.1:PORT when world_size > 1
+    eos_token_ids: list[int] = field(default_factory=list)  # banned by the sampler below min_tokens
+
+
+@dataclass
+class WorkerInfo:
+    """What the router needs to know about the loaded model."""
+    model_type: str
+    vocab_size: int
+    max_total_token_num: int
+    max_seq_len: int
+    max_req_num: int
+    dtype: str
+    device: str
+    num_layers: int
+    num_params: int
+
+
+@dataclass
+class BatchEntry:
+    req_id: int
+    token_ids: list[int]             # the new tokens of this step
+    num_cached: int                  # tokens of this request already in the KV cache
+    params: SamplingParams | None = None          # sent with a prefill (num_cached == 0)
+    prompt_token_ids: list[int] | None = None     # likewise (for the repetition penalty)
+    # The request's first prefill, and it asked for prompt logprobs (a re-prefill after a
+    # preemption never does: they were computed the first time).
+    want_prompt_logprobs: bool = False
+    # Sample a token from this entry's last row (false for a chunk of a prompt that continues
+    # next step: drawing there would shift the request's random stream).
+    sample: bool = True
+
+
+@dataclass
+class StepInput:
+    entries: list[BatchEntry]
+    finished_req_ids: list[int] = field(default_factory=list)   # free KV and sampling state
+    preempted_req_ids: list[int] = field(default_factory=list)  # free KV only; they come back later
+
+
+@dataclass
+class StepOutput:
+    # Per entry; None where the entry did not sample (a chunk of a prompt that continues) or failed.
+    token_ids: list[int | None]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    # Per entry: None unless it had want_prompt_logprobs; see sampler.prompt_logprobs.
+    prompt_logprobs: list[list[float | None] | None]
+    prompt_top_logprobs: list[list[list[tuple[int, float]] | None] | None]
+    # Per entry: None, or why it failed (its request must end with that error).
+    errors: list[str | None]
+    # The forward raised, so every entry has that error, though maybe only one caused it. The
+    # worker has undone the step (the KV slots it took), so the entries can run again, fewer
+    # at a time, to find out which.
+    forward_failed: bool = False
+
+    @classmethod
+    def failed_forward(cls, num_entries: int, error: str) -> StepOutput:
+        def nones() -> list:
+            return [None] * num_entries
+
+        return cls(nones(), nones(), nones(), nones(), nones(), [error] * num_entries, forward_failed=True)
+
+    @classmethod
+    def concat(cls, parts: list[StepOutput]) -> StepOutput:
+        """The outputs of consecutive slices of one batch, as one output of the whole batch."""
+        return cls(*(sum((getattr(p, name) for p in parts), []) for name in (
+            "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "errors")))
+
+
+def error_line(e: BaseException) -> str:
+    """Why a request failed, as one line for its client: the exception's type and first line
+    (a torch error's message may go on for a page)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
