@@ -34,29 +34,35 @@ class APIModel(BaseModel):
     def _refuse_lone_surrogates(cls, data: Any) -> Any:
         where = find_lone_surrogate(data)
         if where is not None:
+            # a dict key on the path may hold the surrogate itself: escape it for the message
+            where = where.encode("utf-8", "backslashreplace").decode()
             field = where or "the request"
             raise validation_error(f"`{field}` contains a lone UTF-16 surrogate, which is not valid Unicode text",
                                    where.split(".")[0] if where else None)
         return data
 
 
-def find_lone_surrogate(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first string (or dict key) holding a lone surrogate, else None."""
-    if isinstance(value, str):
-        return path if _has_lone_surrogate(value) else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            inner = f"{path}.{key}" if path else str(key)
-            if isinstance(key, str) and _has_lone_surrogate(key):
-                return inner
-            found = find_lone_surrogate(item, inner)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = find_lone_surrogate(item, f"{path}.{i}" if path else str(i))
-            if found is not None:
-                return found
+def find_lone_surrogate(value: Any) -> str | None:
+    """The dotted path of the first string (or dict key) holding a lone surrogate, else None.
+
+    Iterative, not recursive: a body may nest as deep as the JSON parser goes, deeper than
+    Python's recursion limit leaves room for below the framework's own frames."""
+    pending: list[tuple[Any, str]] = [(value, "")]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if _has_lone_surrogate(item):
+                return path
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                inner = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and _has_lone_surrogate(key):
+                    return inner
+                children.append((child, inner))
+            pending.extend(reversed(children))     # first field first
+        elif isinstance(item, list):
+            pending.extend(reversed([(child, f"{path}.{i}" if path else str(i)) for i, child in enumerate(item)]))
     return None
 
 

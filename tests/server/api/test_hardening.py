@@ -138,6 +138,9 @@ def test_each_generation_holds_a_concurrency_slot(tiny_server):
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": '
                              '[{"type": "text", "text": "\\ud800"}]}]}', "openai", "messages"),
     ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\udc00"]}', "openai", "prompt"),
+    # in a key: the error message must not carry the surrogate itself (it could not be encoded)
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi", "\\udc00x": 1}]}',
+     "openai", "messages"),
 ])
 def test_lone_surrogates_are_refused(tiny_server, path, body, api, param):
     r = raw(tiny_server.url, path, body)
@@ -145,6 +148,18 @@ def test_lone_surrogates_are_refused(tiny_server, path, body, api, param):
         assert_tgi_error(r, 422, "surrogate")
     else:
         assert_openai_error(r, 400, param, "surrogate")
+    assert_serves(tiny_server.url)
+
+
+@pytest.mark.parametrize("depth", [50, 950, 5000])
+def test_deeply_nested_values_are_a_client_error(tiny_server, depth):
+    """As deep as the JSON parser goes (and deeper): a 400 / 422, never a 500 from a recursion limit
+    (Python 3.12's parser goes deeper than 3.11's, past the room left for recursing validators)."""
+    nested = "[" * depth + "]" * depth
+    r = raw(tiny_server.url, "/v1/completions", '{"model": %s, "prompt": "hi"}' % nested)
+    assert r.status_code == 400, r.text
+    r = raw(tiny_server.url, "/generate", '{"inputs": "hi", "parameters": {"stop": %s}}' % nested)
+    assert r.status_code == 422, r.text
     assert_serves(tiny_server.url)
 
 
