@@ -7,7 +7,6 @@ Streams are SSE chunks ending in ``data: [DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
@@ -197,7 +196,7 @@ async def completion_prompts(body: CompletionRequest, state: ServerState) -> lis
     limit = state.limits.max_concurrent_requests
     _check(generations <= limit, f"the request asks for {generations} generations (prompts x n); this server runs "
                                  f"at most {limit} at once (--max-concurrent-requests)", "prompt")
-    prompts = [await asyncio.to_thread(state.encode, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+    prompts = [await state.tokenize_in_thread(state.encode, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
     _check(all(len(p) > 0 for p in prompts), "prompt must not be empty", "prompt")
     vocab = state.info.vocab_size
     _check(all(0 <= t < vocab for p in prompts for t in p), f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -319,7 +318,7 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
-        prompt = await asyncio.to_thread(state.encode_chat, chat_messages(body))
+        prompt = await state.tokenize_in_thread(state.encode_chat, chat_messages(body))
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
         else:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import os
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +29,9 @@ from llmserve.server.async_engine import AsyncEngine, EngineError, RequestStream
 # A text longer than this many characters per allowed token is first tokenized by its head
 # (see ServerState.encode); real text averages 3-5 characters per token.
 _HEAD_CHARS_PER_TOKEN = 8
+# Threads that tokenize prompts (each with its own tokenizer copy): a long prompt on one does not
+# hold up the short ones on the other.
+TOKENIZER_THREADS = 2
 _HEAD_MARGIN_TOKENS = 8
 
 
@@ -62,7 +69,14 @@ class ServerState:
         # The names an OpenAI request may use for this model.
         self.model_names = frozenset({self.model_name, self.model_path, os.path.basename(self.model_path)})
         self.started_at = int(time.time())
-        self.tokenizer = engine.engine.tokenizer
+        # HF fast tokenizers must not be used by two threads at once ("Already borrowed"): the
+        # engine's step thread detokenizes with the engine's tokenizer, the event loop uses this
+        # copy (single-token texts, echo), and prompts are tokenized on TOKENIZER_THREADS threads,
+        # each with a copy of its own (see tokenize_in_thread).
+        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        self._thread_tokenizers = threading.local()
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="llmserve-tokenize",
+                                                  initializer=self._give_thread_a_tokenizer)
         # chat_template: what --chat-template loaded at start-up, or None to use the model's own
         self.chat_template = choose_chat_template(chat_template, self.tokenizer, self.model_path)
         self.chat_stop = self.chat_template.stop_words(self.tokenizer) if self.chat_template else StopWords()
@@ -129,9 +143,21 @@ class ServerState:
                 raise validation_error(f"`{param}` must have less than {limit + 1} tokens. "
                                        f"Given: more than {len(head) - _HEAD_MARGIN_TOKENS}", param)
 
+    async def tokenize_in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` (``encode``, ``encode_chat``, ...) on a tokenizer thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+
+    def _give_thread_a_tokenizer(self) -> None:
+        self._thread_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+
+    @property
+    def thread_tokenizer(self) -> Any:
+        """The calling tokenizer thread's own tokenizer."""
+        return self._thread_tokenizers.tokenizer
+
     def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         try:
-            return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+            return self.thread_tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         except Exception as e:     # the tokenizer's own refusal of this text is the client's error
             raise validation_error(f"`{param}` could not be tokenized: {e}", param) from None
 

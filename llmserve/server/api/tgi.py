@@ -7,7 +7,6 @@ an error (a failed engine) is an event ``{"error": ..., "error_type": ...}``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request as HTTPRequest
@@ -119,7 +118,7 @@ async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], Samp
     _check(p.truncate is None or 0 < p.truncate <= state.limits.max_input_tokens,
            f"`truncate` must be strictly positive and less than {state.limits.max_input_tokens + 1}. Given: {p.truncate}")
     # With truncate, a long input is cut to its last tokens rather than refused.
-    ids = await asyncio.to_thread(state.encode, body.inputs, "inputs", True, p.truncate is None)
+    ids = await state.tokenize_in_thread(state.encode, body.inputs, "inputs", True, p.truncate is None)
     if p.truncate is not None:
         ids = ids[-p.truncate:]
     _check(len(ids) > 0, "`inputs` encodes to no tokens")
@@ -130,7 +129,7 @@ def tokenize_with_offsets(state: ServerState, text: str) -> Any:
     """/tokenize's encoding (ids and character offsets), within the same bounds as a prompt."""
     state.check_size(text, "inputs")
     try:
-        return state.tokenizer(text, return_offsets_mapping=True)
+        return state.thread_tokenizer(text, return_offsets_mapping=True)
     except Exception as e:
         raise validation_error(f"`inputs` could not be tokenized: {e}") from None
 
@@ -222,7 +221,7 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         _check(body.inputs != "", "`inputs` cannot be empty")
-        enc = await asyncio.to_thread(tokenize_with_offsets, state, body.inputs)
+        enc = await state.tokenize_in_thread(tokenize_with_offsets, state, body.inputs)
         return [{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
                 for tid, (start, stop) in zip(enc.input_ids, enc.offset_mapping)]
 
