@@ -83,7 +83,8 @@ class EngineCore:
         data = self.sock.recv(_RECV_BYTES)
         if not data:
             raise HungUp
-        return self._frames.feed(data)
+        # Each frame holds what the HTTP process sent in one turn of its event loop.
+        return [message for frame in self._frames.feed(data) for message in frame]
 
     def _handle(self, message: object) -> None:
         if isinstance(message, AddRequest):

@@ -6,6 +6,9 @@ Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutp
 step (every request's delta of that step, plus a stats snapshot), ``StepFailed`` when a step
 raised for no request of its own, and ``EngineDead`` last if the engine cannot go on.
 
+After ``StartEngine``, each HTTP -> core frame is a list of messages: all that the HTTP process
+sent in one turn of its event loop, taken in whole by the core between two steps.
+
 Requests arrive validated and tokenized; their ids are the HTTP process's. Both ends are the
 same program (one source tree), so pickle is safe here and needs no schema.
 """

@@ -231,6 +231,7 @@ class EngineClient:
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count()
         self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[object] = []         # messages of this turn of the loop (see _send)
         self._task: asyncio.Task | None = None
         if metrics is not None:
             metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
@@ -281,6 +282,7 @@ class EngineClient:
                 pass
         if self._writer is not None:
             self._send(Shutdown())
+            self._flush()
             self._writer.close()
             try:
                 await asyncio.wait_for(self._writer.wait_closed(), _POLL_S)
@@ -288,10 +290,18 @@ class EngineClient:
                 pass    # then the core sees our end close instead, which it takes for a shutdown too
 
     def _send(self, message: object) -> None:
-        # Buffered by the transport and written as the loop gets to it; a core that is gone
-        # shows as EOF to the reader task, which fails everything then.
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(encode(message))
+        """Queue a message for the core. What the handlers send during one turn of the event
+        loop leaves as one frame, so the core takes it in whole between two steps: the prompts
+        and choices of one client request start in the same step, as they did in-process."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(message)
+
+    def _flush(self) -> None:
+        # A core that is gone shows as EOF to the reader task, which fails everything then.
+        messages, self._outbox = self._outbox, []
+        if messages and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(encode(messages))
 
     # -- the core's messages -------------------------------------------------------------
     async def _read(self, reader: asyncio.StreamReader) -> None:
