@@ -23,7 +23,7 @@ API_KEY = "edge-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PAYLOAD_LIMIT = 4096          # the guarded server's --payload-limit
 GOOD_TGI = {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "details": True}}
-GOOD_OPENAI = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+GOOD_OPENAI = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def assert_serves(url: str) -> None:
     r = post(url, "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "details": True}})
     assert r.status_code == 200, r.text
     assert r.json()["details"]["generated_tokens"] == 2
-    r = post(url, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+    r = post(url, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
 
@@ -180,5 +180,5 @@ def test_openai_sdk_raises_bad_request_and_not_found(tiny_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
     assert e.value.param == "messages"
-    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 2

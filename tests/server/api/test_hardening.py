@@ -30,7 +30,7 @@ def assert_serves(url: str) -> None:
     assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
     r = post(url, "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "details": True}})
     assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 2, r.text
-    r = post(url, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+    r = post(url, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 

@@ -174,7 +174,7 @@ def keyed_server(tiny_llama_dir):
 PROTECTED = [
     ("POST", "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}),
     ("POST", "/generate_stream", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}),
-    ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2}),
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}),
     ("GET", "/v1/models", None),
     ("GET", "/metrics", None),
     ("GET", "/info", None),
@@ -207,8 +207,9 @@ def test_health_needs_no_key(keyed_server):
 def test_clients_with_api_key(keyed_server):
     client = keyed_server.openai_client(api_key=API_KEY)
     assert [m.id for m in client.models.list()] == ["tiny"]
-    assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2).usage.completion_tokens == 2
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
         keyed_server.openai_client(api_key="wrong").models.list()
