@@ -156,9 +156,14 @@ class ServerState:
         return self._thread_tokenizers.tokenizer
 
     def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenize_fully(text, param, add_special_tokens=add_special_tokens).input_ids
+
+    def tokenize_fully(self, text: str, param: str, **options: Any) -> Any:
+        """The calling tokenizer thread's encoding of ``text`` (ids, and offsets if asked); the
+        tokenizer's own refusal of a text is the client's error."""
         try:
-            return self.thread_tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-        except Exception as e:     # the tokenizer's own refusal of this text is the client's error
+            return self.thread_tokenizer(text, **options)
+        except Exception as e:
             raise validation_error(f"`{param}` could not be tokenized: {e}", param) from None
 
     def encode_chat(self, messages: list[Message]) -> list[int]:

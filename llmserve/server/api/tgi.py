@@ -128,10 +128,7 @@ async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], Samp
 def tokenize_with_offsets(state: ServerState, text: str) -> Any:
     """/tokenize's encoding (ids and character offsets), within the same bounds as a prompt."""
     state.check_size(text, "inputs")
-    try:
-        return state.thread_tokenizer(text, return_offsets_mapping=True)
-    except Exception as e:
-        raise validation_error(f"`inputs` could not be tokenized: {e}") from None
+    return state.tokenize_fully(text, "inputs", return_offsets_mapping=True)
 
 
 # -- response pieces ---------------------------------------------------------------------
