@@ -26,7 +26,7 @@ from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConf
 from llmserve.engine.worker_client import ModelWorkerGroup, free_tcp_port
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import eos_token_ids, load_tokenizer
-from llmserve.worker.protocol import BatchEntry, StepInput, StepOutput, WorkerInitArgs, error_line
+from llmserve.worker.protocol import BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +108,7 @@ class LLMEngine:
         self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.info.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        params.verify()
-        total = len(prompt_token_ids) + params.max_new_tokens
-        limit = min(self.info.max_seq_len, self.info.max_total_token_num)
-        if total > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                f"exceeds the model's limit of {limit} tokens"
-            )
+        check_request(prompt_token_ids, params, self.info)
 
     def abort_request(self, req_id: int) -> None:
         req = self.scheduler.abort_request(req_id)
@@ -214,6 +202,24 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.workers.close()
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, info: WorkerInfo) -> None:
+    """``ValueError`` with a one-line reason if the request can never run on this model (the
+    HTTP process checks with the engine core's ``info`` before it sends a request there)."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    vocab = info.vocab_size
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    params.verify()
+    total = len(prompt_token_ids) + params.max_new_tokens
+    limit = min(info.max_seq_len, info.max_total_token_num)
+    if total > limit:
+        raise ValueError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+            f"exceeds the model's limit of {limit} tokens"
+        )
 
 
 def resolve_model_path(model: str | None) -> str:

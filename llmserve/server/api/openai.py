@@ -22,7 +22,7 @@ from llmserve.server.api.errors import model_not_found_error, template_error, va
 from llmserve.server.api.schema import MAX_SEED, APIModel, check_repetition_penalty, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
-from llmserve.server.async_engine import RequestStream, TokenEvent
+from llmserve.server.engine_client import RequestStream, TokenEvent
 from llmserve.engine.request import FinishReason
 
 MAX_N = 128

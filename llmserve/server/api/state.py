@@ -24,7 +24,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.api.errors import APIError, generation_error, overloaded_error, template_error, validation_error
 from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
-from llmserve.server.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
+from llmserve.server.engine_client import EngineClient, EngineError, RequestStream, TokenEvent
 
 # A text longer than this many characters per allowed token is first tokenized by its head
 # (see ServerState.encode); real text averages 3-5 characters per token.
@@ -59,21 +59,21 @@ class Limits:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics,
+    def __init__(self, config: ServerConfig, engine: EngineClient, metrics: ServerMetrics,
                  chat_template: ChosenTemplate | None = None, sampling_defaults: SamplingDefaults | None = None):
         self.config = config
         self.engine = engine
         self.metrics = metrics
-        self.model_path = engine.engine.model_path
+        self.model_path = engine.model_path
         self.model_name = config.served_model_name or default_model_name(self.model_path)
         # The names an OpenAI request may use for this model.
         self.model_names = frozenset({self.model_name, self.model_path, os.path.basename(self.model_path)})
         self.started_at = int(time.time())
         # HF fast tokenizers must not be used by two threads at once ("Already borrowed"): the
-        # engine's step thread detokenizes with the engine's tokenizer, the event loop uses this
-        # copy (single-token texts, echo), and prompts are tokenized on TOKENIZER_THREADS threads,
-        # each with a copy of its own (see tokenize_in_thread).
-        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        # event loop uses the client's tokenizer (single-token texts, echo), and prompts are
+        # tokenized on TOKENIZER_THREADS threads, each with a copy of its own (tokenize_in_thread).
+        # (Detokenization runs in the engine-core process, with a tokenizer of its own.)
+        self.tokenizer = engine.tokenizer
         self._thread_tokenizers = threading.local()
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="llmserve-tokenize",
                                                   initializer=self._give_thread_a_tokenizer)
@@ -84,7 +84,7 @@ class ServerState:
         # loads them before the model, so that a bad --generation-config fails fast.
         self.sampling_defaults = (sampling_defaults if sampling_defaults is not None
                                   else load_sampling_defaults(config.generation_config, self.model_path))
-        info = engine.engine.info
+        info = engine.info
         self.info = info
         model_limit = min(info.max_seq_len, info.max_total_token_num)
         max_total = min(config.max_total_tokens or model_limit, model_limit)

@@ -20,7 +20,7 @@ from llmserve.server.api.schema import (
 )
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
-from llmserve.server.async_engine import RequestStream, TokenEvent
+from llmserve.server.engine_client import RequestStream, TokenEvent
 
 DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
 __all__ = ["MAX_STOP_SEQUENCES", "build_router"]   # /info reports the stop limit
