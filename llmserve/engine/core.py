@@ -96,8 +96,8 @@ class EngineCore:
             raise TypeError(f"unexpected message from the HTTP process: {type(message).__name__}")
 
     def _add(self, message: AddRequest) -> None:
-        # Validated by the HTTP process against the same limits; a failure here is a bug of ours,
-        # and costs this request only.
+        # Admitted by check_request at the API edge; the engine only asserts, and a failed
+        # assertion here is a bug of ours that costs this request only.
         req = Request(message.req_id, message.prompt_token_ids, message.params)
         try:
             self.engine.enqueue(req)

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from llmserve.engine.engine import EngineConfig, check_request
+from llmserve.engine.engine import EngineConfig
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, RequestDelta,
     Shutdown, StartEngine, StartupFailed, StepFailed, encode, frame_size,
@@ -240,11 +240,10 @@ class EngineClient:
 
     # -- handler side ------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request. ``ValueError`` (a client error) if it can never run; ``EngineError``
-        if the engine is down."""
+        """Queue a request that passed ``check_request`` (``ServerState.start_all``: the core trusts
+        it); ``EngineError`` if the engine is down."""
         if self.error is not None:
             raise EngineError(f"the engine has stopped: {self.error}")
-        check_request(prompt_token_ids, params, self.info)
         stream = RequestStream(self, RequestMirror(next(self._ids), list(prompt_token_ids), params))
         self._streams[stream.req_id] = stream
         self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params))

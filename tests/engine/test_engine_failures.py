@@ -1,8 +1,8 @@
 """A request that fails inside a step fails alone: the engine ends it with an error, the requests
 beside it complete with exactly the output they get alone, and the engine keeps serving.
 
-The poisons skip ``SamplingParams.verify()``: validation stops them at the edge, and these tests
-are about the engine surviving whatever gets past it.
+The poisons skip validation (``SamplingParams.verify()`` and ``check_request``): it stops them at
+the edge, and these tests are about the engine surviving whatever gets past it.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def test_poisonous_sampling_params_fail_alone(tiny, poison, monkeypatch):
     prompts = GOOD_PROMPTS[:2] + ["Poison:"] + GOOD_PROMPTS[2:]
     with monkeypatch.context() as unchecked:
         unchecked.setattr(SamplingParams, "verify", lambda self: None)
+        unchecked.setattr(engine_module, "check_request", lambda *args: None)
         outs = tiny.generate(prompts, GOOD_PARAMS[:2] + [params] + GOOD_PARAMS[2:])
     bad = outs.pop(2)
     assert bad.finish_reason == "error" and words in bad.error, bad
