@@ -74,6 +74,26 @@ def port_is_free(port: int) -> bool:
         return True
 
 
+def assert_turns_unhealthy_and_exits_nonzero(server: ServerProcess, after: str) -> None:
+    """/health turns 503 (or the server has stopped listening), from then on never says healthy
+    again, and the server exits non-zero."""
+    statuses = []
+
+    def unhealthy_or_gone() -> bool:
+        try:
+            statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
+            return statuses[-1] == 503
+        except httpx.TransportError:
+            return server.proc.poll() is not None
+
+    wait_until(unhealthy_or_gone, EXIT_TIMEOUT_S, "/health turns 503")
+    statuses.clear()
+    wait_until(lambda: unhealthy_or_gone() and server.proc.poll() is not None, EXIT_TIMEOUT_S,
+               f"the server exits after {after}:\n{server.output()}")
+    assert set(statuses) <= {503}, statuses
+    assert server.proc.wait(timeout=1) != 0
+
+
 # -- (1) signals with open streams -------------------------------------------------------
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -140,23 +160,7 @@ def test_worker_death_while_idle_turns_health_503_and_exits_nonzero(tiny_llama_d
     with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
         [worker] = server.worker_pids
         os.kill(worker, signal.SIGKILL)
-        statuses = []
-
-        def unhealthy_or_gone() -> bool:
-            try:
-                statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
-                return statuses[-1] == 503
-            except httpx.TransportError:
-                return server.proc.poll() is not None
-
-        wait_until(unhealthy_or_gone, EXIT_TIMEOUT_S, "/health turns 503")
-        # from then on it never says healthy again, and it exits
-        statuses.clear()
-        wait_until(lambda: unhealthy_or_gone() and server.proc.poll() is not None, EXIT_TIMEOUT_S,
-                   f"the server exits after its worker's death:\n{server.output()}")
-        assert set(statuses) <= {503}, statuses
-        rc = server.proc.wait(timeout=1)
-        assert rc != 0
+        assert_turns_unhealthy_and_exits_nonzero(server, "its worker's death")
         error_lines = [line for line in server.output().splitlines() if line.startswith("llmserve: error:")]
         assert len(error_lines) == 1 and "worker" in error_lines[0], server.output()
 
@@ -205,21 +209,7 @@ def test_engine_core_death_while_idle_turns_health_503_and_exits_nonzero(tiny_ll
     with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
         workers = list(server.worker_pids)
         os.kill(server.core_pid, signal.SIGKILL)
-        statuses = []
-
-        def unhealthy_or_gone() -> bool:
-            try:
-                statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
-                return statuses[-1] == 503
-            except httpx.TransportError:
-                return server.proc.poll() is not None
-
-        wait_until(unhealthy_or_gone, EXIT_TIMEOUT_S, "/health turns 503")
-        statuses.clear()
-        wait_until(lambda: unhealthy_or_gone() and server.proc.poll() is not None, EXIT_TIMEOUT_S,
-                   f"the server exits after its engine core's death:\n{server.output()}")
-        assert set(statuses) <= {503}, statuses
-        assert server.proc.wait(timeout=1) != 0
+        assert_turns_unhealthy_and_exits_nonzero(server, "its engine core's death")
         wait_until(lambda: not any(pid_alive(p) for p in workers), 10.0, "the workers exit with their engine core")
 
 
