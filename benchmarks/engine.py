@@ -89,7 +89,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--concurrency", default="1,32,128", help="comma-separated C values (default: 1,32,128)")
-    p.add_argument("--num-prompts", type=int, default=None, help="timed requests per C (default: 4C)")
+    p.add_argument("--num-prompts", default=None,
+                   help="timed requests per C: one number, or one per --concurrency value, comma-separated (default: 4C)")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-total-token-num", type=int, default=None)
@@ -100,6 +101,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    counts = [int(n) for n in args.num_prompts.split(",")] if args.num_prompts else [4 * c for c in levels]
+    if len(counts) == 1:
+        counts *= len(levels)
+    if len(counts) != len(levels):
+        raise SystemExit("--num-prompts: one number, or one per --concurrency value")
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_running_requests=max(levels),
                                     max_total_token_num=args.max_total_token_num))
     vocab = engine.info.vocab_size
@@ -111,9 +117,9 @@ def main() -> int:
     print(f"{engine.summary()}; in {args.input_len} / out {args.output_len}", file=sys.stderr)
     results = []
     try:
-        for c in levels:
+        for c, n in zip(levels, counts):
             run_requests(engine, prompts(c), args.output_len, c)          # warm-up
-            results.append(run_requests(engine, prompts(args.num_prompts or 4 * c), args.output_len, c))
+            results.append(run_requests(engine, prompts(n), args.output_len, c))
             print(f"C={c}: {results[-1].out_tok_per_s:.0f} tok/s", file=sys.stderr)
     finally:
         engine.shutdown()

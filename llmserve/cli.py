@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from llmserve.llm import LLM
+    from llmserve.server.engine_client import EngineError
     from llmserve.worker.protocol import WorkerError
 
     try:
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
                     print(prompt + out.text)   # a raw continuation reads best after its prompt
-    except (ValueError, WorkerError) as e:   # bad model, bad flags, bad prompt: one line, no traceback
+    except (ValueError, WorkerError, EngineError) as e:   # bad model, bad flags, bad prompt: one line, no traceback
         print(f"llmserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

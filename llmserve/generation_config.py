@@ -33,7 +33,7 @@ from typing import Any
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.default_model import DEFAULT_MODEL_NAME, default_model_path
-from llmserve.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from llmserve.sampling_params import SamplingParams
 
 __all__ = ["GENERATION_CONFIG_FILE", "GenerationConfigError", "SamplingDefaults", "load_sampling_defaults"]
 
@@ -153,17 +153,12 @@ def _read_file(path: str) -> SamplingDefaults:
 
 
 def _check_value(name: str, value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is a number the field accepts."""
+    """Raise ``ValueError`` unless ``value`` is a number the field accepts (the ranges are
+    SamplingParams'; a config file must also give plain numbers, and a top_k that fits int32)."""
     if name == "top_k":
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_TOP_K:
             raise ValueError(f"top_k must be an integer in [0, {_MAX_TOP_K}] (0: no cut), got {value!r}")
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if name == "temperature" and value < 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {value}")
-    if name in ("top_p", "typical_p") and not 0 < value <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {value}")
-    if name == "repetition_penalty" and not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
-        raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
-                         f"got {value}")
+    SamplingParams(**{name: value})

@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # A penalty divides (or multiplies) logits of up to ~1e2; outside these bounds the logits
 # overflow or the penalty has no meaning left. (vLLM allows (0, 2]; TGI any positive number.)
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+
+_FIELD = re.compile(r"`(\w+)`")
+
+
+class InvalidRequest(ValueError):
+    """A request the engine will not run: why, and which field is to blame.
+
+    Fields go by the engine's names (``prompt``, ``max_new_tokens``, ``logprobs``, ...), written
+    in backquotes in the message; each API renders the message with its own names for them
+    (``render``: OpenAI's ``max_tokens``, TGI's ``inputs``), so the rules live here once and
+    the APIs only translate.
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(self.render())
+
+    def render(self, names: Mapping[str, str] | None = None, quote: bool = False) -> str:
+        """The message, each `field` under the API's name for it (backquoted if ``quote``)."""
+        names = names or {}
+
+        def name(m: re.Match) -> str:
+            n = names.get(m[1], m[1])
+            return f"`{n}`" if quote else n
+        return _FIELD.sub(name, self.message)
 
 
 @dataclass
@@ -51,37 +79,36 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
-        """Raise ``ValueError`` with a one-line reason for any out-of-range setting."""
+        """Raise ``InvalidRequest`` with a one-line reason for any out-of-range setting."""
         for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (or -1 for no limit), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 < self.typical_p <= 1.0:
-            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
-        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
-                             f"got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop sequences must be non-empty strings")
+            _require(isinstance(value, (int, float)) and math.isfinite(value), name,
+                     f"`{name}` must be a finite number, got {value!r}")
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
+                 f"`max_new_tokens` must be a positive integer, got {self.max_new_tokens!r}")
+        _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_new_tokens, "min_tokens",
+                 f"`min_tokens` must be an integer in [0, `max_new_tokens`={self.max_new_tokens}], got {self.min_tokens!r}")
+        _require(self.temperature >= 0, "temperature", f"`temperature` must be >= 0, got {self.temperature}")
+        _require(self.top_k >= 0, "top_k", f"`top_k` must be >= 0 (or -1 for no limit), got {self.top_k}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"`top_p` must be in (0, 1], got {self.top_p}")
+        _require(0.0 < self.typical_p <= 1.0, "typical_p", f"`typical_p` must be in (0, 1], got {self.typical_p}")
+        _require(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+                 f"`repetition_penalty` must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
+                 f"got {self.repetition_penalty}")
+        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+                 f"`presence_penalty` must be in [-2, 2], got {self.presence_penalty}")
+        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+                 f"`frequency_penalty` must be in [-2, 2], got {self.frequency_penalty}")
+        _require(self.logprobs is None or self.logprobs >= 0, "logprobs", f"`logprobs` must be >= 0, got {self.logprobs}")
+        _require(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+                 f"`prompt_logprobs` must be >= 0, got {self.prompt_logprobs}")
+        _require(all(self.stop), "stop", "`stop` sequences must be non-empty strings")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise InvalidRequest(field, message)

@@ -36,7 +36,7 @@ def llmserve_command() -> list[str]:
 
 
 def child_pids(pid: int) -> list[int]:
-    """Direct children of a process (its model workers), read from /proc."""
+    """Direct children of a process (a server's engine core, a core's model workers), read from /proc."""
     children = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -49,6 +49,36 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             children.append(int(entry))
     return children
+
+
+def _cmdline(pid: str) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _started_by(module: str, parent_pids: set[int]) -> list[int]:
+    """Live processes running ``python -m module ADDRESS PARENT_PID ...`` for one of these parents."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        args = _cmdline(entry)
+        if module in args:
+            i = args.index(module)
+            if len(args) > i + 2 and args[i + 2].isdigit() and int(args[i + 2]) in parent_pids and pid_alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+def engine_processes_of(server_pid: int) -> tuple[list[int], list[int]]:
+    """The engine cores a server started and those cores' model workers, found by their command
+    lines, which name their parent's PID: unlike the parent link, that survives an orphan's
+    adoption by init."""
+    cores = _started_by("llmserve.engine.core_main", {server_pid})
+    return cores, _started_by("llmserve.worker.main", set(cores))
 
 
 def cpu_ticks(pid: int) -> int:
@@ -84,7 +114,8 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llmserve-test-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self._wait_until_healthy()
-        self.worker_pids = child_pids(self.proc.pid)
+        [self.core_pid] = child_pids(self.proc.pid)
+        self.worker_pids = child_pids(self.core_pid)
 
     def _wait_until_healthy(self) -> None:
         start = last_progress = time.monotonic()
@@ -106,8 +137,9 @@ class ServerProcess:
                            f"({time.monotonic() - last_progress:.0f} s without progress):\n{self.output()}")
 
     def _progress(self) -> tuple[int, int]:
-        """What grows while the server starts: the CPU time of it and its workers, its output."""
-        ticks = sum(cpu_ticks(pid) for pid in [self.proc.pid, *child_pids(self.proc.pid)])
+        """What grows while the server starts: the CPU time of it, its engine core and workers, its output."""
+        cores = child_pids(self.proc.pid)
+        ticks = sum(cpu_ticks(pid) for pid in [self.proc.pid, *cores, *(w for c in cores for w in child_pids(c))])
         return ticks, os.path.getsize(self.log.name)
 
     def output(self) -> str:

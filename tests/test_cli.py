@@ -61,7 +61,7 @@ def test_bad_generation_config_is_a_one_line_error_before_the_model_loads(capsys
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(serve_module, "LLMEngine", no_model)
+    monkeypatch.setattr(serve_module, "EngineCoreProcess", no_model)
     (tmp_path / "generation_config.json").write_text('{"top_p": 7}')
     assert main(["serve", "--model", tiny_llama_dir, "--port", "0", "--generation-config", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

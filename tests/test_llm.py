@@ -325,9 +325,9 @@ def test_tensor_parallel_2_matches_1(model_dir, request):
 
 
 def test_invalid_requests_are_clear_errors_and_the_engine_keeps_serving(tiny):
-    with pytest.raises(ValueError, match="exceeds the model's limit"):
+    with pytest.raises(ValueError, match="max_new_tokens must be <="):
         tiny.generate(["hi"], SamplingParams(max_new_tokens=10_000))
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="no tokens"):
         tiny.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)

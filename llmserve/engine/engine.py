@@ -12,14 +12,17 @@ there. Only a ``WorkerError`` (a worker died or fell out of step) escapes ``step
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.default_model import default_model_path
+from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.engine.detokenize import IncrementalDetokenizer
 from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -73,6 +76,7 @@ class LLMEngine:
             for rank in range(config.tp)
         ])
         self.info = self.workers.info
+        self.limits = RequestLimits.of_model(self.info)
         self.scheduler = Scheduler(SchedulerConfig(
             max_total_token_num=self.info.max_total_token_num,
             max_running_requests=min(config.max_running_requests, self.info.max_req_num),
@@ -82,6 +86,10 @@ class LLMEngine:
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._ids = itertools.count()
+        # LLMSERVE_STEP_TRACE=FILE: one JSON line per step (times and batch shape), to see where
+        # a serving run's time goes (benchmarks/step_trace.py summarizes it).
+        trace = os.environ.get("LLMSERVE_STEP_TRACE")
+        self._trace = open(trace, "a", buffering=1 << 16) if trace else None
 
     # -- requests ----------------------------------------------------------------------
     def summary(self) -> str:
@@ -91,36 +99,25 @@ class LLMEngine:
                 f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; ``ValueError`` with a one-line reason if it can never run."""
+        """Queue a request; ``InvalidRequest`` (a ``ValueError``) if it can never run."""
         req = self.new_request(prompt_token_ids, params)
         self.enqueue(req)
         return req
 
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """A validated request, not queued yet (the server creates it when the client calls and
-        queues it between two steps)."""
+        """A validated request, not queued yet (``LLM.generate`` checks all its prompts before it
+        queues any)."""
         self.validate(prompt_token_ids, params)
         return Request(next(self._ids), list(prompt_token_ids), params)
 
     def enqueue(self, req: Request) -> None:
+        """Queue a request that passed ``check_request`` (here, or at the server's API edge)."""
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
         self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.info.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        params.verify()
-        total = len(prompt_token_ids) + params.max_new_tokens
-        limit = min(self.info.max_seq_len, self.info.max_total_token_num)
-        if total > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                f"exceeds the model's limit of {limit} tokens"
-            )
+        check_request(prompt_token_ids, params, self.limits)
 
     def abort_request(self, req_id: int) -> None:
         req = self.scheduler.abort_request(req_id)
@@ -140,7 +137,10 @@ class LLMEngine:
         self._to_free = []
         if not entries and not step.finished_req_ids and not step.preempted_req_ids:
             return []
+        started = time.perf_counter()
         result = self._run(step)
+        if self._trace is not None:
+            self._trace_step(plan.scheduled, started)
         self.scheduler.update_after_step(plan)
         if result is None:
             return []
@@ -152,6 +152,13 @@ class LLMEngine:
             if error is not None or s.samples:
                 updated.append(s.request)
         return updated
+
+    def _trace_step(self, scheduled: list[ScheduledRequest], started: float) -> None:
+        # A decode row feeds the one token sampled last step; everything else is prompt.
+        decode = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.request.num_cached > 0)
+        prefill = sum(s.num_new_tokens for s in scheduled) - decode
+        self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), "decode": decode,
+                                      "prefill": prefill, "waiting": self.scheduler.num_waiting}) + "\n")
 
     def _run(self, step: StepInput) -> StepOutput | None:
         """The workers run the step. When the forward fails, its entries run again in halves,
@@ -214,6 +221,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.workers.close()
+        if self._trace is not None:
+            self._trace.close()
 
 
 def resolve_model_path(model: str | None) -> str:

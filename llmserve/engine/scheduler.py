@@ -63,14 +63,9 @@ class Scheduler:
     # ----------------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.num_prompt_tokens == 0:
-            raise ValueError(f"request {req.req_id} has an empty prompt")
-        max_len = req.num_prompt_tokens + req.params.max_new_tokens
-        if max_len > self.config.max_total_token_num:
-            raise ValueError(
-                f"request {req.req_id} needs up to {max_len} tokens (prompt + max_new_tokens) "
-                f"but the KV cache holds {self.config.max_total_token_num}"
-            )
+        # Admitted by check_request (engine/admission.py), whose limits are within the KV pool's.
+        assert req.num_prompt_tokens > 0, req.req_id
+        assert req.num_prompt_tokens + req.params.max_new_tokens <= self.config.max_total_token_num, req.req_id
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 

@@ -1,9 +1,10 @@
-"""``llmserve serve``: load the model, start the router, serve HTTP until told to stop.
+"""``llmserve serve``: start the engine-core process (which loads the model in its workers),
+then serve HTTP until told to stop.
 
 Shutdown order on SIGINT / SIGTERM: every open request ends with an error event (so streams
-close cleanly instead of being cut), uvicorn stops accepting and drains, then the router stops
-and the worker processes exit. If a worker dies, /health turns 503, open requests fail, and the
-process exits non-zero rather than serving errors forever.
+close cleanly instead of being cut), uvicorn stops accepting and drains, then the engine core
+is told to stop, and it stops its workers. If a worker or the engine core dies, /health turns
+503, open requests fail, and the process exits non-zero rather than serving errors forever.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState
 from llmserve.server.metrics import ServerMetrics
-from llmserve.server.async_engine import AsyncEngine
-from llmserve.engine.engine import EngineConfig, LLMEngine, resolve_model_path
+from llmserve.server.engine_client import EngineClient, EngineCoreProcess
+from llmserve.engine.engine import EngineConfig, check_model_before_start, resolve_model_path
+from llmserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +35,9 @@ GRACEFUL_SHUTDOWN_S = 5
 class _Server(uvicorn.Server):
     """uvicorn, plus: fail open requests when a signal arrives, and say where we listen."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, banner: str):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, banner: str):
         super().__init__(config)
-        self.async_engine = async_engine
+        self.engine = engine
         self.banner = banner
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -43,7 +45,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit and self._loop is not None:
             # a signal handler runs between two bytecodes of the loop: queue the work on the loop
-            self._loop.call_soon_threadsafe(self.async_engine.fail_all, SHUTDOWN_MESSAGE)
+            self._loop.call_soon_threadsafe(self.engine.fail_all, SHUTDOWN_MESSAGE)
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signals it caught once it has shut down, so SIGTERM would kill
         # the process (exit -15, skipping run_server's cleanup) and SIGINT would exit 130. A
@@ -57,7 +59,7 @@ class _Server(uvicorn.Server):
             print(self.banner, file=sys.stderr, flush=True)
 
     def stop_with_error(self, error: BaseException) -> None:
-        """The engine cannot go on (a worker died): exit non-zero."""
+        """The engine cannot go on (a worker or the engine core died): exit non-zero."""
         self.exit_code = 1
         self.should_exit = True
 
@@ -84,8 +86,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     # What can fail without the model fails before the (slow) model load.
     check_port_free(config.host, config.port)
     chat_template = load_chat_template(config.chat_template) if config.chat_template else None
-    sampling_defaults = load_sampling_defaults(config.generation_config, resolve_model_path(engine_config.model))
-    engine = LLMEngine(engine_config)
+    model_path = resolve_model_path(engine_config.model)
+    sampling_defaults = load_sampling_defaults(config.generation_config, model_path)
+    check_model_before_start(model_path, engine_config.tp)   # in a second, before any process starts
+    core = EngineCoreProcess(engine_config, log_level)
     try:
         metrics = ServerMetrics()
         server: _Server | None = None
@@ -94,9 +98,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
             if server is not None:
                 server.stop_with_error(error)
 
-        async_engine = AsyncEngine(engine, metrics, on_fatal=on_fatal)
-        state = ServerState(config, async_engine, metrics, chat_template, sampling_defaults)
-        print(f"{engine.summary()}, max {state.limits.max_total_tokens} tokens per request, "
+        engine = EngineClient(core.sock, core.ready, load_tokenizer(core.ready.model_path), metrics,
+                              on_fatal=on_fatal, proc=core.proc)
+        state = ServerState(config, engine, metrics, chat_template, sampling_defaults)
+        print(f"{engine.summary}, max {state.limits.max_total_tokens} tokens per request, "
               f"chat template: {describe_template(state)}, sampling defaults: {sampling_defaults.summary()}",
               file=sys.stderr, flush=True)
         banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
@@ -105,10 +110,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
             create_app(state), host=config.host, port=config.port, log_level=log_level,
             access_log=log_level in ("debug", "info"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        server = _Server(uv_config, async_engine, banner)
+        server = _Server(uv_config, engine, banner)
         server.run()
         if server.exit_code:
-            print(f"llmserve: error: {async_engine.error}", file=sys.stderr)
+            print(f"llmserve: error: {engine.error}", file=sys.stderr)
         return server.exit_code
     finally:
-        engine.shutdown()
+        core.stop()

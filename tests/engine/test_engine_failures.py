@@ -1,8 +1,8 @@
 """A request that fails inside a step fails alone: the engine ends it with an error, the requests
 beside it complete with exactly the output they get alone, and the engine keeps serving.
 
-The poisons skip ``SamplingParams.verify()``: validation stops them at the edge, and these tests
-are about the engine surviving whatever gets past it.
+The poisons skip validation (``SamplingParams.verify()`` and ``check_request``): it stops them at
+the edge, and these tests are about the engine surviving whatever gets past it.
 """
 
 from __future__ import annotations
@@ -10,13 +10,17 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import socket
+import threading
 
 import pytest
 
 import llmserve.engine.engine as engine_module
 from llmserve import LLM, SamplingParams
 from llmserve.engine.detokenize import IncrementalDetokenizer
-from llmserve.server.async_engine import AsyncEngine, EngineError, RequestError
+from llmserve.engine.core import EngineCore
+from llmserve.engine.messages import EngineReady
+from llmserve.server.engine_client import EngineClient, EngineError, RequestError
 from llmserve.worker.model_worker import ModelWorker
 from llmserve.worker.protocol import StepInput, StepOutput, WorkerInitArgs
 
@@ -76,6 +80,7 @@ def test_poisonous_sampling_params_fail_alone(tiny, poison, monkeypatch):
     prompts = GOOD_PROMPTS[:2] + ["Poison:"] + GOOD_PROMPTS[2:]
     with monkeypatch.context() as unchecked:
         unchecked.setattr(SamplingParams, "verify", lambda self: None)
+        unchecked.setattr(engine_module, "check_request", lambda *args: None)
         outs = tiny.generate(prompts, GOOD_PARAMS[:2] + [params] + GOOD_PARAMS[2:])
     bad = outs.pop(2)
     assert bad.finish_reason == "error" and words in bad.error, bad
@@ -209,26 +214,38 @@ def test_a_forward_failing_mid_generation_fails_that_request_alone(failing_forwa
     assert_kv_all_free(worker)
 
 
-# -- the server's router ------------------------------------------------------------------
+# -- the server's engine core and its client ----------------------------------------------
 
 async def tokens(stream) -> list[int]:
     return [event.token_id async for event in stream]
 
 
 def run_router(llm: LLM, monkeypatch, main) -> tuple:
-    """``await main(router)`` on an AsyncEngine (the server's router) over ``llm``'s engine, which
-    stays open for the other tests; returns main's result and whether the router stayed healthy."""
+    """``await main(router)`` on the server's EngineClient, talking over a socket pair to an
+    EngineCore that runs ``llm``'s engine on a thread of this process (so that the tests can
+    patch the engine; the server runs the same loop in a process of its own). The engine stays
+    open for the other tests. Returns main's result and whether the client stayed healthy."""
     monkeypatch.setattr(llm.engine, "shutdown", lambda: None)
+    ours, theirs = socket.socketpair()
+    engine = llm.engine
+    core = threading.Thread(target=EngineCore(engine, theirs).run, name="test-engine-core")
+    core.start()
 
     async def run():
-        router = AsyncEngine(llm.engine)
-        router.start()
+        ready = EngineReady(engine.info, engine.model_path, engine.config, engine.summary())
+        router = EngineClient(ours, ready, llm.tokenizer)
+        await router.start()
         try:
             return await main(router), router.is_healthy and router.error is None
         finally:
             await router.close()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    finally:
+        core.join(timeout=30)
+        assert not core.is_alive(), "the engine core did not stop when the client closed"
+        theirs.close()
 
 
 def test_the_router_ends_only_the_failed_stream(tiny, monkeypatch):
@@ -237,7 +254,7 @@ def test_the_router_ends_only_the_failed_stream(tiny, monkeypatch):
     monkeypatch.setattr(SamplingParams, "verify", lambda self: None)
     prompts = [tiny.tokenizer(p).input_ids for p in ["Poison:", *GOOD_PROMPTS]]
 
-    async def main(router: AsyncEngine) -> tuple[list, list[int]]:
+    async def main(router: EngineClient) -> tuple[list, list[int]]:
         streams = [router.generate(ids, params) for ids, params in zip(prompts, [poisoned(top_k=2**63), *GOOD_PARAMS])]
         results = await asyncio.gather(*(tokens(s) for s in streams), return_exceptions=True)
         return results, await tokens(router.generate(prompts[1], GOOD_PARAMS[0]))
@@ -265,7 +282,7 @@ def test_a_step_failing_for_no_request_costs_the_requests_in_flight_not_the_rout
 
     prompts = [tiny.tokenizer(p).input_ids for p in GOOD_PROMPTS]
 
-    async def main(router: AsyncEngine) -> tuple[list, list[int]]:
+    async def main(router: EngineClient) -> tuple[list, list[int]]:
         monkeypatch.setattr(tiny.engine.scheduler, "schedule", schedule_failing_once)
         streams = [router.generate(ids, params) for ids, params in zip(prompts, GOOD_PARAMS)]
         results = await asyncio.gather(*(tokens(s) for s in streams), return_exceptions=True)

@@ -167,12 +167,14 @@ def test_decodes_and_prefills_share_a_step():
     assert scheduler.num_free_slots == 100 - 31
 
 
-def test_request_too_long_for_the_pool():
+def test_request_too_long_for_the_pool_is_a_bug_of_the_caller():
+    # check_request refuses these at the edge (tests/engine/test_admission.py); the scheduler
+    # only asserts that nothing past the edge breaks its accounting
     scheduler = make_scheduler(100)
     scheduler.add_request(make_request(0, prompt_len=90, max_new_tokens=10))  # exactly fits
-    with pytest.raises(ValueError, match="KV cache"):
+    with pytest.raises(AssertionError):
         scheduler.add_request(make_request(1, prompt_len=90, max_new_tokens=11))
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(AssertionError):
         scheduler.add_request(make_request(2, prompt_len=0))
     assert scheduler.num_waiting == 1
 

@@ -24,7 +24,7 @@ from llmserve.server.metrics import RequestOutcome
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.engine.start()
+        await state.engine.start()
         yield
         await state.engine.close()
 
@@ -75,7 +75,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.engine.is_healthy:
             return JSONResponse({})
-        reason = state.engine.error or "a model worker is not running"
+        reason = state.engine.error or "the engine core is not running"
         return JSONResponse({"error": f"unhealthy: {reason}", "error_type": "unhealthy"},
                             status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
@@ -86,12 +86,12 @@ def create_app(state: ServerState) -> FastAPI:
         return {
             "model_id": state.model_name, "model_path": state.model_path, "model_type": i.model_type,
             "model_dtype": i.dtype, "model_device_type": i.device.split(":")[0], "model_pipeline_tag": "text-generation",
-            "num_parameters": i.num_params, "tp": state.engine.engine.config.tp,
+            "num_parameters": i.num_params, "tp": state.engine.config.tp,
             "max_concurrent_requests": lim.max_concurrent_requests, "max_best_of": 1,
             "max_stop_sequences": tgi.MAX_STOP_SEQUENCES, "max_input_tokens": lim.max_input_tokens,
             "max_total_tokens": lim.max_total_tokens, "max_top_n_tokens": lim.max_top_n_tokens,
-            "max_batch_prefill_tokens": state.engine.engine.config.max_prefill_tokens,
-            "chunked_prefill": state.engine.engine.config.chunked_prefill,
+            "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
+            "chunked_prefill": state.engine.config.chunked_prefill,
             "kv_cache_tokens": i.max_total_token_num,
             "chat_template": state.chat_template.describe() if state.chat_template else None,
             # the sampling defaults a request's unset fields take (--generation-config)

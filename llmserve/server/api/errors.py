@@ -8,12 +8,14 @@ TGI clients read ``{"error": "...", "error_type": "validation"}``; OpenAI client
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+
+from llmserve.sampling_params import InvalidRequest
 
 
 @dataclass
@@ -45,6 +47,18 @@ class APIError(Exception):
 
 def validation_error(message: str, param: str | None = None) -> APIError:
     return APIError(message, HTTPStatus.UNPROCESSABLE_ENTITY, "validation", param)
+
+
+@dataclass(frozen=True)
+class APIFields:
+    """One API's names for the engine's request fields, where they differ (OpenAI's
+    ``max_tokens`` for ``max_new_tokens``, TGI's ``inputs`` for ``prompt``): the engine's
+    ``InvalidRequest`` becomes this API's validation error, naming this API's field."""
+    names: Mapping[str, str] = field(default_factory=dict)
+    quote: bool = False                 # TGI's messages put field names in backquotes
+
+    def error(self, e: InvalidRequest) -> APIError:
+        return validation_error(e.render(self.names, self.quote), self.names.get(e.field, e.field))
 
 
 def template_error(message: str, param: str | None = "messages") -> APIError:

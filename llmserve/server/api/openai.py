@@ -17,12 +17,12 @@ from fastapi import APIRouter, Request as HTTPRequest
 from pydantic import ConfigDict, Field
 
 from llmserve.chat_template import BaseTemplate, StopWords
-from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import model_not_found_error, template_error, validation_error
-from llmserve.server.api.schema import MAX_SEED, APIModel, check_repetition_penalty, check_stop, stop_list
+from llmserve.sampling_params import InvalidRequest, SamplingParams
+from llmserve.server.api.errors import APIFields, model_not_found_error, template_error, validation_error
+from llmserve.server.api.schema import MAX_SEED, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
-from llmserve.server.async_engine import RequestStream, TokenEvent
+from llmserve.server.engine_client import RequestStream, TokenEvent
 from llmserve.engine.request import FinishReason
 
 MAX_N = 128
@@ -111,33 +111,28 @@ def check_model(state: ServerState, model: str | None) -> None:
         raise model_not_found_error(model)
 
 
+def openai_fields(prompt_param: str, max_tokens_param: str, logprobs_param: str) -> APIFields:
+    return APIFields({"prompt": prompt_param, "max_new_tokens": max_tokens_param, "logprobs": logprobs_param})
+
+
 def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
-                    max_tokens_param: str, logprobs: int | None, prompt_param: str,
+                    logprobs: int | None, fields: APIFields,
                     defaults: BaseTemplate | None = None, template_stop: StopWords = StopWords()) -> SamplingParams:
     """The shared OpenAI fields -> SamplingParams for one choice (the caller varies the seed). A
     chat template's sampling fields fill in what the request leaves unset, and its stop words
-    join the request's."""
+    join the request's. Checked here: what is OpenAI's own (its ranges where they are narrower
+    than the engine's, the fields it does not support); the engine's rules are SamplingParams'
+    and check_request's, rendered in OpenAI's field names."""
     _check(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
     _check(body.temperature is None or 0 <= body.temperature <= 2, "temperature must be in [0, 2]", "temperature")
-    _check(body.top_p is None or 0 < body.top_p <= 1, "top_p must be in (0, 1]", "top_p")
-    _check(-2 <= body.presence_penalty <= 2, "presence_penalty must be in [-2, 2]", "presence_penalty")
-    _check(-2 <= body.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
-    _check(body.top_k is None or body.top_k >= -1, "top_k must be -1 or 0 (no limit) or positive", "top_k")
-    check_repetition_penalty(body.repetition_penalty)
     _check(body.seed is None or 0 <= body.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]", "seed")
     _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
-    _check(max_tokens is None or max_tokens >= 1, f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
-    _check(body.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
-    vocab = state.info.vocab_size
-    _check(all(0 <= t < vocab for t in body.stop_token_ids or []), f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     _check(len(body.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS,
            f"stop_token_ids supports up to {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     stop = stop_list(body.stop)
     check_stop(stop)
     if max_tokens is None:            # as much as fits, like vLLM
         max_tokens = state.room_for(num_prompt_tokens)
-    _check(body.min_tokens <= max_tokens, f"min_tokens ({body.min_tokens}) must be <= {max_tokens_param} ({max_tokens})", "min_tokens")
-    state.check_lengths(num_prompt_tokens, max_tokens, max_tokens_param, prompt_param)
 
     def unless_set(value, field: str, fallback):
         """The request's value; else the model's recommended one (its generation_config); else
@@ -148,17 +143,20 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
         return state.sampling_defaults.get(field, fallback if template_default is None else template_default)
 
     temperature = unless_set(body.temperature, "temperature", 1.0)
-    return template_stop.add_to(SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
-        # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
-        top_k=min(max(0, unless_set(body.top_k, "top_k", 0)), vocab),
-        typical_p=unless_set(None, "typical_p", 1.0),
-        repetition_penalty=unless_set(body.repetition_penalty, "repetition_penalty", 1.0),
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
-        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
-        stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs,
-    ))
+    try:
+        return template_stop.add_to(SamplingParams(
+            max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
+            # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
+            top_k=min(unless_set(body.top_k, "top_k", 0), state.info.vocab_size),
+            typical_p=unless_set(None, "typical_p", 1.0),
+            repetition_penalty=unless_set(body.repetition_penalty, "repetition_penalty", 1.0),
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
+            stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs,
+        ))
+    except InvalidRequest as e:
+        raise fields.error(e) from None
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -196,11 +194,7 @@ async def completion_prompts(body: CompletionRequest, state: ServerState) -> lis
     limit = state.limits.max_concurrent_requests
     _check(generations <= limit, f"the request asks for {generations} generations (prompts x n); this server runs "
                                  f"at most {limit} at once (--max-concurrent-requests)", "prompt")
-    prompts = [await state.tokenize_in_thread(state.encode, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
-    _check(all(len(p) > 0 for p in prompts), "prompt must not be empty", "prompt")
-    vocab = state.info.vocab_size
-    _check(all(0 <= t < vocab for p in prompts for t in p), f"prompt token ids must be in [0, {vocab})", "prompt")
-    return prompts
+    return [await state.tokenize_in_thread(state.encode, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
 
 
 def completion_logprobs(state: ServerState, events: list[TokenEvent], start_offset: int) -> dict[str, Any]:
@@ -289,7 +283,8 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.best_of in (None, 1), "best_of > 1 is not supported", "best_of")
         _check(body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         prompts = await completion_prompts(body, state)
-        params = [choice_params(sampling_params(body, state, len(p), body.max_tokens, "max_tokens", body.logprobs, "prompt"), body.n)
+        fields = openai_fields("prompt", "max_tokens", "logprobs")
+        params = [choice_params(sampling_params(body, state, len(p), body.max_tokens, body.logprobs, fields), body.n)
                   for p in prompts]
         prompt_texts = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
 
@@ -305,7 +300,7 @@ def build_router(state: ServerState) -> APIRouter:
                     "finish_reason": finish_reason(reason), "stop_reason": None}
 
         return await run_openai(
-            state, body, http_request, [(p, cp) for p, ps in zip(prompts, params) for cp in ps],
+            state, body, http_request, [(p, cp) for p, ps in zip(prompts, params) for cp in ps], fields,
             object_name="text_completion", chunk_object_name="text_completion", id_prefix="cmpl",
             full_choice=lambda i, s, events: make_choice(i, s.request.output_text, events, s.request.finish_reason, True),
             chunk_choice=lambda i, e, first: make_choice(i, e.text, [e], e.finish_reason, first),
@@ -325,7 +320,8 @@ def build_router(state: ServerState) -> APIRouter:
             max_tokens, param = body.max_tokens, "max_tokens"
         max_tokens = chat_max_tokens(state, len(prompt), max_tokens, param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, param, logprobs, "messages",
+        fields = openai_fields("messages", param, "top_logprobs")
+        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, logprobs, fields,
                                                defaults=state.chat_template.template, template_stop=state.chat_stop), body.n)
 
         def full_choice(i: int, s: RequestStream, events: list[TokenEvent]) -> dict[str, Any]:
@@ -339,7 +335,7 @@ def build_router(state: ServerState) -> APIRouter:
                     "finish_reason": finish_reason(e.finish_reason)}
 
         return await run_openai(
-            state, body, http_request, [(prompt, p) for p in params], object_name="chat.completion",
+            state, body, http_request, [(prompt, p) for p in params], fields, object_name="chat.completion",
             chunk_object_name="chat.completion.chunk", id_prefix="chatcmpl",
             full_choice=full_choice, chunk_choice=chunk_choice, num_prompt_tokens=len(prompt),
         )
@@ -349,7 +345,7 @@ def build_router(state: ServerState) -> APIRouter:
 
 async def run_openai(
     state: ServerState, body: SamplingFields, http_request: HTTPRequest,
-    jobs: list[tuple[list[int], SamplingParams]], *, object_name: str, chunk_object_name: str, id_prefix: str,
+    jobs: list[tuple[list[int], SamplingParams]], fields: APIFields, *, object_name: str, chunk_object_name: str, id_prefix: str,
     full_choice: Callable[[int, RequestStream, list[TokenEvent]], dict[str, Any]],
     chunk_choice: Callable[[int, TokenEvent, bool], dict[str, Any]],
     num_prompt_tokens: int,
@@ -357,12 +353,12 @@ async def run_openai(
     """Start one engine request per choice, then answer in one JSON body or as a stream."""
     header = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if not body.stream:
-        streams, all_events = await state.complete(jobs, http_request)
+        streams, all_events = await state.complete(jobs, fields, http_request)
         return header | {"object": object_name,
                          "choices": [full_choice(i, s, ev) for i, (s, ev) in enumerate(zip(streams, all_events))],
                          "usage": usage(num_prompt_tokens, streams)}
 
-    streams, slot = state.start_all(jobs)
+    streams, slot = state.start_all(jobs, fields)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     chunk_header = header | {"object": chunk_object_name}
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from llmserve.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from llmserve.server.api.errors import validation_error
 
 # Seed 004: a prompt is at most 4 MB of characters.
@@ -85,9 +84,3 @@ def check_stop(stop: list[str], param: str = "stop") -> None:
                                param)
     if not all(1 <= len(s) <= MAX_STOP_LENGTH for s in stop):
         raise validation_error(f"each `{param}` sequence must have 1 to {MAX_STOP_LENGTH} characters", param)
-
-
-def check_repetition_penalty(value: float | None, param: str = "repetition_penalty") -> None:
-    if value is not None and not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
-        raise validation_error(f"`{param}` must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]. "
-                               f"Given: {value}", param)

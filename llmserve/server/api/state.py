@@ -19,12 +19,15 @@ from fastapi import Request as HTTPRequest
 
 from llmserve.chat_template import ChatTemplateError, ChosenTemplate, StopWords, choose_chat_template
 from llmserve.chat_template.base import Message
+from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.generation_config import SamplingDefaults, load_sampling_defaults
-from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import APIError, generation_error, overloaded_error, template_error, validation_error
+from llmserve.sampling_params import InvalidRequest, SamplingParams
+from llmserve.server.api.errors import (
+    APIError, APIFields, generation_error, overloaded_error, template_error, validation_error,
+)
 from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
-from llmserve.server.async_engine import AsyncEngine, EngineError, RequestStream, TokenEvent
+from llmserve.server.engine_client import EngineClient, EngineError, RequestStream, TokenEvent
 
 # A text longer than this many characters per allowed token is first tokenized by its head
 # (see ServerState.encode); real text averages 3-5 characters per token.
@@ -52,28 +55,35 @@ class ServerConfig:
 
 @dataclass
 class Limits:
-    max_total_tokens: int
-    max_input_tokens: int
+    request: RequestLimits              # what one generation may be (engine/admission.py)
     max_concurrent_requests: int
     max_top_n_tokens: int
 
+    @property
+    def max_total_tokens(self) -> int:
+        return self.request.max_total_tokens
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.request.max_input_tokens
+
 
 class ServerState:
-    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics,
+    def __init__(self, config: ServerConfig, engine: EngineClient, metrics: ServerMetrics,
                  chat_template: ChosenTemplate | None = None, sampling_defaults: SamplingDefaults | None = None):
         self.config = config
         self.engine = engine
         self.metrics = metrics
-        self.model_path = engine.engine.model_path
+        self.model_path = engine.model_path
         self.model_name = config.served_model_name or default_model_name(self.model_path)
         # The names an OpenAI request may use for this model.
         self.model_names = frozenset({self.model_name, self.model_path, os.path.basename(self.model_path)})
         self.started_at = int(time.time())
         # HF fast tokenizers must not be used by two threads at once ("Already borrowed"): the
-        # engine's step thread detokenizes with the engine's tokenizer, the event loop uses this
-        # copy (single-token texts, echo), and prompts are tokenized on TOKENIZER_THREADS threads,
-        # each with a copy of its own (see tokenize_in_thread).
-        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        # event loop uses the client's tokenizer (single-token texts, echo), and prompts are
+        # tokenized on TOKENIZER_THREADS threads, each with a copy of its own (tokenize_in_thread).
+        # (Detokenization runs in the engine-core process, with a tokenizer of its own.)
+        self.tokenizer = engine.tokenizer
         self._thread_tokenizers = threading.local()
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="llmserve-tokenize",
                                                   initializer=self._give_thread_a_tokenizer)
@@ -84,14 +94,10 @@ class ServerState:
         # loads them before the model, so that a bad --generation-config fails fast.
         self.sampling_defaults = (sampling_defaults if sampling_defaults is not None
                                   else load_sampling_defaults(config.generation_config, self.model_path))
-        info = engine.engine.info
+        info = engine.info
         self.info = info
-        model_limit = min(info.max_seq_len, info.max_total_token_num)
-        max_total = min(config.max_total_tokens or model_limit, model_limit)
-        max_input = min(config.max_input_tokens or max_total - 1, max_total - 1)
-        if max_input < 1:
-            raise ValueError(f"max_input_tokens must be >= 1 (max_total_tokens is {max_total})")
-        self.limits = Limits(max_total, max_input, config.max_concurrent_requests, config.max_top_n_tokens)
+        self.limits = Limits(RequestLimits.of_model(info, config.max_total_tokens, config.max_input_tokens),
+                             config.max_concurrent_requests, config.max_top_n_tokens)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self._in_flight = 0
         metrics.in_flight.set_function(lambda: self._in_flight)
@@ -180,41 +186,25 @@ class ServerState:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def check_lengths(self, num_prompt_tokens: int, max_new_tokens: int, param: str = "max_new_tokens",
-                      prompt_param: str = "inputs") -> None:
-        """TGI's rules: the prompt within max_input_tokens, prompt + new within max_total_tokens.
-        The messages name the fields of the API at hand (``inputs`` for TGI, ``prompt`` or
-        ``messages`` for OpenAI)."""
-        lim = self.limits
-        if num_prompt_tokens > lim.max_input_tokens:
-            raise validation_error(
-                f"`{prompt_param}` must have less than {lim.max_input_tokens + 1} tokens. Given: {num_prompt_tokens}",
-                prompt_param)
-        if num_prompt_tokens + max_new_tokens > lim.max_total_tokens:
-            raise validation_error(
-                f"`{prompt_param}` tokens + `{param}` must be <= {lim.max_total_tokens}. "
-                f"Given: {num_prompt_tokens} `{prompt_param}` tokens and {max_new_tokens} `{param}`", param)
-
     def room_for(self, num_prompt_tokens: int) -> int:
         """The most tokens a request with this prompt may generate."""
-        return max(1, self.limits.max_total_tokens - num_prompt_tokens)
+        return self.limits.request.room_for(num_prompt_tokens)
 
-    def start(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a generation; bad parameters become a 422, a dead engine a 424."""
-        try:
-            return self.engine.generate(prompt_token_ids, params)
-        except ValueError as e:
-            raise validation_error(str(e)) from None
-        except EngineError as e:
-            raise generation_error(str(e)) from None
+    def start_all(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields) -> tuple[list[RequestStream], Slot]:
+        """Admit one client request and queue its generations (one per prompt and choice).
 
-    def start_all(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list[RequestStream], Slot]:
-        """Admit one client request and queue its generations (one per prompt and choice)."""
+        This is where a request is checked against the engine's rules, once (check_request);
+        the engine core trusts what it is sent. ``fields`` names the API's fields in the errors."""
+        for prompt, params in jobs:
+            try:
+                check_request(prompt, params, self.limits.request)
+            except InvalidRequest as e:
+                raise fields.error(e) from None
         slot = self.admit(len(jobs))
         streams: list[RequestStream] = []
         try:
             for prompt, params in jobs:
-                streams.append(self.start(prompt, params))
+                streams.append(self._start(prompt, params))
         except APIError:
             for s in streams:
                 s.abort()
@@ -222,10 +212,17 @@ class ServerState:
             raise
         return streams, slot
 
-    async def complete(self, jobs: list[tuple[list[int], SamplingParams]],
+    def _start(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue an admitted generation; a dead engine is a 424."""
+        try:
+            return self.engine.generate(prompt_token_ids, params)
+        except EngineError as e:
+            raise generation_error(str(e)) from None
+
+    async def complete(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
                        http_request: HTTPRequest) -> tuple[list[RequestStream], list[list[TokenEvent]]]:
         """A non-streaming request, run to the end: its streams and each one's events."""
-        streams, slot = self.start_all(jobs)
+        streams, slot = self.start_all(jobs, fields)
         try:
             events = await collect(streams, http_request, self)
         except EngineError as e:

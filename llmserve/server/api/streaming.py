@@ -10,7 +10,7 @@ from typing import Any
 
 from sse_starlette import EventSourceResponse
 
-from llmserve.server.async_engine import EngineError, RequestStream, TokenEvent
+from llmserve.server.engine_client import EngineError, RequestStream, TokenEvent
 
 # On shutdown the server first ends every stream with an error event; this is how long those
 # streams get to send it before the connection is cut.

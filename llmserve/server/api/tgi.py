@@ -13,14 +13,12 @@ from fastapi import APIRouter, Request as HTTPRequest
 from pydantic import ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
-from llmserve.sampling_params import SamplingParams
-from llmserve.server.api.errors import validation_error
-from llmserve.server.api.schema import (
-    MAX_SEED, MAX_STOP_SEQUENCES, APIModel, check_repetition_penalty, check_stop, stop_list,
-)
+from llmserve.sampling_params import InvalidRequest, SamplingParams
+from llmserve.server.api.errors import APIFields, validation_error
+from llmserve.server.api.schema import MAX_SEED, MAX_STOP_SEQUENCES, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
-from llmserve.server.async_engine import RequestStream, TokenEvent
+from llmserve.server.engine_client import RequestStream, TokenEvent
 
 DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
 __all__ = ["MAX_STOP_SEQUENCES", "build_router"]   # /info reports the stop limit
@@ -61,20 +59,24 @@ class TokenizeRequest(APIModel):
     parameters: TGIParameters = Field(default_factory=TGIParameters)
 
 
+# The engine's rules (SamplingParams, check_request) in TGI's words.
+TGI_FIELDS = APIFields({"prompt": "inputs", "logprobs": "top_n_tokens", "prompt_logprobs": "decoder_input_details"},
+                       quote=True)
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise validation_error(message)
 
 
 def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int) -> SamplingParams:
-    """TGI parameters -> SamplingParams, with TGI's validation messages."""
+    """TGI parameters -> SamplingParams. Checked here: TGI's own rules (its ranges where they are
+    narrower than the engine's, the fields it does not support), in TGI's messages; the engine's
+    rules are SamplingParams' and check_request's, rendered in TGI's field names."""
     _check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
     _check(p.top_p is None or 0 < p.top_p < 1, "`top_p` must be > 0.0 and < 1.0")
     _check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
     _check(p.typical_p is None or 0 < p.typical_p < 1, "`typical_p` must be > 0.0 and < 1.0")
-    check_repetition_penalty(p.repetition_penalty)
-    _check(p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0")
-    _check(p.max_new_tokens is None or p.max_new_tokens > 0, "`max_new_tokens` must be strictly positive")
     _check(p.seed is None or 0 <= p.seed <= MAX_SEED, f"`seed` must be in [0, {MAX_SEED}]")
     lim = state.limits.max_top_n_tokens
     _check(p.top_n_tokens is None or 0 <= p.top_n_tokens <= lim,
@@ -93,23 +95,26 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
         max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, state.room_for(num_prompt_tokens))
     else:
         max_new_tokens = p.max_new_tokens
-    state.check_lengths(num_prompt_tokens, max_new_tokens)
     # Fields the request leaves unset take the model's recommended values (its
     # generation_config); they never turn a greedy request into a sampling one.
     model = state.sampling_defaults
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=(p.temperature or model.get("temperature", 1.0)) if sample else 0.0,
-        # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
-        top_k=min(p.top_k or model.get("top_k", 0), state.info.vocab_size), top_p=p.top_p or model.get("top_p", 1.0),
-        typical_p=p.typical_p or model.get("typical_p", 1.0),
-        repetition_penalty=p.repetition_penalty or model.get("repetition_penalty", 1.0),
-        frequency_penalty=p.frequency_penalty or 0.0,
-        seed=(p.seed if p.seed is not None else fresh_seed()) if sample else None,
-        stop=stop,
-        logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
-        prompt_logprobs=0 if p.decoder_input_details else None,
-    )
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=(p.temperature or model.get("temperature", 1.0)) if sample else 0.0,
+            # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
+            top_k=min(p.top_k or model.get("top_k", 0), state.info.vocab_size), top_p=p.top_p or model.get("top_p", 1.0),
+            typical_p=p.typical_p or model.get("typical_p", 1.0),
+            repetition_penalty=(p.repetition_penalty if p.repetition_penalty is not None
+                                else model.get("repetition_penalty", 1.0)),
+            frequency_penalty=p.frequency_penalty or 0.0,
+            seed=(p.seed if p.seed is not None else fresh_seed()) if sample else None,
+            stop=stop,
+            logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
+            prompt_logprobs=0 if p.decoder_input_details else None,
+        )
+    except InvalidRequest as e:
+        raise TGI_FIELDS.error(e) from None
 
 
 async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], SamplingParams]:
@@ -121,7 +126,6 @@ async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], Samp
     ids = await state.tokenize_in_thread(state.encode, body.inputs, "inputs", True, p.truncate is None)
     if p.truncate is not None:
         ids = ids[-p.truncate:]
-    _check(len(ids) > 0, "`inputs` encodes to no tokens")
     return ids, sampling_params(p, state, len(ids))
 
 
@@ -166,7 +170,7 @@ def build_router(state: ServerState) -> APIRouter:
 
     async def generate_json(body: TGIRequest, http_request: HTTPRequest) -> dict[str, Any]:
         ids, params = await prepare(body, state)
-        [stream], [events] = await state.complete([(ids, params)], http_request)
+        [stream], [events] = await state.complete([(ids, params)], TGI_FIELDS, http_request)
         response: dict[str, Any] = {"generated_text": generated_text(body, stream)}
         p = body.parameters
         if p.details or p.decoder_input_details:
@@ -182,7 +186,7 @@ def build_router(state: ServerState) -> APIRouter:
         _check(not body.parameters.decoder_input_details,
                "`decoder_input_details` == true is not supported when streaming tokens")
         ids, params = await prepare(body, state)
-        [stream], slot = state.start_all([(ids, params)])
+        [stream], slot = state.start_all([(ids, params)], TGI_FIELDS)
 
         async def events():
             index = 0

@@ -1,6 +1,6 @@
-"""The server process from outside: shutting down with streams open, a model worker dying,
-the API key, a busy port, tensor parallelism through the whole stack, and a SIGKILL at any
-moment leaving nothing behind."""
+"""The server process from outside: shutting down with streams open, a model worker or the
+engine-core process dying, the API key, a busy port, tensor parallelism through the whole stack,
+and a SIGKILL at any moment leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import text_generation
 import torch
 
 from serving_utils import (
-    STARTUP_STALL_S, ServerProcess, child_pids, free_port, llmserve_command, pid_alive, tgi_stream_events,
+    STARTUP_STALL_S, ServerProcess, engine_processes_of, free_port, llmserve_command, pid_alive, tgi_stream_events,
 )
 
 EXIT_TIMEOUT_S = 15.0
@@ -74,13 +74,33 @@ def port_is_free(port: int) -> bool:
         return True
 
 
+def assert_turns_unhealthy_and_exits_nonzero(server: ServerProcess, after: str) -> None:
+    """/health turns 503 (or the server has stopped listening), from then on never says healthy
+    again, and the server exits non-zero."""
+    statuses = []
+
+    def unhealthy_or_gone() -> bool:
+        try:
+            statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
+            return statuses[-1] == 503
+        except httpx.TransportError:
+            return server.proc.poll() is not None
+
+    wait_until(unhealthy_or_gone, EXIT_TIMEOUT_S, "/health turns 503")
+    statuses.clear()
+    wait_until(lambda: unhealthy_or_gone() and server.proc.poll() is not None, EXIT_TIMEOUT_S,
+               f"the server exits after {after}:\n{server.output()}")
+    assert set(statuses) <= {503}, statuses
+    assert server.proc.wait(timeout=1) != 0
+
+
 # -- (1) signals with open streams -------------------------------------------------------
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_ends_open_streams_and_exits_cleanly(tiny_llama_dir, sig):
     with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
-        workers = list(server.worker_pids)
-        assert workers and all(pid_alive(p) for p in workers)
+        workers = [server.core_pid, *server.worker_pids]
+        assert len(workers) == 2 and all(pid_alive(p) for p in workers)
         sent = []
 
         def send_signal():
@@ -98,7 +118,7 @@ def test_signal_ends_open_streams_and_exits_cleanly(tiny_llama_dir, sig):
             raise AssertionError(f"the server did not exit within {EXIT_TIMEOUT_S} s of {sig.name}:\n{server.output()}")
         assert rc == 0, f"exit code {rc}:\n{server.output()}"
         assert time.monotonic() - sent[0] < EXIT_TIMEOUT_S
-        wait_until(lambda: not any(pid_alive(p) for p in workers), 5.0, "the model workers exit with the server")
+        wait_until(lambda: not any(pid_alive(p) for p in workers), 5.0, "the engine core and workers exit with the server")
         assert port_is_free(server.port)
         assert "Traceback" not in server.output(), server.output()
 
@@ -133,31 +153,64 @@ def test_worker_death_fails_streams_and_exits_nonzero(tiny_llama_dir):
         assert time.monotonic() - killed[0] < EXIT_TIMEOUT_S
         assert "worker" in server.output()
         assert port_is_free(server.port)
+        wait_until(lambda: not pid_alive(server.core_pid), 5.0, "the engine core exits")
 
 
 def test_worker_death_while_idle_turns_health_503_and_exits_nonzero(tiny_llama_dir):
     with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
         [worker] = server.worker_pids
         os.kill(worker, signal.SIGKILL)
-        statuses = []
-
-        def unhealthy_or_gone() -> bool:
-            try:
-                statuses.append(httpx.get(server.url + "/health", timeout=2).status_code)
-                return statuses[-1] == 503
-            except httpx.TransportError:
-                return server.proc.poll() is not None
-
-        wait_until(unhealthy_or_gone, EXIT_TIMEOUT_S, "/health turns 503")
-        # from then on it never says healthy again, and it exits
-        statuses.clear()
-        wait_until(lambda: unhealthy_or_gone() and server.proc.poll() is not None, EXIT_TIMEOUT_S,
-                   f"the server exits after its worker's death:\n{server.output()}")
-        assert set(statuses) <= {503}, statuses
-        rc = server.proc.wait(timeout=1)
-        assert rc != 0
+        assert_turns_unhealthy_and_exits_nonzero(server, "its worker's death")
         error_lines = [line for line in server.output().splitlines() if line.startswith("llmserve: error:")]
         assert len(error_lines) == 1 and "worker" in error_lines[0], server.output()
+
+
+# -- (2b) the engine-core process dies -----------------------------------------------------
+
+def test_engine_core_death_fails_streams_and_exits_nonzero(tiny_llama_dir):
+    """SIGKILL of the engine core with streams open: each ends with an error event, /health
+    turns 503 while the server still answers, the server exits non-zero, and the core's
+    workers (orphans now) exit too."""
+    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
+        core, workers = server.core_pid, list(server.worker_pids)
+        assert workers
+        killed = []
+
+        def kill_core():
+            os.kill(core, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        results = asyncio.run(streams_across(server.url, 2, kill_core))
+        for events in results:
+            assert_ended_with_error(events)
+            assert events[-1]["error_type"] == "generation"
+            assert "engine core" in events[-1]["error"], events[-1]
+        try:
+            r = httpx.get(server.url + "/health", timeout=5)
+            assert r.status_code == 503, r.text
+            assert r.json()["error_type"] == "unhealthy"
+        except httpx.TransportError:
+            pass   # it has already stopped listening; it must still exit, below
+        try:
+            rc = server.proc.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server did not exit within {EXIT_TIMEOUT_S} s of its engine core's death:\n"
+                                 f"{server.output()}")
+        assert rc != 0
+        assert time.monotonic() - killed[0] < EXIT_TIMEOUT_S
+        error_lines = [line for line in server.output().splitlines() if line.startswith("llmserve: error:")]
+        assert len(error_lines) == 1 and "engine core exited" in error_lines[0], server.output()
+        wait_until(lambda: not any(pid_alive(p) for p in workers), 10.0, "the workers exit with their engine core")
+        assert engine_processes_of(server.proc.pid) == ([], [])
+        assert port_is_free(server.port)
+
+
+def test_engine_core_death_while_idle_turns_health_503_and_exits_nonzero(tiny_llama_dir):
+    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny") as server:
+        workers = list(server.worker_pids)
+        os.kill(server.core_pid, signal.SIGKILL)
+        assert_turns_unhealthy_and_exits_nonzero(server, "its engine core's death")
+        wait_until(lambda: not any(pid_alive(p) for p in workers), 10.0, "the workers exit with their engine core")
 
 
 # -- (3) --api-key -----------------------------------------------------------------------
@@ -258,52 +311,67 @@ def test_tp2_server_matches_tp1(tiny_server, tiny_llama_dir):
         assert httpx.get(tp2.url + "/info", timeout=10).json()["tp"] == 2
         for prompt in prompts:
             assert greedy(tp2.url, prompt) == greedy(tiny_server.url, prompt), prompt
-        workers = list(tp2.worker_pids)
+        workers = [tp2.core_pid, *tp2.worker_pids]
     assert tp2.proc.returncode == 0
     assert not any(pid_alive(p) for p in workers)
 
 
 # -- (6) SIGKILL: nothing of the server stays behind ---------------------------------------
 
-def unix_sockets_of(server_pid: int) -> list[str]:
-    """The unix sockets named after this server (its workers'), as /proc/net/unix lists them:
-    "@name" for the abstract namespace, a path for a file."""
+def unix_sockets_of(pids: list[int]) -> list[str]:
+    """The unix sockets named after these processes (the server's engine core's, the core's
+    workers'), as /proc/net/unix lists them: "@name" for the abstract namespace, a path for a file."""
     with open("/proc/net/unix") as f:
         rows = [line.split() for line in f.read().splitlines()[1:]]
-    return [row[7] for row in rows if len(row) > 7 and f"llmserve-{server_pid}-" in row[7]]
+    return [row[7] for row in rows if len(row) > 7 and any(f"llmserve-{pid}-" in row[7] for pid in pids)]
 
 
 def socket_files() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "llmserve-*", "*.sock")))
 
 
+def all_engine_pids(server_pid: int) -> list[int]:
+    cores, workers = engine_processes_of(server_pid)
+    return [*cores, *workers]
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/net/unix"), reason="reads Linux's /proc")
-@pytest.mark.parametrize("moment", ["worker_starting", "worker_listening", "serving"])
-def test_sigkill_leaves_no_worker_and_no_socket(tiny_llama_dir, moment):
-    """Whenever the server is SIGKILLed (here: as soon as its worker process exists, once it
-    listens, i.e. while the model loads, and while it serves), its workers exit within seconds
-    and no socket remains, on disk or anywhere."""
+@pytest.mark.parametrize("moment", ["core_starting", "worker_starting", "worker_listening", "serving"])
+def test_sigkill_leaves_no_engine_core_no_worker_and_no_socket(tiny_llama_dir, moment):
+    """Whenever the server is SIGKILLed (here: as soon as its engine-core process exists, as
+    soon as the core's worker exists, once that listens, i.e. while the model loads, and while it
+    serves), its engine core and workers exit within seconds and no socket remains, on disk or
+    anywhere."""
     files_before = socket_files()
     with contextlib.ExitStack() as cleanup:
         if moment == "serving":
             server = cleanup.enter_context(ServerProcess(tiny_llama_dir, "--served-model-name", "tiny"))
-            proc, workers = server.proc, server.worker_pids
-            assert unix_sockets_of(proc.pid)
+            proc = server.proc
+            assert unix_sockets_of([proc.pid, server.core_pid])
         else:
             proc = subprocess.Popen([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", str(free_port())],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             cleanup.callback(proc.kill)   # should an assertion fail before the kill
-            wait_until(lambda: child_pids(proc.pid) or proc.poll() is not None, STARTUP_STALL_S, "a worker starts")
+            if moment == "core_starting":
+                wait_until(lambda: engine_processes_of(proc.pid)[0] or proc.poll() is not None, STARTUP_STALL_S,
+                           "the engine core starts")
+            else:
+                wait_until(lambda: engine_processes_of(proc.pid)[1] or proc.poll() is not None, STARTUP_STALL_S,
+                           "a worker starts")
             if moment == "worker_listening":
-                wait_until(lambda: unix_sockets_of(proc.pid) or proc.poll() is not None, STARTUP_STALL_S, "it listens")
-            workers = child_pids(proc.pid)
-            assert proc.poll() is None and workers
+                wait_until(lambda: unix_sockets_of(engine_processes_of(proc.pid)[0]) or proc.poll() is not None,
+                           STARTUP_STALL_S, "it listens")
+            assert proc.poll() is None
+        pids = all_engine_pids(proc.pid)
+        assert pids
         # every socket of the server's is abstract: no file to leave behind, whatever happens
-        assert all(name.startswith("@") for name in unix_sockets_of(proc.pid)), unix_sockets_of(proc.pid)
+        names = unix_sockets_of([proc.pid, *pids])
+        assert all(name.startswith("@") for name in names), names
 
         proc.kill()
         proc.wait()
-        wait_until(lambda: not any(pid_alive(p) for p in workers), 10.0, f"the workers exit ({moment})")
+        wait_until(lambda: not any(pid_alive(p) for p in pids) and not all_engine_pids(proc.pid), 10.0,
+                   f"the engine core and workers exit ({moment})")
         # (the kernel may let go of a dead process's listening socket a moment after it is gone)
-        wait_until(lambda: not unix_sockets_of(proc.pid), 5.0, f"the sockets go ({moment})")
+        wait_until(lambda: not unix_sockets_of([proc.pid, *pids]), 5.0, f"the sockets go ({moment})")
         assert socket_files() <= files_before

@@ -1,0 +1,226 @@
+"""The engine core: an ``LLMEngine`` driven step by step, fed by the HTTP process over one socket.
+
+The loop, on one thread: take what the HTTP process sent (new requests, aborts), run one engine
+step, send back one ``EngineOutputs`` with every request's delta of that step. While there is
+nothing to run it waits on the socket, checking now and then that the workers live.
+
+A step runs on a helper thread only so that the loop can notice a dead worker while it waits
+(in TP the surviving ranks may wait in a collective forever); the loop does nothing else
+meanwhile, so the engine is never touched by two threads at once.
+
+Detokenization and stop strings still run here, inside ``LLMEngine.step`` (the deltas carry the
+text); moving them to the HTTP process is a later step.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import select
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from llmserve.engine.engine import LLMEngine
+from llmserve.engine.messages import (
+    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, RequestDelta,
+    Shutdown, StartEngine, StartupFailed, StepFailed, encode,
+)
+from llmserve.engine.request import FinishReason, Request
+from llmserve.worker.protocol import WorkerError, error_line, socket_path
+
+logger = logging.getLogger(__name__)
+
+# How often the idle loop, or a loop waiting on a long step, checks that the workers live.
+LIVENESS_INTERVAL_S = 0.5
+_RECV_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+
+class HungUp(Exception):
+    """The HTTP process closed its end: it is gone or done with us."""
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, sock: socket.socket):
+        self.engine = engine
+        self.sock = sock
+        self._frames = FrameBuffer()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-step")
+        self._last_stats: EngineStats | None = None
+
+    def run(self) -> None:
+        """Serve until ``Shutdown`` or the HTTP process hangs up. A worker's failure raises
+        ``WorkerError``, after the HTTP process was told (``EngineDead``)."""
+        try:
+            while True:
+                busy = self.engine.has_unfinished()
+                if not busy:
+                    self._in_thread(self.engine.flush)   # hand the workers the last frees
+                    self._check_workers()
+                for message in self._receive(timeout=0 if busy else LIVENESS_INTERVAL_S):
+                    if isinstance(message, Shutdown):
+                        return
+                    self._handle(message)
+                deltas = self._step() if self.engine.has_unfinished() else None
+                self._send_outputs(deltas)
+        except HungUp:
+            return
+        except WorkerError as e:
+            logger.error("the engine failed: %s", e)
+            self._try_send(EngineDead(str(e)))
+            raise
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- from the HTTP process -----------------------------------------------------------
+    def _receive(self, timeout: float) -> list[object]:
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return []
+        data = self.sock.recv(_RECV_BYTES)
+        if not data:
+            raise HungUp
+        # Each frame holds what the HTTP process sent in one turn of its event loop.
+        return [message for frame in self._frames.feed(data) for message in frame]
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            for req_id in message.req_ids:
+                self.engine.abort_request(req_id)
+        else:
+            raise TypeError(f"unexpected message from the HTTP process: {type(message).__name__}")
+
+    def _add(self, message: AddRequest) -> None:
+        # Admitted by check_request at the API edge; the engine only asserts, and a failed
+        # assertion here is a bug of ours that costs this request only.
+        req = Request(message.req_id, message.prompt_token_ids, message.params)
+        try:
+            self.engine.enqueue(req)
+        except Exception as e:
+            logger.exception("request %d could not be queued", req.req_id)
+            self._send(EngineOutputs([RequestDelta(req.req_id, None, "", finish_reason=FinishReason.ERROR,
+                                                   error=error_line(e))], self._stats()))
+
+    # -- one step ------------------------------------------------------------------------
+    def _step(self) -> list[RequestDelta]:
+        """One engine step and what it did to each request. What the step raises beyond a worker's
+        failure is tied to no request (a bug of ours) and costs the requests in flight, not the
+        engine."""
+        try:
+            updated = self._in_thread(self.engine.step)
+        except WorkerError:
+            raise
+        except Exception as e:
+            logger.exception("an engine step failed; ending the requests in flight")
+            req_ids = list(self.engine.requests)
+            for req_id in req_ids:
+                self.engine.abort_request(req_id)
+            self._send(StepFailed(req_ids, f"the engine step failed: {e}"))
+            return []
+        return [_delta(req) for req in updated]
+
+    def _in_thread(self, fn: Callable[[], T]) -> T:
+        future = self._executor.submit(fn)
+        while True:
+            try:
+                return future.result(timeout=LIVENESS_INTERVAL_S)
+            except TimeoutError:
+                self._check_workers()
+
+    def _check_workers(self) -> None:
+        if not self.engine.workers.alive():
+            codes = [c.proc.poll() for c in self.engine.workers.clients]
+            raise WorkerError(f"a model worker exited (exit codes {codes})")
+
+    # -- to the HTTP process -------------------------------------------------------------
+    def _stats(self) -> EngineStats:
+        s = self.engine.scheduler
+        return EngineStats(num_waiting=s.num_waiting, num_running=s.num_running, num_used_slots=s.num_used_slots)
+
+    def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
+        """One message per step; between steps, only when the stats changed (an abort, say)."""
+        stats = self._stats()
+        if deltas is not None or stats != self._last_stats:
+            self._send(EngineOutputs(deltas or [], stats))
+            self._last_stats = stats
+
+    def _send(self, message: object) -> None:
+        try:
+            self.sock.sendall(encode(message))
+        except OSError:
+            raise HungUp from None
+
+    def _try_send(self, message: object) -> None:
+        try:
+            self._send(message)
+        except HungUp:
+            pass
+
+
+def _delta(req: Request) -> RequestDelta:
+    if req.error is not None:
+        return RequestDelta(req.req_id, None, "", finish_reason=req.finish_reason, error=req.error)
+    first = req.num_output_tokens == 1   # prompt logprobs are ready by the first token: send them once
+    return RequestDelta(
+        req.req_id, token_id=req.output_token_ids[-1], text=req.take_stream_delta(),
+        logprob=req.output_logprobs[-1] if req.output_logprobs else None,
+        top_logprobs=req.output_top_logprobs[-1] if req.output_top_logprobs else None,
+        finish_reason=req.finish_reason,
+        prompt_logprobs=req.prompt_logprobs if first else None,
+        prompt_top_logprobs=req.prompt_top_logprobs if first else None,
+    )
+
+
+# -- the process -----------------------------------------------------------------------------
+
+def serve(address: str) -> int:
+    """The engine-core process's life: accept the HTTP process, build the engine it asks for,
+    serve it. Returns the exit code."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path(address))
+    listener.listen(1)
+    sock, _ = listener.accept()
+    listener.close()
+    with sock:
+        start = _receive_one(sock)
+        assert isinstance(start, StartEngine), start
+        try:
+            engine = LLMEngine(start.config)
+        except Exception as e:
+            sock.sendall(encode(StartupFailed(_picklable(e))))
+            return 1
+        try:
+            sock.sendall(encode(EngineReady(engine.info, engine.model_path, engine.config, engine.summary())))
+            EngineCore(engine, sock).run()
+            return 0
+        except WorkerError:
+            return 1
+        finally:
+            engine.shutdown()
+
+
+def _receive_one(sock: socket.socket) -> object:
+    frames = FrameBuffer()
+    while True:
+        data = sock.recv(_RECV_BYTES)
+        if not data:
+            raise SystemExit(1)    # the HTTP process went away before it said what to run
+        messages = frames.feed(data)
+        if messages:
+            return messages[0]
+
+
+def _picklable(e: BaseException) -> BaseException:
+    """The exception itself (the HTTP process re-raises it: a ModelLoadError stays one), or its
+    line in a RuntimeError if it cannot cross the socket."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(error_line(e))
+

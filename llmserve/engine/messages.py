@@ -1,0 +1,139 @@
+"""What the HTTP process and the engine-core process say to each other over their local socket:
+plain dataclasses, one verb each, pickled and framed by an 8-byte length.
+
+HTTP -> core: ``StartEngine`` (once, first), then ``AddRequest``, ``AbortRequests``, ``Shutdown``.
+Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
+step (every request's delta of that step, plus a stats snapshot), ``StepFailed`` when a step
+raised for no request of its own, and ``EngineDead`` last if the engine cannot go on.
+
+After ``StartEngine``, each HTTP -> core frame is a list of messages: all that the HTTP process
+sent in one turn of its event loop, taken in whole by the core between two steps.
+
+Requests arrive validated and tokenized; their ids are the HTTP process's. Both ends are the
+same program (one source tree), so pickle is safe here and needs no schema.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass, field
+
+from llmserve.engine.request import FinishReason
+from llmserve.sampling_params import SamplingParams
+from llmserve.worker.protocol import WorkerInfo
+
+_HEADER = struct.Struct("!Q")
+
+
+# -- HTTP -> core --------------------------------------------------------------------------
+
+@dataclass
+class StartEngine:
+    config: object                    # an EngineConfig (typed loosely: engine.py imports torch)
+
+
+@dataclass
+class AddRequest:
+    req_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequests:
+    req_ids: list[int]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- core -> HTTP --------------------------------------------------------------------------
+
+@dataclass
+class EngineReady:
+    info: WorkerInfo
+    model_path: str
+    config: object                    # the EngineConfig the core runs with
+    summary: str                      # LLMEngine.summary(): the line `llmserve serve` prints
+
+
+@dataclass
+class StartupFailed:
+    error: BaseException              # re-raised by the HTTP process (a ModelLoadError stays one)
+
+
+@dataclass
+class RequestDelta:
+    """What one step did to one request."""
+    req_id: int
+    token_id: int | None              # None when the request failed without a new token
+    text: str                         # text that became safe to stream with this token (may be "")
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None          # the request failed on its own (finish_reason ERROR)
+    # Sent once, with the request's first token, when it asked for them.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics, taken between two steps (never the live scheduler lists)."""
+    num_waiting: int = 0
+    num_running: int = 0
+    num_used_slots: int = 0
+
+
+@dataclass
+class EngineOutputs:
+    deltas: list[RequestDelta] = field(default_factory=list)
+    stats: EngineStats = field(default_factory=EngineStats)
+
+
+@dataclass
+class StepFailed:
+    """A step raised for no request of its own (a bug of ours): these requests were ended."""
+    req_ids: list[int]
+    error: str
+
+
+@dataclass
+class EngineDead:
+    """The engine cannot go on (a worker died); the core exits after sending this."""
+    error: str
+
+
+# -- framing -------------------------------------------------------------------------------
+
+def encode(message: object) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+class FrameBuffer:
+    """Bytes as they arrive from a socket in, whole messages out."""
+
+    HEADER_SIZE = _HEADER.size
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[object]:
+        self._buf += data
+        messages = []
+        while len(self._buf) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self._buf)
+            end = _HEADER.size + size
+            if len(self._buf) < end:
+                break
+            messages.append(pickle.loads(self._buf[_HEADER.size:end]))
+            del self._buf[:end]
+        return messages
+
+
+def frame_size(header: bytes) -> int:
+    return _HEADER.unpack(header)[0]

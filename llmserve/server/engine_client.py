@@ -1,0 +1,383 @@
+"""The HTTP process's side of the engine core: start its process, then send it requests and
+hand each request's tokens to the handler streaming them.
+
+Handlers call :meth:`EngineClient.generate` and iterate the returned stream; a reader task on
+the event loop takes the core's one message per step apart into per-request ``TokenEvent``s.
+Everything here runs on the event loop (no thread), so the streams and the request mirrors
+need no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from llmserve.engine.engine import EngineConfig
+from llmserve.engine.messages import (
+    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, RequestDelta,
+    Shutdown, StartEngine, StartupFailed, StepFailed, encode, frame_size,
+)
+from llmserve.engine.request import FinishReason
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.metrics import ServerMetrics
+from llmserve.worker.protocol import ABSTRACT_SOCKETS, WorkerInfo, socket_path
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.5           # how often a wait on the core's socket checks that the core lives
+_STOP_TIMEOUT_S = 10.0  # for the core to shut its workers down and exit, before it is killed
+
+
+class EngineError(RuntimeError):
+    """The request could not complete: the engine core or a worker died, or the server is
+    shutting down."""
+
+
+class RequestError(EngineError):
+    """This request failed on its own (its parameters broke the sampler, its rows the forward,
+    its tokens the detokenizer); the engine goes on serving the others."""
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, as a handler streams it."""
+    token_id: int
+    text: str                                  # text that became safe to show with this token (may be "")
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: FinishReason | None         # set on the request's last token
+
+
+@dataclass(eq=False)
+class RequestMirror:
+    """What the API reads of a request, kept up to date from the core's deltas (the real
+    ``Request`` lives in the engine core)."""
+    req_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    # The text streamed so far; once finished, the request's whole output text (stop string cut).
+    output_text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, delta: RequestDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
+        if delta.token_id is not None:
+            self.output_token_ids.append(delta.token_id)
+        self.output_text += delta.text
+        self.finish_reason = delta.finish_reason
+        self.error = delta.error
+
+
+class RequestStream:
+    """The tokens of one request, in order. Iterating raises ``EngineError`` if the engine fails."""
+
+    def __init__(self, engine: EngineClient, request: RequestMirror):
+        self.request = request
+        self._engine = engine
+        self._queue: asyncio.Queue[TokenEvent | EngineError] = asyncio.Queue()
+        self.finished = False
+        self.last_token_time: float | None = None   # for the inter-token latency metric
+
+    @property
+    def req_id(self) -> int:
+        return self.request.req_id
+
+    def _put(self, item: TokenEvent | EngineError) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, EngineError):
+                self.finished = True
+                raise item
+            self.finished = item.finish_reason is not None
+            yield item
+
+    def abort(self) -> None:
+        """Stop generating (the client went away); the core frees the request's KV slots at its
+        next step."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.req_id)
+
+
+# -- the process ---------------------------------------------------------------------------
+
+class EngineCoreProcess:
+    """``python -m llmserve.engine.core_main``, started and connected; ``ready`` once it has
+    loaded the model (its workers are its children)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "warning"):
+        # The HTTP process's PID in the name tells whose core this is (ss -xlp; tests look for it).
+        self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
+        prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
+        address = prefix + "core.sock"
+        # A fresh interpreter, as for the workers: the parent's __main__ is never re-imported.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.engine.core_main", address, str(os.getpid()), log_level],
+            stdin=subprocess.DEVNULL)
+        try:
+            self.sock = self._connect(address)
+            self.sock.sendall(encode(StartEngine(config)))
+            reply = self._receive_one()
+            if isinstance(reply, StartupFailed):
+                raise reply.error
+            assert isinstance(reply, EngineReady), reply
+            self.ready: EngineReady = reply
+            self.sock.settimeout(None)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+
+    def _connect(self, address: str) -> socket.socket:
+        # No deadline: a new interpreter importing torch on a busy machine can take minutes, and a
+        # core that died is noticed at once anyway.
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        while True:
+            try:
+                sock.connect(socket_path(address))
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError):
+                self._check_alive("during start-up")
+                time.sleep(0.05)
+
+    def _receive_one(self) -> object:
+        """The core's first message, however long loading the model takes (it dies if it fails)."""
+        frames = FrameBuffer()
+        self.sock.settimeout(_POLL_S)
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                self._check_alive("while loading the model")
+                continue
+            if not data:
+                self.proc.wait()
+                self._check_alive("while loading the model")
+            messages = frames.feed(data)
+            if messages:
+                return messages[0]
+
+    def _check_alive(self, when: str) -> None:
+        if self.proc.poll() is not None:
+            raise EngineError(f"the engine core exited {when} (exit code {self.proc.returncode})")
+
+    def stop(self, graceful: bool = True) -> None:
+        """Close our end (the core takes it for a shutdown) and wait for the core to exit."""
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            sock.close()
+        if self.proc.poll() is None:
+            if not graceful:
+                self.proc.kill()
+            try:
+                self.proc.wait(timeout=_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()      # its workers follow it (they watch their parent)
+                self.proc.wait()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+
+
+# -- the client ----------------------------------------------------------------------------
+
+class EngineClient:
+    """The engine as the API sees it. ``sock`` is connected to an engine core that has sent
+    ``ready``; ``proc`` is its process (None: a core on a thread of this process, in tests)."""
+
+    def __init__(self, sock: socket.socket, ready: EngineReady, tokenizer, metrics: ServerMetrics | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None):
+        self.info: WorkerInfo = ready.info
+        self.model_path: str = ready.model_path
+        self.config: EngineConfig = ready.config
+        self.summary: str = ready.summary
+        self.tokenizer = tokenizer              # the HTTP process's own: the core has another
+        self.metrics = metrics
+        self.on_fatal = on_fatal                # the server exits when the engine cannot go on
+        self.error: BaseException | None = None
+        self.stats = EngineStats()              # the core's latest snapshot, for /metrics
+        self._sock = sock
+        self._proc = proc
+        self._streams: dict[int, RequestStream] = {}
+        self._ids = itertools.count()
+        self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[object] = []         # messages of this turn of the loop (see _send)
+        self._task: asyncio.Task | None = None
+        if metrics is not None:
+            metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
+                                 lambda: self.stats.num_used_slots, self.info.max_total_token_num)
+            metrics.healthy.set(1)
+
+    # -- handler side ------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request that passed ``check_request`` (``ServerState.start_all``: the core trusts
+        it); ``EngineError`` if the engine is down."""
+        if self.error is not None:
+            raise EngineError(f"the engine has stopped: {self.error}")
+        stream = RequestStream(self, RequestMirror(next(self._ids), list(prompt_token_ids), params))
+        self._streams[stream.req_id] = stream
+        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params))
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(stream.request.num_prompt_tokens)
+        return stream
+
+    def abort(self, req_id: int) -> None:
+        if self._streams.pop(req_id, None) is not None:
+            self._send(AbortRequests([req_id]))
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and (self._proc is None or self._proc.poll() is None)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
+        self._task = asyncio.get_running_loop().create_task(self._read(reader), name="llmserve-engine-client")
+
+    def fail_all(self, message: str) -> None:
+        """End every open request with an error (shutdown): each stream gets ``EngineError``."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._put(EngineError(message))
+        if streams:
+            self._send(AbortRequests(list(streams)))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._writer is not None:
+            self._send(Shutdown())
+            self._flush()
+            self._writer.close()
+            try:
+                await asyncio.wait_for(self._writer.wait_closed(), _POLL_S)
+            except (TimeoutError, OSError):
+                pass    # then the core sees our end close instead, which it takes for a shutdown too
+
+    def _send(self, message: object) -> None:
+        """Queue a message for the core. What the handlers send during one turn of the event
+        loop leaves as one frame, so the core takes it in whole between two steps: the prompts
+        and choices of one client request start in the same step, as they did in-process."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(message)
+
+    def _flush(self) -> None:
+        # A core that is gone shows as EOF to the reader task, which fails everything then.
+        messages, self._outbox = self._outbox, []
+        if messages and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(encode(messages))
+
+    # -- the core's messages -------------------------------------------------------------
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header = await reader.readexactly(FrameBuffer.HEADER_SIZE)
+                message = pickle.loads(await reader.readexactly(frame_size(header)))
+                if isinstance(message, EngineOutputs):
+                    self._publish(message)
+                elif isinstance(message, StepFailed):
+                    self._fail_requests(message.req_ids, message.error)
+                elif isinstance(message, EngineDead):
+                    self._die(EngineError(message.error))
+                    return
+                else:
+                    raise TypeError(f"unexpected message from the engine core: {type(message).__name__}")
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._die(EngineError(f"the engine core exited (exit code {await self._exit_code()})"))
+        except BaseException as e:      # a message we cannot read: nothing after it can be trusted
+            logger.exception("reading from the engine core failed")
+            self._die(e)
+
+    async def _exit_code(self) -> int | None:
+        """The core's exit code once its socket closed (the process may take a moment to go)."""
+        if self._proc is None:
+            return None
+        for _ in range(40):
+            if self._proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        return self._proc.poll()
+
+    def _publish(self, outputs: EngineOutputs) -> None:
+        self.stats = outputs.stats
+        now = time.monotonic()
+        for delta in outputs.deltas:
+            stream = self._streams.get(delta.req_id)
+            if stream is None:           # aborted while the step ran
+                continue
+            req = stream.request
+            req.apply(delta)
+            if delta.error is not None:
+                del self._streams[delta.req_id]
+                stream._put(RequestError(f"the request failed: {delta.error}"))
+                continue
+            self._observe_latency(stream, now)
+            stream._put(TokenEvent(delta.token_id, delta.text, delta.logprob, delta.top_logprobs, delta.finish_reason))
+            if req.is_finished:
+                del self._streams[delta.req_id]
+
+    def _fail_requests(self, req_ids: list[int], error: str) -> None:
+        for req_id in req_ids:
+            stream = self._streams.pop(req_id, None)
+            if stream is not None:
+                stream._put(EngineError(error))
+
+    def _die(self, error: BaseException) -> None:
+        """The engine cannot go on (a worker or the core died): fail everything, stop the server."""
+        logger.error("the engine failed: %s", error)
+        self.error = error
+        if self.metrics is not None:
+            self.metrics.healthy.set(0)
+        self.fail_all(f"the engine failed: {error}")
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _observe_latency(self, stream: RequestStream, now: float) -> None:
+        if self.metrics is None:
+            return
+        req = stream.request
+        self.metrics.generated_tokens.inc()
+        if stream.last_token_time is None:
+            self.metrics.ttft.observe(now - req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - stream.last_token_time)
+        stream.last_token_time = now
+        if req.is_finished:
+            self.metrics.e2e.observe(now - req.arrival_time)
