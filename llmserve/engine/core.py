@@ -18,6 +18,7 @@ import logging
 import pickle
 import select
 import socket
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -179,40 +180,38 @@ def _delta(req: Request) -> RequestDelta:
 # -- the process -----------------------------------------------------------------------------
 
 def serve(address: str) -> int:
-    """The engine-core process's life: accept the HTTP process, build the engine it asks for,
-    serve it. Returns the exit code."""
+    """The engine-core process's life: read what to run from stdin (the HTTP process writes one
+    ``StartEngine`` there as it starts us, so the model loads while it loads its own tokenizer),
+    build the engine, then accept the HTTP process on ``address`` and serve it. Returns the exit
+    code."""
+    try:
+        start = pickle.load(sys.stdin.buffer)
+    except EOFError:
+        return 1            # the HTTP process went away before it said what to run
+    assert isinstance(start, StartEngine), start
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path(address))
-    listener.listen(1)
+    listener.listen(1)      # the HTTP process may connect now; it waits for EngineReady
+    engine: LLMEngine | None = None
+    try:
+        engine = LLMEngine(start.config)
+        first: object = EngineReady(engine.info, engine.model_path, engine.config, engine.summary())
+    except Exception as e:
+        first = StartupFailed(_picklable(e))
     sock, _ = listener.accept()
     listener.close()
     with sock:
-        start = _receive_one(sock)
-        assert isinstance(start, StartEngine), start
-        try:
-            engine = LLMEngine(start.config)
-        except Exception as e:
-            sock.sendall(encode(StartupFailed(_picklable(e))))
+        if engine is None:
+            sock.sendall(encode(first))
             return 1
         try:
-            sock.sendall(encode(EngineReady(engine.info, engine.model_path, engine.config, engine.summary())))
+            sock.sendall(encode(first))
             EngineCore(engine, sock).run()
             return 0
         except WorkerError:
             return 1
         finally:
             engine.shutdown()
-
-
-def _receive_one(sock: socket.socket) -> object:
-    frames = FrameBuffer()
-    while True:
-        data = sock.recv(_RECV_BYTES)
-        if not data:
-            raise SystemExit(1)    # the HTTP process went away before it said what to run
-        messages = frames.feed(data)
-        if messages:
-            return messages[0]
 
 
 def _picklable(e: BaseException) -> BaseException:

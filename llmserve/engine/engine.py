@@ -63,10 +63,16 @@ class LLMEngine:
         if device == "cuda" and config.tp > torch.cuda.device_count():
             raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {torch.cuda.device_count()}")
 
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        # The workers start first: they import torch while the tokenizer loads here.
+        self.workers = ModelWorkerGroup(config.tp)
+        try:
+            self.tokenizer = load_tokenizer(self.model_path)
+            self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        except BaseException:
+            self.workers.close()
+            raise
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.workers = ModelWorkerGroup([
+        self.info = self.workers.init_model([
             WorkerInitArgs(
                 model_path=self.model_path, model_type=model_type, tp_rank=rank, world_size=config.tp, device=device, dtype=config.dtype,
                 max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
@@ -75,7 +81,6 @@ class LLMEngine:
             )
             for rank in range(config.tp)
         ])
-        self.info = self.workers.info
         self.limits = RequestLimits.of_model(self.info)
         self.scheduler = Scheduler(SchedulerConfig(
             max_total_token_num=self.info.max_total_token_num,

@@ -1,12 +1,13 @@
 """What the HTTP process and the engine-core process say to each other over their local socket:
 plain dataclasses, one verb each, pickled and framed by an 8-byte length.
 
-HTTP -> core: ``StartEngine`` (once, first), then ``AddRequest``, ``AbortRequests``, ``Shutdown``.
+HTTP -> core: ``StartEngine`` (once, on the core's stdin, as it is started), then over the socket
+``AddRequest``, ``AbortRequests``, ``Shutdown``.
 Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
 step (every request's delta of that step, plus a stats snapshot), ``StepFailed`` when a step
 raised for no request of its own, and ``EngineDead`` last if the engine cannot go on.
 
-After ``StartEngine``, each HTTP -> core frame is a list of messages: all that the HTTP process
+Each HTTP -> core frame on the socket is a list of messages: all that the HTTP process
 sent in one turn of its event loop, taken in whole by the core between two steps.
 
 Requests arrive validated and tokenized; their ids are the HTTP process's. Both ends are the

@@ -47,35 +47,52 @@ class ModelRpcClient:
             self.conn.close()
         except Exception:
             pass
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+
+def _stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class ModelWorkerGroup:
-    """All ranks of one model, stepped together."""
+    """All ranks of one model, stepped together.
 
-    def __init__(self, args: list[WorkerInitArgs]):
-        # Elsewhere than on Linux, socket files in a directory removed on close (a killed router
+    Made in two steps, so that the engine loads its tokenizer while the worker processes start
+    (each spends seconds importing torch): ``ModelWorkerGroup(world_size)`` starts the processes,
+    ``init_model(args)`` connects and loads the model in them."""
+
+    def __init__(self, world_size: int):
+        # Elsewhere than on Linux, socket files in a directory removed on close (a killed engine
         # leaves them behind there).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
-        # The router's PID in the name tells whose workers these are (ss -xlp; tests look for it).
+        # The engine's PID in the name tells whose workers these are (ss -xlp; tests look for it).
         prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
+        self._started: list[tuple[str, subprocess.Popen]] = []
         self.clients: list[ModelRpcClient] = []
         try:
-            for a in args:
-                address = f"{prefix}rank{a.tp_rank}.sock"
-                proc = _start_worker_process(address)
-                self.clients.append(ModelRpcClient(proc, _connect(address, proc)))
-            infos = self._gather([c.init_model(a) for c, a in zip(self.clients, args)])
-            self.info: WorkerInfo = infos[0]
+            for rank in range(world_size):
+                address = f"{prefix}rank{rank}.sock"
+                self._started.append((address, _start_worker_process(address)))
         except BaseException:
             self.close()
             raise
+
+    def init_model(self, args: list[WorkerInitArgs]) -> WorkerInfo:
+        """Connect to each rank and load the model there; the first rank's ``WorkerInfo``."""
+        try:
+            for address, proc in self._started:
+                self.clients.append(ModelRpcClient(proc, _connect(address, proc)))
+            infos = self._gather([c.init_model(a) for c, a in zip(self.clients, args)])
+        except BaseException:
+            self.close()
+            raise
+        self.info: WorkerInfo = infos[0]
+        return self.info
 
     def step(self, step: StepInput) -> StepOutput | None:
         try:
@@ -99,12 +116,14 @@ class ModelWorkerGroup:
         return out
 
     def alive(self) -> bool:
-        return all(c.proc.poll() is None for c in self.clients)
+        return all(proc.poll() is None for _, proc in self._started)
 
     def close(self) -> None:
         for c in self.clients:
             c.close()
-        self.clients = []
+        for _, proc in self._started:
+            _stop_process(proc)
+        self.clients, self._started = [], []
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
 

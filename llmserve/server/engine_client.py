@@ -134,27 +134,37 @@ class RequestStream:
 # -- the process ---------------------------------------------------------------------------
 
 class EngineCoreProcess:
-    """``python -m llmserve.engine.core_main``, started and connected; ``ready`` once it has
-    loaded the model (its workers are its children)."""
+    """``python -m llmserve.engine.core_main``: started with what to run on its stdin, so that it
+    loads the model while this process does its own start-up; ``wait_ready`` connects and waits
+    until the model is loaded (its workers are its children)."""
 
     def __init__(self, config: EngineConfig, log_level: str = "warning"):
         # The HTTP process's PID in the name tells whose core this is (ss -xlp; tests look for it).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
         prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
-        address = prefix + "core.sock"
+        self._address = prefix + "core.sock"
         # A fresh interpreter, as for the workers: the parent's __main__ is never re-imported.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.engine.core_main", address, str(os.getpid()), log_level],
-            stdin=subprocess.DEVNULL)
+            [sys.executable, "-m", "llmserve.engine.core_main", self._address, str(os.getpid()), log_level],
+            stdin=subprocess.PIPE)
         try:
-            self.sock = self._connect(address)
-            self.sock.sendall(encode(StartEngine(config)))
+            self.proc.stdin.write(pickle.dumps(StartEngine(config), protocol=pickle.HIGHEST_PROTOCOL))
+            self.proc.stdin.close()
+        except OSError:
+            pass        # it died already: wait_ready says so, with its exit code
+        self.sock: socket.socket | None = None
+
+    def wait_ready(self) -> EngineReady:
+        """Connect, and wait until the core has loaded the model (however long that takes: a core
+        that dies is noticed at once). Re-raises the core's start-up error."""
+        try:
+            self.sock = self._connect(self._address)
             reply = self._receive_one()
             if isinstance(reply, StartupFailed):
                 raise reply.error
             assert isinstance(reply, EngineReady), reply
-            self.ready: EngineReady = reply
             self.sock.settimeout(None)
+            return reply
         except BaseException:
             self.stop(graceful=False)
             raise
@@ -194,9 +204,10 @@ class EngineCoreProcess:
 
     def stop(self, graceful: bool = True) -> None:
         """Close our end (the core takes it for a shutdown) and wait for the core to exit."""
-        sock = getattr(self, "sock", None)
-        if sock is not None:
-            sock.close()
+        if self.sock is not None:
+            self.sock.close()
+        else:
+            graceful = False    # not connected: it cannot be told, and has nothing to finish
         if self.proc.poll() is None:
             if not graceful:
                 self.proc.kill()

@@ -89,8 +89,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     model_path = resolve_model_path(engine_config.model)
     sampling_defaults = load_sampling_defaults(config.generation_config, model_path)
     check_model_before_start(model_path, engine_config.tp)   # in a second, before any process starts
-    core = EngineCoreProcess(engine_config, log_level)
+    core = EngineCoreProcess(engine_config, log_level)      # it loads the model from now on
     try:
+        tokenizer = load_tokenizer(model_path)                # meanwhile, this process's own
+        ready = core.wait_ready()
         metrics = ServerMetrics()
         server: _Server | None = None
 
@@ -98,8 +100,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
             if server is not None:
                 server.stop_with_error(error)
 
-        engine = EngineClient(core.sock, core.ready, load_tokenizer(core.ready.model_path), metrics,
-                              on_fatal=on_fatal, proc=core.proc)
+        engine = EngineClient(core.sock, ready, tokenizer, metrics, on_fatal=on_fatal, proc=core.proc)
         state = ServerState(config, engine, metrics, chat_template, sampling_defaults)
         print(f"{engine.summary}, max {state.limits.max_total_tokens} tokens per request, "
               f"chat template: {describe_template(state)}, sampling defaults: {sampling_defaults.summary()}",
