@@ -74,6 +74,22 @@ def port_is_free(port: int) -> bool:
         return True
 
 
+def assert_unhealthy_then_exits_nonzero(server: ServerProcess, after: str) -> None:
+    """Right after a fatal error: /health says so for as long as the server still answers (it is
+    on its way out), and it exits non-zero within EXIT_TIMEOUT_S."""
+    try:
+        r = httpx.get(server.url + "/health", timeout=5)
+        assert r.status_code == 503, r.text
+        assert r.json()["error_type"] == "unhealthy"
+    except httpx.TransportError:
+        pass   # it has already stopped listening; it must still exit, below
+    try:
+        rc = server.proc.wait(timeout=EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the server did not exit within {EXIT_TIMEOUT_S} s of {after}:\n{server.output()}")
+    assert rc != 0
+
+
 def assert_turns_unhealthy_and_exits_nonzero(server: ServerProcess, after: str) -> None:
     """/health turns 503 (or the server has stopped listening), from then on never says healthy
     again, and the server exits non-zero."""
@@ -138,18 +154,7 @@ def test_worker_death_fails_streams_and_exits_nonzero(tiny_llama_dir):
         assert_ended_with_error(events)
         assert events[-1]["error_type"] == "generation"
 
-        # /health says so for as long as the server still answers (it is on its way out)
-        try:
-            r = httpx.get(server.url + "/health", timeout=5)
-            assert r.status_code == 503, r.text
-            assert r.json()["error_type"] == "unhealthy"
-        except httpx.TransportError:
-            pass   # it has already stopped listening; it must still exit, below
-        try:
-            rc = server.proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the server did not exit within {EXIT_TIMEOUT_S} s of its worker's death:\n{server.output()}")
-        assert rc != 0
+        assert_unhealthy_then_exits_nonzero(server, "its worker's death")
         assert time.monotonic() - killed[0] < EXIT_TIMEOUT_S
         assert "worker" in server.output()
         assert port_is_free(server.port)
@@ -185,18 +190,7 @@ def test_engine_core_death_fails_streams_and_exits_nonzero(tiny_llama_dir):
             assert_ended_with_error(events)
             assert events[-1]["error_type"] == "generation"
             assert "engine core" in events[-1]["error"], events[-1]
-        try:
-            r = httpx.get(server.url + "/health", timeout=5)
-            assert r.status_code == 503, r.text
-            assert r.json()["error_type"] == "unhealthy"
-        except httpx.TransportError:
-            pass   # it has already stopped listening; it must still exit, below
-        try:
-            rc = server.proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the server did not exit within {EXIT_TIMEOUT_S} s of its engine core's death:\n"
-                                 f"{server.output()}")
-        assert rc != 0
+        assert_unhealthy_then_exits_nonzero(server, "its engine core's death")
         assert time.monotonic() - killed[0] < EXIT_TIMEOUT_S
         error_lines = [line for line in server.output().splitlines() if line.startswith("llmserve: error:")]
         assert len(error_lines) == 1 and "engine core exited" in error_lines[0], server.output()
