@@ -361,16 +361,73 @@ def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
 
 
 def load_gguf_tokenizer(path: str) -> Any:
-    """The tokenizer embedded in a GGUF file, via ``AutoTokenizer.from_pretrained(..., gguf_file=...)``."""
+    """The tokenizer embedded in a GGUF file, via ``AutoTokenizer.from_pretrained(..., gguf_file=...)``.
+
+    Converting the GGUF vocabulary to a fast tokenizer takes seconds (about 8 s for SmolLM2's on
+    a laptop core) and every process that serves the file needs one, so the converted tokenizer
+    is saved once under the cache folder (``tokenizer_cache_dir``) and loaded from there after,
+    keyed by the file's path, size and modification time and the transformers version. A cache
+    that cannot be written is skipped.
+    """
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file {path} does not exist")
     from transformers import AutoTokenizer  # heavy import, only needed here
 
+    cached = _cached_tokenizer_dir(path)
+    if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception:
+            pass    # a damaged cache entry: convert again, below
     directory, name = os.path.split(os.path.abspath(path))
     try:
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except Exception as e:  # transformers raises many types for a bad or unsupported file
         raise ModelLoadError(f"cannot load the tokenizer of GGUF file {path}: {e}") from e
+    if cached is not None:
+        _save_to_cache(tokenizer, cached)
+    return tokenizer
+
+
+def tokenizer_cache_dir() -> str:
+    """``$LLMSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/llmserve``, else ``~/.cache/llmserve``."""
+    root = os.environ.get("LLMSERVE_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
+    return os.path.join(root, "gguf-tokenizers")
+
+
+def _cached_tokenizer_dir(path: str) -> str | None:
+    import hashlib
+
+    import transformers
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}"
+    return os.path.join(tokenizer_cache_dir(), hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def _save_to_cache(tokenizer: Any, target: str) -> None:
+    """Save next to ``target`` and rename into place, so that a process reading the cache never
+    sees half a tokenizer, and two processes converting at once both succeed."""
+    import shutil
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(target))
+    except OSError:
+        return
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        pass        # another process put it there first, or the folder is read-only
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _config_of(reader: GGUFReader, path: str) -> tuple[dict[str, Any], _ArchSpec]:

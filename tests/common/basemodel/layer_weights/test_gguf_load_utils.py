@@ -356,3 +356,54 @@ def test_truncated_gguf(tmp_path: Path, smollm_path: str) -> None:
         path.write_bytes(f.read(6_000_000))
     with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
         load_gguf(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# the tokenizer cache
+
+
+def test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache(smollm_path, tmp_path, monkeypatch) -> None:
+    import transformers
+
+    import llmserve.common.basemodel.layer_weights.gguf_load_utils as gguf_module
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    conversions = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def counting(*args, **kwargs):
+        if "gguf_file" in kwargs:
+            conversions.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    fresh = load_gguf_tokenizer(smollm_path)
+    cached = load_gguf_tokenizer(smollm_path)
+    assert len(conversions) == 1
+    assert len(os.listdir(gguf_module.tokenizer_cache_dir())) == 1
+    texts = ["The capital of France is Paris.", "<|im_start|>user\nhi<|im_end|>\n", "naïve café 日本語 🙂", "a  \t b\n\n c"]
+    assert [cached(t).input_ids for t in texts] == [fresh(t).input_ids for t in texts]
+    assert cached.get_vocab() == fresh.get_vocab() and cached.all_special_ids == fresh.all_special_ids
+    assert (cached.bos_token_id, cached.eos_token_id) == (fresh.bos_token_id, fresh.eos_token_id)
+    chat = [{"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+    # a changed file gets another cache entry: the key holds its path, size and modification time
+    other = tmp_path / "model.gguf"
+    other.write_bytes(b"GGUF")
+    key = gguf_module._cached_tokenizer_dir(str(other))
+    assert key != gguf_module._cached_tokenizer_dir(smollm_path)
+    os.utime(other, ns=(0, 10**9))
+    assert gguf_module._cached_tokenizer_dir(str(other)) != key
+    other.write_bytes(b"GGUF, longer")
+    os.utime(other, ns=(0, 10**9))
+    assert gguf_module._cached_tokenizer_dir(str(other)) not in (key, None)
+
+
+def test_gguf_tokenizer_loads_when_the_cache_cannot_be_written(smollm_path, tmp_path, monkeypatch) -> None:
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(blocked))
+    tokenizer = load_gguf_tokenizer(smollm_path)
+    assert tokenizer("Paris").input_ids
