@@ -1,7 +1,8 @@
 """The one admission check: what a request must satisfy before the engine takes it.
 
-It runs once, where a request enters: the HTTP process's API edge (``ServerState.start``, with
-the server's limits), or ``LLM.generate`` / ``LLMEngine.add_request`` offline (with the model's).
+It runs once, where a request enters: the HTTP process's API edge (``ServerState.start_all``,
+with the server's limits), or ``LLMEngine.new_request`` offline (``LLM.generate``,
+``LLMEngine.add_request``; with the model's).
 Past that point the engine trusts the request: the engine core and the scheduler only assert.
 ``SamplingParams`` checks its own ranges when it is made; this adds what depends on the model
 and the limits. Errors are ``InvalidRequest`` in the engine's field names, which each API renders

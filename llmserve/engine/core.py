@@ -135,8 +135,7 @@ class EngineCore:
 
     def _check_workers(self) -> None:
         if not self.engine.workers.alive():
-            codes = [c.proc.poll() for c in self.engine.workers.clients]
-            raise WorkerError(f"a model worker exited (exit codes {codes})")
+            raise WorkerError(f"a model worker exited (exit codes {self.engine.workers.exit_codes()})")
 
     # -- to the HTTP process -------------------------------------------------------------
     def _stats(self) -> EngineStats:
@@ -200,17 +199,17 @@ def serve(address: str) -> int:
         first = StartupFailed(_picklable(e))
     sock, _ = listener.accept()
     listener.close()
-    with sock:
-        if engine is None:
+    try:
+        with sock:
             sock.sendall(encode(first))
-            return 1
-        try:
-            sock.sendall(encode(first))
+            if engine is None:
+                return 1
             EngineCore(engine, sock).run()
             return 0
-        except WorkerError:
-            return 1
-        finally:
+    except WorkerError:
+        return 1
+    finally:
+        if engine is not None:
             engine.shutdown()
 
 

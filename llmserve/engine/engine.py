@@ -112,7 +112,7 @@ class LLMEngine:
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """A validated request, not queued yet (``LLM.generate`` checks all its prompts before it
         queues any)."""
-        self.validate(prompt_token_ids, params)
+        check_request(prompt_token_ids, params, self.limits)
         return Request(next(self._ids), list(prompt_token_ids), params)
 
     def enqueue(self, req: Request) -> None:
@@ -120,9 +120,6 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
         self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        check_request(prompt_token_ids, params, self.limits)
 
     def abort_request(self, req_id: int) -> None:
         req = self.scheduler.abort_request(req_id)
@@ -159,8 +156,8 @@ class LLMEngine:
         return updated
 
     def _trace_step(self, scheduled: list[ScheduledRequest], started: float) -> None:
-        # A decode row feeds the one token sampled last step; everything else is prompt.
-        decode = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.request.num_cached > 0)
+        # Before update_after_step, so the scheduler still sees each request as it was scheduled.
+        decode = sum(1 for s in scheduled if self.scheduler.is_decoding(s.request))
         prefill = sum(s.num_new_tokens for s in scheduled) - decode
         self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), "decode": decode,
                                       "prefill": prefill, "waiting": self.scheduler.num_waiting}) + "\n")

@@ -94,10 +94,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         preempted = self._preempt_until_decodes_fit()
-        scheduled = [ScheduledRequest(req, 1) for req in self.running if self._is_decoding(req)]
+        scheduled = [ScheduledRequest(req, 1) for req in self.running if self.is_decoding(req)]
         budget = _PrefillBudget(self.config.max_prefill_tokens)
         for req in self.running:   # prompts under way first: they are older than any waiting one
-            if not self._is_decoding(req):
+            if not self.is_decoding(req):
                 chunk = self._chunk(req, budget)
                 if chunk == 0:
                     break
@@ -174,17 +174,17 @@ class Scheduler:
     def _num_uncached(req: Request) -> int:
         return req.num_tokens - req.num_cached
 
-    def _is_decoding(self, req: Request) -> bool:
+    def is_decoding(self, req: Request) -> bool:
         """A running request feeds one sampled token; the others are part-way through a prompt."""
         return self._num_uncached(req) == 1 and req.num_cached > 0
 
     def _num_decode_tokens(self) -> int:
         """Tokens the decoding requests feed this step (one each)."""
-        return sum(1 for req in self.running if self._is_decoding(req))
+        return sum(1 for req in self.running if self.is_decoding(req))
 
     def _num_uncommitted_slots(self) -> int:
         """Free slots less those reserved for the rest of the prompts under way."""
-        committed = sum(self._num_uncached(req) for req in self.running if not self._is_decoding(req))
+        committed = sum(self._num_uncached(req) for req in self.running if not self.is_decoding(req))
         return self.num_free_slots - committed
 
     @property

@@ -115,8 +115,12 @@ class ModelWorkerGroup:
                 raise _as_local_error(e) from None
         return out
 
+    def exit_codes(self) -> list[int | None]:
+        """Each rank's exit code, None while it runs."""
+        return [proc.poll() for _, proc in self._started]
+
     def alive(self) -> bool:
-        return all(proc.poll() is None for _, proc in self._started)
+        return all(code is None for code in self.exit_codes())
 
     def close(self) -> None:
         for c in self.clients:

@@ -1,10 +1,10 @@
 """The entry point of a model worker process: ``python -m llmserve.worker.main
-ADDRESS ROUTER_PID``.
+ADDRESS PARENT_PID`` (the engine core's PID).
 
-Its first job, before the seconds it takes to import torch, is to tie its life to the engine core's:
-a worker outlives its engine core only by accident (the engine core was killed, maybe while this worker
-was still starting or loading weights), and should then leave at once rather than hold a GPU
-and memory forever. Only then does it import the model code and serve (``model_worker``).
+Its first job, before the seconds it takes to import torch, is to tie its life to the engine
+core's: a worker outlives its engine core only by accident (the engine core was killed, maybe
+while this worker was still starting or loading weights), and should then leave at once rather
+than hold a GPU and memory forever. Only then does it import the model code and serve (``model_worker``).
 """
 
 from __future__ import annotations
