@@ -36,9 +36,10 @@ remove_script_dir_from_sys_path()
 
 import torch  # noqa: E402
 
-from llmserve.engine.engine import EngineConfig, LLMEngine  # noqa: E402  (after the sys.path fix above)
+from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resolve_model_path  # noqa: E402  (after the sys.path fix above)
 from llmserve.engine.request import Request  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
+from llmserve.tokenizer import load_tokenizer  # noqa: E402
 
 
 @dataclass
@@ -106,8 +107,9 @@ def main() -> int:
         counts *= len(levels)
     if len(counts) != len(levels):
         raise SystemExit("--num-prompts: one number, or one per --concurrency value")
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_running_requests=max(levels),
-                                    max_total_token_num=args.max_total_token_num))
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_running_requests=max(levels),
+                          max_total_token_num=args.max_total_token_num)
+    engine = LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
     vocab = engine.info.vocab_size
     rng = random.Random(0)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.common.errors import ModelLoadError
 
 __all__ = ["DEFAULT_MODEL_NAME", "default_model_path"]
 

@@ -31,7 +31,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.common.errors import ModelLoadError
 from llmserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from llmserve.sampling_params import SamplingParams
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from llmserve.chat_template import ChosenTemplate, StopWords, choose_chat_template, load_chat_template
 from llmserve.chat_template.base import Message
 from llmserve.generation_config import load_sampling_defaults
+from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resolve_model_path
+from llmserve.engine.request import RequestDelta
+from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
-from llmserve.engine.engine import EngineConfig, LLMEngine, resolve_model_path
-from llmserve.engine.request import Request
+from llmserve.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -28,7 +30,7 @@ class RequestOutput:
     error: str | None = None
 
     @classmethod
-    def from_request(cls, req: Request) -> RequestOutput:
+    def from_request(cls, req: ClientRequest) -> RequestOutput:
         wants = req.params.logprobs is not None
         return cls(
             text=req.output_text, token_ids=list(req.output_token_ids),
@@ -53,9 +55,11 @@ class LLM:
         ``generation_config``: as ``llmserve serve --generation-config``; its values make the
         SamplingParams of a ``generate``/``chat`` call that passes none (as vLLM's LLM does)."""
         loaded = load_chat_template(chat_template) if chat_template else None
-        self.sampling_defaults = load_sampling_defaults(generation_config, resolve_model_path(model))
-        self.engine = LLMEngine(EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options))
-        self.tokenizer = self.engine.tokenizer
+        model_path = resolve_model_path(model)
+        self.sampling_defaults = load_sampling_defaults(generation_config, model_path)
+        config = EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options)
+        self.tokenizer = load_tokenizer(model_path)
+        self.engine = LLMEngine(config, inspect_model(config, self.tokenizer))
         self.chat_template = choose_chat_template(loaded, self.tokenizer, self.engine.model_path)
 
     @property
@@ -81,17 +85,21 @@ class LLM:
         token_lists = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
         # all validated before any is queued
         requests = [self.engine.new_request(ids, p) for ids, p in zip(token_lists, params)]
+        outputs = {r.req_id: ClientRequest.start(r.req_id, r.prompt_token_ids, r.params, self.tokenizer) for r in requests}
         for r in requests:
             self.engine.enqueue(r)
         try:
-            while any(not r.is_finished for r in requests):
-                self.engine.step()
+            while any(not out.is_finished for out in outputs.values()):
+                for req in self.engine.step():
+                    out = outputs.get(req.req_id)    # None: a request someone queued on the engine itself
+                    if out is not None and out.apply(RequestDelta.of(req)):   # a stop string ended it
+                        self.engine.abort_request(req.req_id)
         except BaseException:
             for r in requests:   # nothing of this call stays queued (a Ctrl-C, a dead worker)
                 self.engine.abort_request(r.req_id)
             raise
         self.engine.flush()
-        return [RequestOutput.from_request(r) for r in requests]
+        return [RequestOutput.from_request(outputs[r.req_id]) for r in requests]
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams' defaults with the model's recommended sampling (see generation_config.py)."""

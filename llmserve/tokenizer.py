@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf_tokenizer
-from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.common.errors import ModelLoadError
 
 
 def load_tokenizer(model_path: str) -> Any:

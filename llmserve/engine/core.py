@@ -8,8 +8,9 @@ A step runs on a helper thread only so that the loop can notice a dead worker wh
 (in TP the surviving ranks may wait in a collective forever); the loop does nothing else
 meanwhile, so the engine is never touched by two threads at once.
 
-Detokenization and stop strings still run here, inside ``LLMEngine.step`` (the deltas carry the
-text); moving them to the HTTP process is a later step.
+The core deals in token ids only: the HTTP process detokenizes, matches stop strings and aborts
+a request whose stop string it found (``llmserve.output``). So this process needs no tokenizer,
+and imports neither torch nor transformers (its workers do).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import TypeVar
 
 from llmserve.engine.engine import LLMEngine
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, RequestDelta,
-    Shutdown, StartEngine, StartupFailed, StepFailed, encode,
+    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
+    StartEngine, StartupFailed, StepFailed, encode,
 )
-from llmserve.engine.request import FinishReason, Request
+from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.worker.protocol import WorkerError, error_line, socket_path
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class EngineCore:
             self.engine.enqueue(req)
         except Exception as e:
             logger.exception("request %d could not be queued", req.req_id)
-            self._send(EngineOutputs([RequestDelta(req.req_id, None, "", finish_reason=FinishReason.ERROR,
+            self._send(EngineOutputs([RequestDelta(req.req_id, None, finish_reason=FinishReason.ERROR,
                                                    error=error_line(e))], self._stats()))
 
     # -- one step ------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class EngineCore:
                 self.engine.abort_request(req_id)
             self._send(StepFailed(req_ids, f"the engine step failed: {e}"))
             return []
-        return [_delta(req) for req in updated]
+        return [RequestDelta.of(req) for req in updated]
 
     def _in_thread(self, fn: Callable[[], T]) -> T:
         future = self._executor.submit(fn)
@@ -162,25 +163,11 @@ class EngineCore:
             pass
 
 
-def _delta(req: Request) -> RequestDelta:
-    if req.error is not None:
-        return RequestDelta(req.req_id, None, "", finish_reason=req.finish_reason, error=req.error)
-    first = req.num_output_tokens == 1   # prompt logprobs are ready by the first token: send them once
-    return RequestDelta(
-        req.req_id, token_id=req.output_token_ids[-1], text=req.take_stream_delta(),
-        logprob=req.output_logprobs[-1] if req.output_logprobs else None,
-        top_logprobs=req.output_top_logprobs[-1] if req.output_top_logprobs else None,
-        finish_reason=req.finish_reason,
-        prompt_logprobs=req.prompt_logprobs if first else None,
-        prompt_top_logprobs=req.prompt_top_logprobs if first else None,
-    )
-
-
 # -- the process -----------------------------------------------------------------------------
 
 def serve(address: str) -> int:
     """The engine-core process's life: read what to run from stdin (the HTTP process writes one
-    ``StartEngine`` there as it starts us, so the model loads while it loads its own tokenizer),
+    ``StartEngine`` there as it starts us),
     build the engine, then accept the HTTP process on ``address`` and serve it. Returns the exit
     code."""
     try:
@@ -193,8 +180,8 @@ def serve(address: str) -> int:
     listener.listen(1)      # the HTTP process may connect now; it waits for EngineReady
     engine: LLMEngine | None = None
     try:
-        engine = LLMEngine(start.config)
-        first: object = EngineReady(engine.info, engine.model_path, engine.config, engine.summary())
+        engine = LLMEngine(start.config, start.model)
+        first: object = EngineReady(engine.info, engine.config, engine.model, engine.summary())
     except Exception as e:
         first = StartupFailed(_picklable(e))
     sock, _ = listener.accept()

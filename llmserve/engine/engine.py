@@ -1,7 +1,9 @@
-"""LLMEngine: tokenizer, scheduler and model workers, advanced one step at a time.
+"""LLMEngine: scheduler and model workers, advanced one step at a time, over token ids.
 
-The offline ``LLM`` loops ``step()`` until its prompts finish; the HTTP server's router drives
-the same engine from its event loop. Nothing here knows which of them is calling.
+The offline ``LLM`` loops ``step()`` until its prompts finish; in the server the engine-core
+process (``core.py``) drives it. Nothing here knows which of them is calling. Text is the
+caller's (``llmserve.output``): this module imports neither torch nor transformers, so the
+engine-core process starts in a fraction of a second.
 
 A failure tied to one request (its sampling parameters, a forward that raises on its rows, its
 text that will not decode) ends that request: it finishes with ``FinishReason.ERROR`` and
@@ -18,17 +20,13 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
-from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.common.errors import ModelLoadError
 from llmserve.default_model import default_model_path
 from llmserve.engine.admission import RequestLimits, check_request
-from llmserve.engine.detokenize import IncrementalDetokenizer
 from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llmserve.engine.worker_client import ModelWorkerGroup, free_tcp_port
 from llmserve.sampling_params import SamplingParams
-from llmserve.tokenizer import eos_token_ids, load_tokenizer
 from llmserve.worker.protocol import BatchEntry, StepInput, StepOutput, WorkerInitArgs, error_line
 
 logger = logging.getLogger(__name__)
@@ -46,38 +44,56 @@ class EngineConfig:
     max_prefill_tokens: int = 8192      # prompt tokens per step
     chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
 
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as the front end found it before starting an engine (``inspect_model``): the
+    engine trusts it, and needs neither torch nor a tokenizer to get it."""
+    path: str
+    model_type: str
+    device: str                         # cpu | cuda ("auto" resolved)
+    eos_token_ids: frozenset[int]       # every id that ends a generation (tokenizer.eos_token_ids)
+
+
+def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
+    """What the front end (the HTTP process, the offline ``LLM``) learns of the model before an
+    engine starts: the errors a config alone reveals (a missing path, an unknown architecture,
+    heads that tp cannot split, too few GPUs) come from here in a second, instead of from every
+    worker after start-up. Imports torch and transformers, so the engine core never calls it."""
+    import torch
+
+    from llmserve.common.basemodel.basemodel import hf_config_from_dict, verify_tp_split
+    from llmserve.models.registry import get_model_class, peek_model_config
+    from llmserve.tokenizer import eos_token_ids
+
+    if config.tp < 1:
+        raise ValueError(f"tp must be >= 1, got {config.tp}")
+    path = resolve_model_path(config.model)
+    raw = peek_model_config(path)
+    get_model_class(raw.get("model_type"))
+    verify_tp_split(hf_config_from_dict(raw), config.tp)
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and config.tp > torch.cuda.device_count():
+        raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {torch.cuda.device_count()}")
+    return ModelSpec(path, raw["model_type"], device, frozenset(eos_token_ids(path, tokenizer)))
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: ModelSpec):
         self.config = config
-        self.model_path = resolve_model_path(config.model)
-        if config.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {config.tp}")
-        model_type = check_model_before_start(self.model_path, config.tp)   # fail fast, before starting any process
-        device = config.resolved_device()
-        if device == "cuda" and config.tp > torch.cuda.device_count():
-            raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {torch.cuda.device_count()}")
-
-        # The workers start first: they import torch while the tokenizer loads here.
+        self.model = model
+        self.model_path = model.path
+        self.eos_token_ids = model.eos_token_ids
         self.workers = ModelWorkerGroup(config.tp)
-        try:
-            self.tokenizer = load_tokenizer(self.model_path)
-            self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-        except BaseException:
-            self.workers.close()
-            raise
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.info = self.workers.init_model([
             WorkerInitArgs(
-                model_path=self.model_path, model_type=model_type, tp_rank=rank, world_size=config.tp, device=device, dtype=config.dtype,
-                max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
+                model_path=model.path, model_type=model.model_type, tp_rank=rank, world_size=config.tp, device=model.device,
+                dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
                 max_req_num=config.max_running_requests, dist_init_method=init_method,
-                eos_token_ids=sorted(self.eos_token_ids),
+                eos_token_ids=sorted(model.eos_token_ids),
             )
             for rank in range(config.tp)
         ])
@@ -88,7 +104,6 @@ class LLMEngine:
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
         ))
         self.requests: dict[int, Request] = {}
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._ids = itertools.count()
         # LLMSERVE_STEP_TRACE=FILE: one JSON line per step (times and batch shape), to see where
@@ -119,7 +134,6 @@ class LLMEngine:
         """Queue a request that passed ``check_request`` (here, or at the server's API edge)."""
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
-        self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=req.prompt_token_ids)
 
     def abort_request(self, req_id: int) -> None:
         req = self.scheduler.abort_request(req_id)
@@ -181,12 +195,9 @@ class LLMEngine:
                 req.set_prompt_logprobs(result.prompt_logprobs[i], result.prompt_top_logprobs[i])
             if not s.samples:      # a chunk of a prompt still being prefilled: no token yet
                 return None
-            token = result.token_ids[i]
-            reason = req.append_token(
-                token, self._detokenizers[req.req_id].step(token), eos_token_ids=self.eos_token_ids,
-                logprob=result.logprobs[i], top_logprobs=result.top_logprobs[i],
-            )
-        except Exception as e:     # a tokenizer that cannot decode its tokens, say: its failure, not the engine's
+            reason = req.append_token(result.token_ids[i], eos_token_ids=self.eos_token_ids,
+                                      logprob=result.logprobs[i], top_logprobs=result.top_logprobs[i])
+        except Exception as e:     # output the worker got wrong for this entry: its failure, not the engine's
             logger.exception("request %d: its output could not be taken", req.req_id)
             return error_line(e)
         if reason is not None:
@@ -213,7 +224,6 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         self._to_free.append(req.req_id)
         self.requests.pop(req.req_id, None)
-        self._detokenizers.pop(req.req_id, None)
 
     def flush(self) -> None:
         """Hand the workers any pending frees now (the engine is going idle)."""
@@ -234,15 +244,3 @@ def resolve_model_path(model: str | None) -> str:
     if not os.path.exists(path):
         raise ModelLoadError(f"model path {model!r} does not exist")
     return path
-
-
-def check_model_before_start(model_path: str, tp: int) -> str:
-    """The errors a config alone reveals (unknown architecture, heads that tp cannot split),
-    raised in this process within a second instead of from every worker after start-up."""
-    from llmserve.common.basemodel.basemodel import hf_config_from_dict, verify_tp_split
-    from llmserve.models.registry import get_model_class, peek_model_config
-
-    raw = peek_model_config(model_path)
-    get_model_class(raw.get("model_type"))
-    verify_tp_split(hf_config_from_dict(raw), tp)
-    return raw["model_type"]

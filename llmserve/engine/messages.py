@@ -4,7 +4,7 @@ plain dataclasses, one verb each, pickled and framed by an 8-byte length.
 HTTP -> core: ``StartEngine`` (once, on the core's stdin, as it is started), then over the socket
 ``AddRequest``, ``AbortRequests``, ``Shutdown``.
 Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
-step (every request's delta of that step, plus a stats snapshot), ``StepFailed`` when a step
+step (every request's ``RequestDelta`` of that step: token ids, no text; plus a stats snapshot), ``StepFailed`` when a step
 raised for no request of its own, and ``EngineDead`` last if the engine cannot go on.
 
 Each HTTP -> core frame on the socket is a list of messages: all that the HTTP process
@@ -20,7 +20,8 @@ import pickle
 import struct
 from dataclasses import dataclass, field
 
-from llmserve.engine.request import FinishReason
+from llmserve.engine.engine import EngineConfig, ModelSpec
+from llmserve.engine.request import RequestDelta
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.protocol import WorkerInfo
 
@@ -31,7 +32,8 @@ _HEADER = struct.Struct("!Q")
 
 @dataclass
 class StartEngine:
-    config: object                    # an EngineConfig (typed loosely: engine.py imports torch)
+    config: EngineConfig
+    model: ModelSpec                  # checked by the HTTP process (inspect_model)
 
 
 @dataclass
@@ -56,29 +58,14 @@ class Shutdown:
 @dataclass
 class EngineReady:
     info: WorkerInfo
-    model_path: str
-    config: object                    # the EngineConfig the core runs with
+    config: EngineConfig              # what the core runs: the StartEngine's, echoed
+    model: ModelSpec
     summary: str                      # LLMEngine.summary(): the line `llmserve serve` prints
 
 
 @dataclass
 class StartupFailed:
     error: BaseException              # re-raised by the HTTP process (a ModelLoadError stays one)
-
-
-@dataclass
-class RequestDelta:
-    """What one step did to one request."""
-    req_id: int
-    token_id: int | None              # None when the request failed without a new token
-    text: str                         # text that became safe to stream with this token (may be "")
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: FinishReason | None = None
-    error: str | None = None          # the request failed on its own (finish_reason ERROR)
-    # Sent once, with the request's first token, when it asked for them.
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""Router-side state of one generation request, and the rules that decide when it stops.
+"""Engine-side state of one generation request, and the token rules that decide when it stops.
 
-The router owns one ``Request`` per client request. The scheduler moves it between the
+The engine owns one ``Request`` per client request. The scheduler moves it between the
 waiting queue and the running batch; after every forward pass the engine hands the sampled
-token (and the text the detokenizer made of it) to :meth:`Request.append_token`, which
-records it and decides whether the request is done.
+token to :meth:`Request.append_token`, which records it and decides whether the request is
+done. The engine sees token ids only: the text, and the stop strings found in it, are the
+front end's (``llmserve.output.ClientRequest``), which aborts the request when one matches.
 """
 
 from __future__ import annotations
@@ -56,12 +57,6 @@ class Request:
     # Why the request failed (finish_reason ERROR): one line, fit for the client.
     error: str | None = None
 
-    # The detokenized output. A matched stop string and everything after it are cut off,
-    # and the text of a stop token or EOS token is never added.
-    output_text: str = ""
-    # How much of output_text take_stream_delta() has already handed out.
-    num_streamed_chars: int = 0
-
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -101,24 +96,22 @@ class Request:
     def append_token(
         self,
         token_id: int,
-        text_delta: str,
         *,
         eos_token_ids: Set[int] = frozenset(),
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
     ) -> FinishReason | None:
-        """Record a sampled token and its text; finish the request if a stop rule fires.
+        """Record a sampled token; finish the request if a stop rule fires.
 
-        ``text_delta`` is what the incremental detokenizer returned for this token. The
-        rules are checked in this order, first match wins:
+        The rules are checked in this order, first match wins:
 
-        1. the token is one of ``params.stop_token_ids``: stop, its text is not shown;
-        2. the token is an EOS token and EOS is not ignored: stop, its text is not shown;
-        3. the text now contains a stop string: stop, the text is cut right before it;
-        4. ``max_new_tokens`` tokens have been generated: stop.
+        1. the token is one of ``params.stop_token_ids``: stop (its text is never shown);
+        2. the token is an EOS token and EOS is not ignored: stop (its text is never shown);
+        3. ``max_new_tokens`` tokens have been generated: stop.
 
-        The first ``params.min_tokens`` tokens are checked against rule 4 only (the sampler
-        never picks an EOS or stop token for them; a stop string in their text is let through).
+        The first ``params.min_tokens`` tokens are checked against rule 3 only (the sampler
+        never picks an EOS or stop token for them). Stop strings are checked where the text
+        is made (``ClientRequest.apply``), which then aborts the request here.
 
         Returns the finish reason, or None while the request goes on. The token itself is
         always recorded in ``output_token_ids``, whatever the outcome.
@@ -134,12 +127,8 @@ class Request:
             self.finish(FinishReason.STOP_SEQUENCE)
         elif may_stop and token_id in eos_token_ids and not self.params.ignore_eos:
             self.finish(FinishReason.EOS_TOKEN)
-        else:
-            self.output_text += text_delta
-            if may_stop and self._cut_at_stop_string(num_new_chars=len(text_delta)):
-                self.finish(FinishReason.STOP_SEQUENCE)
-            elif self.num_output_tokens >= self.params.max_new_tokens:
-                self.finish(FinishReason.LENGTH)
+        elif self.num_output_tokens >= self.params.max_new_tokens:
+            self.finish(FinishReason.LENGTH)
         return self.finish_reason
 
     def set_prompt_logprobs(
@@ -154,55 +143,31 @@ class Request:
         """Asked for and not computed yet (a preempted request keeps those of its first prefill)."""
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
-    def _cut_at_stop_string(self, num_new_chars: int) -> bool:
-        """Cut output_text right before the earliest stop string; True if one was found.
 
-        The text before this step's delta held no stop string (or we would have stopped
-        already), so a new match must end inside the delta: only the last
-        ``num_new_chars + len(stop) - 1`` characters need searching.
-        """
-        if num_new_chars == 0:
-            return False
-        match_starts = []
-        for stop in self.params.stop:
-            search_from = max(0, len(self.output_text) - num_new_chars - len(stop) + 1)
-            start = self.output_text.find(stop, search_from)
-            if start != -1:
-                match_starts.append(start)
-        if not match_starts:
-            return False
-        self.output_text = self.output_text[: min(match_starts)]
-        return True
+@dataclass
+class RequestDelta:
+    """What one step did to one request: the engine's whole report of it to the front end."""
+    req_id: int
+    token_id: int | None              # None when the request failed without a new token
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None          # the request failed on its own (finish_reason ERROR)
+    # Sent once, with the request's first token, when it asked for them.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
-    # ----------------------------------------------------------------------------------
-    # Streaming
-    # ----------------------------------------------------------------------------------
-
-    @property
-    def stream_holdback(self) -> int:
-        """How many trailing characters may not be streamed yet.
-
-        While the request runs, its last ``len(longest stop) - 1`` characters could still
-        turn into the start of a stop string, which the client must never see. Once it has
-        finished, output_text is final and nothing is held back.
-        """
-        if self.is_finished or not self.params.stop:
-            return 0
-        return max(len(stop) for stop in self.params.stop) - 1
-
-    @property
-    def streamable_text(self) -> str:
-        """The prefix of output_text that is safe to send to a client now."""
-        num_safe_chars = max(0, len(self.output_text) - self.stream_holdback)
-        return self.output_text[:num_safe_chars]
-
-    def take_stream_delta(self) -> str:
-        """The streamable text not handed out yet; it counts as handed out from now on.
-
-        Concatenating every delta gives the final output_text: a stop string, when cut
-        off, always starts inside the text that was being held back.
-        """
-        streamable = self.streamable_text
-        delta = streamable[self.num_streamed_chars :]
-        self.num_streamed_chars = len(streamable)
-        return delta
+    @classmethod
+    def of(cls, req: Request) -> RequestDelta:
+        """The delta of a request the engine's last step updated (``LLMEngine.step`` returns them)."""
+        if req.error is not None:
+            return cls(req.req_id, None, finish_reason=req.finish_reason, error=req.error)
+        first = req.num_output_tokens == 1   # prompt logprobs are ready by the first token: send them once
+        return cls(
+            req.req_id, token_id=req.output_token_ids[-1],
+            logprob=req.output_logprobs[-1] if req.output_logprobs else None,
+            top_logprobs=req.output_top_logprobs[-1] if req.output_top_logprobs else None,
+            finish_reason=req.finish_reason,
+            prompt_logprobs=req.prompt_logprobs if first else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if first else None,
+        )

@@ -2,9 +2,11 @@
 hand each request's tokens to the handler streaming them.
 
 Handlers call :meth:`EngineClient.generate` and iterate the returned stream; a reader task on
-the event loop takes the core's one message per step apart into per-request ``TokenEvent``s.
-Everything here runs on the event loop (no thread), so the streams and the request mirrors
-need no lock.
+the event loop takes the core's one message per step apart into per-request ``TokenEvent``s,
+detokenizing each token and matching stop strings on the way (``ClientRequest.apply``); a
+request that ends on a stop string is aborted in the core. Everything here runs on the event
+loop (no thread), so the streams, the requests and the tokenizer they detokenize with need no
+lock.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from llmserve.engine.engine import EngineConfig
+from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, RequestDelta,
-    Shutdown, StartEngine, StartupFailed, StepFailed, encode, frame_size,
+    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
+    StartEngine, StartupFailed, StepFailed, encode, frame_size,
 )
 from llmserve.engine.request import FinishReason
+from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import ServerMetrics
 from llmserve.worker.protocol import ABSTRACT_SOCKETS, WorkerInfo, socket_path
@@ -59,48 +62,10 @@ class TokenEvent:
     finish_reason: FinishReason | None         # set on the request's last token
 
 
-@dataclass(eq=False)
-class RequestMirror:
-    """What the API reads of a request, kept up to date from the core's deltas (the real
-    ``Request`` lives in the engine core)."""
-    req_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)
-    # The text streamed so far; once finished, the request's whole output text (stop string cut).
-    output_text: str = ""
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def apply(self, delta: RequestDelta) -> None:
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs, self.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
-        if delta.token_id is not None:
-            self.output_token_ids.append(delta.token_id)
-        self.output_text += delta.text
-        self.finish_reason = delta.finish_reason
-        self.error = delta.error
-
-
 class RequestStream:
     """The tokens of one request, in order. Iterating raises ``EngineError`` if the engine fails."""
 
-    def __init__(self, engine: EngineClient, request: RequestMirror):
+    def __init__(self, engine: EngineClient, request: ClientRequest):
         self.request = request
         self._engine = engine
         self._queue: asyncio.Queue[TokenEvent | EngineError] = asyncio.Queue()
@@ -138,7 +103,7 @@ class EngineCoreProcess:
     loads the model while this process does its own start-up; ``wait_ready`` connects and waits
     until the model is loaded (its workers are its children)."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "warning"):
+    def __init__(self, config: EngineConfig, model: ModelSpec, log_level: str = "warning"):
         # The HTTP process's PID in the name tells whose core this is (ss -xlp; tests look for it).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
         prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
@@ -148,7 +113,7 @@ class EngineCoreProcess:
             [sys.executable, "-m", "llmserve.engine.core_main", self._address, str(os.getpid()), log_level],
             stdin=subprocess.PIPE)
         try:
-            self.proc.stdin.write(pickle.dumps(StartEngine(config), protocol=pickle.HIGHEST_PROTOCOL))
+            self.proc.stdin.write(pickle.dumps(StartEngine(config, model), protocol=pickle.HIGHEST_PROTOCOL))
             self.proc.stdin.close()
         except OSError:
             pass        # it died already: wait_ready says so, with its exit code
@@ -229,10 +194,10 @@ class EngineClient:
     def __init__(self, sock: socket.socket, ready: EngineReady, tokenizer, metrics: ServerMetrics | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None):
         self.info: WorkerInfo = ready.info
-        self.model_path: str = ready.model_path
         self.config: EngineConfig = ready.config
+        self.model_path: str = ready.model.path
         self.summary: str = ready.summary
-        self.tokenizer = tokenizer              # the HTTP process's own: the core has another
+        self.tokenizer = tokenizer              # used on the event loop only: detokenizing, and the API's short texts
         self.metrics = metrics
         self.on_fatal = on_fatal                # the server exits when the engine cannot go on
         self.error: BaseException | None = None
@@ -255,7 +220,7 @@ class EngineClient:
         it); ``EngineError`` if the engine is down."""
         if self.error is not None:
             raise EngineError(f"the engine has stopped: {self.error}")
-        stream = RequestStream(self, RequestMirror(next(self._ids), list(prompt_token_ids), params))
+        stream = RequestStream(self, ClientRequest.start(next(self._ids), prompt_token_ids, params, self.tokenizer))
         self._streams[stream.req_id] = stream
         self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params))
         if self.metrics is not None:
@@ -354,13 +319,14 @@ class EngineClient:
             if stream is None:           # aborted while the step ran
                 continue
             req = stream.request
-            req.apply(delta)
-            if delta.error is not None:
+            if req.apply(delta):         # a stop string ended it: the core need not go on
+                self._send(AbortRequests([req.req_id]))
+            if req.error is not None:
                 del self._streams[delta.req_id]
-                stream._put(RequestError(f"the request failed: {delta.error}"))
+                stream._put(RequestError(f"the request failed: {req.error}"))
                 continue
             self._observe_latency(stream, now)
-            stream._put(TokenEvent(delta.token_id, delta.text, delta.logprob, delta.top_logprobs, delta.finish_reason))
+            stream._put(TokenEvent(delta.token_id, req.take_stream_delta(), delta.logprob, delta.top_logprobs, req.finish_reason))
             if req.is_finished:
                 del self._streams[delta.req_id]
 

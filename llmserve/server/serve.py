@@ -22,7 +22,7 @@ from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.engine_client import EngineClient, EngineCoreProcess
-from llmserve.engine.engine import EngineConfig, check_model_before_start, resolve_model_path
+from llmserve.engine.engine import EngineConfig, inspect_model, resolve_model_path
 from llmserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,10 +88,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     chat_template = load_chat_template(config.chat_template) if config.chat_template else None
     model_path = resolve_model_path(engine_config.model)
     sampling_defaults = load_sampling_defaults(config.generation_config, model_path)
-    check_model_before_start(model_path, engine_config.tp)   # in a second, before any process starts
-    core = EngineCoreProcess(engine_config, log_level)      # it loads the model from now on
+    tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
+    model = inspect_model(engine_config, tokenizer)
+    core = EngineCoreProcess(engine_config, model, log_level)   # it loads the model from now on
     try:
-        tokenizer = load_tokenizer(model_path)                # meanwhile, this process's own
         ready = core.wait_ready()
         metrics = ServerMetrics()
         server: _Server | None = None

@@ -16,8 +16,9 @@ import threading
 import pytest
 
 import llmserve.engine.engine as engine_module
+import llmserve.output as output_module
 from llmserve import LLM, SamplingParams
-from llmserve.engine.detokenize import IncrementalDetokenizer
+from llmserve.detokenize import IncrementalDetokenizer
 from llmserve.engine.core import EngineCore
 from llmserve.engine.messages import EngineReady
 from llmserve.server.engine_client import EngineClient, EngineError, RequestError
@@ -108,7 +109,7 @@ def test_a_detokenizer_error_mid_generation_fails_that_request_alone(tiny, monke
             return super().step(token_id)
 
     expected = alone(tiny)
-    monkeypatch.setattr(engine_module, "IncrementalDetokenizer", FailingDetokenizer)
+    monkeypatch.setattr(output_module, "IncrementalDetokenizer", FailingDetokenizer)
     outs = tiny.generate(["Poison:", *GOOD_PROMPTS], [GOOD_PARAMS[0], *GOOD_PARAMS])
     bad = outs.pop(0)
     assert bad.finish_reason == "error" and "UnicodeDecodeError" in bad.error, bad
@@ -232,7 +233,7 @@ def run_router(llm: LLM, monkeypatch, main) -> tuple:
     core.start()
 
     async def run():
-        ready = EngineReady(engine.info, engine.model_path, engine.config, engine.summary())
+        ready = EngineReady(engine.info, engine.config, engine.model, engine.summary())
         router = EngineClient(ours, ready, llm.tokenizer)
         await router.start()
         try:

@@ -6,14 +6,12 @@ from __future__ import annotations
 import random
 
 from llmserve import SamplingParams
-from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EngineOutputs, EngineStats, FrameBuffer, RequestDelta, encode,
-)
-from llmserve.engine.request import FinishReason
+from llmserve.engine.messages import AbortRequests, AddRequest, EngineOutputs, EngineStats, FrameBuffer, encode
+from llmserve.engine.request import FinishReason, RequestDelta
 
 MESSAGES = [
     [AddRequest(0, [1, 2, 3], SamplingParams(max_new_tokens=4, stop=["\n"])), AbortRequests([7])],
-    EngineOutputs([RequestDelta(0, 42, "hé", logprob=-0.5, top_logprobs=[(42, -0.5)],
+    EngineOutputs([RequestDelta(0, 42, logprob=-0.5, top_logprobs=[(42, -0.5)],
                                 finish_reason=FinishReason.STOP_SEQUENCE, prompt_logprobs=[None, -1.0, -2.0])],
                   EngineStats(num_waiting=1, num_running=2, num_used_slots=30)),
     EngineOutputs(),

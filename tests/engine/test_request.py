@@ -1,13 +1,11 @@
-"""Stop rules and stream hold-back of the router-side Request."""
+"""The token rules of the engine's Request (its text is the front end's: tests/test_output.py)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
+from llmserve.engine.request import FinishReason, Request, RequestDelta, RequestStatus
 from llmserve.sampling_params import SamplingParams
-from llmserve.engine.request import FinishReason, Request, RequestStatus
 
 EOS = 2
 
@@ -16,143 +14,60 @@ def make_request(**params) -> Request:
     return Request(req_id=0, prompt_token_ids=[5, 6, 7], params=SamplingParams(**params))
 
 
-def feed(req: Request, pieces: list[str], eos_token_ids: set[int] = frozenset({EOS})) -> None:
-    """Append one token per text piece (token ids 100, 101, ...) until the request stops."""
-    for n, piece in enumerate(pieces):
-        if req.append_token(100 + n, piece, eos_token_ids=eos_token_ids) is not None:
-            return
-
-
 def test_token_counts_and_all_token_ids():
     req = make_request(max_new_tokens=10)
-    req.append_token(11, "a")
-    req.append_token(12, "b")
+    req.append_token(11)
+    req.append_token(12)
     assert req.all_token_ids == [5, 6, 7, 11, 12]
     assert (req.num_tokens, req.num_prompt_tokens, req.num_output_tokens) == (5, 3, 2)
-    assert req.output_text == "ab"
     assert not req.is_finished and req.finish_reason is None
 
 
 def test_length():
     req = make_request(max_new_tokens=3)
-    feed(req, ["a", "b", "c", "d"])
-    assert req.finish_reason is FinishReason.LENGTH
+    for token_id in (11, 12):
+        assert req.append_token(token_id) is None
+    assert req.append_token(13) is FinishReason.LENGTH
     assert req.status is RequestStatus.FINISHED and req.is_finished
-    assert req.output_text == "abc"
     assert req.num_output_tokens == 3
 
 
-def test_eos_text_is_not_shown():
+def test_eos():
     req = make_request(max_new_tokens=10)
-    req.append_token(11, "hi")
-    assert req.append_token(EOS, "</s>", eos_token_ids={EOS}) is FinishReason.EOS_TOKEN
-    assert req.output_text == "hi"
+    req.append_token(11)
+    assert req.append_token(EOS, eos_token_ids={EOS}) is FinishReason.EOS_TOKEN
     assert req.output_token_ids == [11, EOS]
 
 
 def test_ignore_eos():
     req = make_request(max_new_tokens=2, ignore_eos=True)
-    req.append_token(EOS, "", eos_token_ids={EOS})
+    req.append_token(EOS, eos_token_ids={EOS})
     assert not req.is_finished
-    assert req.append_token(EOS, "", eos_token_ids={EOS}) is FinishReason.LENGTH
+    assert req.append_token(EOS, eos_token_ids={EOS}) is FinishReason.LENGTH
 
 
-def test_stop_token_id_wins_and_is_not_shown():
+def test_stop_token_id_wins():
     # The stop token is also an EOS and the last allowed token: stop_token_ids is checked first.
     req = make_request(max_new_tokens=2, stop_token_ids=[EOS])
-    req.append_token(11, "x")
-    assert req.append_token(EOS, "STOP", eos_token_ids={EOS}) is FinishReason.STOP_SEQUENCE
-    assert req.output_text == "x"
+    req.append_token(11)
+    assert req.append_token(EOS, eos_token_ids={EOS}) is FinishReason.STOP_SEQUENCE
 
 
-def test_stop_string_within_one_delta():
-    req = make_request(max_new_tokens=10, stop=["END"])
-    feed(req, ["Hello", " world", "ENDmore"])
-    assert req.finish_reason is FinishReason.STOP_SEQUENCE
-    assert req.output_text == "Hello world"
-
-
-def test_stop_string_split_over_deltas():
-    req = make_request(max_new_tokens=10, stop=["</answer>"])
-    feed(req, ["42", "</", "ans", "wer", ">", "junk"])
-    assert req.finish_reason is FinishReason.STOP_SEQUENCE
-    assert req.output_text == "42"
-    assert req.num_output_tokens == 5
-
-
-def test_earliest_stop_string_wins():
-    req = make_request(max_new_tokens=10, stop=["cd", "b"])
-    feed(req, ["a", "xbcd"])
-    assert req.output_text == "ax"
-
-
-def test_stop_string_beats_length():
-    req = make_request(max_new_tokens=2, stop=["!"])
-    feed(req, ["a", "b!"])
-    assert req.finish_reason is FinishReason.STOP_SEQUENCE
-    assert req.output_text == "ab"
+def test_stop_strings_are_not_the_engines():
+    req = make_request(max_new_tokens=3, stop=["a"])
+    assert [req.append_token(t) for t in (11, 12, 13)] == [None, None, FinishReason.LENGTH]
 
 
 def test_logprobs_recorded_only_when_asked():
     req = make_request(max_new_tokens=5)
-    req.append_token(11, "a", logprob=-0.5, top_logprobs=[(11, -0.5)])
+    req.append_token(11, logprob=-0.5, top_logprobs=[(11, -0.5)])
     assert req.output_logprobs == [] and req.output_top_logprobs == []
 
     req = make_request(max_new_tokens=5, logprobs=1)
-    req.append_token(11, "a", logprob=-0.5, top_logprobs=[(11, -0.5)])
-    req.append_token(12, "b", logprob=-1.5, top_logprobs=[(13, -0.1)])
+    req.append_token(11, logprob=-0.5, top_logprobs=[(11, -0.5)])
+    req.append_token(12, logprob=-1.5, top_logprobs=[(13, -0.1)])
     assert req.output_logprobs == [-0.5, -1.5]
     assert req.output_top_logprobs == [[(11, -0.5)], [(13, -0.1)]]
-
-
-def test_stream_holds_back_possible_stop_prefix():
-    req = make_request(max_new_tokens=10, stop=["STOP"])
-    req.append_token(11, "Hello S")
-    assert req.take_stream_delta() == "Hell"  # "o S" could still become "STOP"
-    req.append_token(12, "T")
-    assert req.take_stream_delta() == "o"
-    req.append_token(13, "OP tail")
-    assert req.is_finished
-    assert req.take_stream_delta() == " "
-    assert req.output_text == "Hello "
-
-
-def test_stream_without_stop_strings_sends_everything():
-    req = make_request(max_new_tokens=10)
-    req.append_token(11, "ab")
-    assert req.take_stream_delta() == "ab"
-    assert req.take_stream_delta() == ""
-
-
-def test_short_text_is_held_back_entirely():
-    req = make_request(max_new_tokens=10, stop=["abcdef"])
-    req.append_token(11, "ab")
-    assert req.streamable_text == ""
-    assert req.take_stream_delta() == ""
-
-
-@given(
-    pieces=st.lists(st.text(alphabet="abc", max_size=4), min_size=1, max_size=30),
-    stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
-)
-def test_streamed_text_is_final_text_without_stop_strings(pieces: list[str], stop: list[str]):
-    req = make_request(max_new_tokens=len(pieces), stop=stop)
-    streamed = ""
-    for n, piece in enumerate(pieces):
-        req.append_token(100 + n, piece)
-        streamed += req.take_stream_delta()
-        if req.is_finished:
-            break
-    assert req.is_finished
-    assert streamed == req.output_text
-    # The text is cut before the first occurrence of any stop string, and only there.
-    full_text = "".join(pieces[: req.num_output_tokens])
-    assert full_text.startswith(req.output_text)
-    assert not any(s in req.output_text for s in stop)
-    if req.finish_reason is FinishReason.STOP_SEQUENCE:
-        assert any(full_text[len(req.output_text) :].startswith(s) for s in stop)
-    else:
-        assert req.output_text == full_text
 
 
 def test_token_slice_equals_slicing_all_token_ids():
@@ -165,27 +80,23 @@ def test_token_slice_equals_slicing_all_token_ids():
 
 
 def test_min_tokens_lets_no_stop_rule_but_length_end_the_first_tokens():
-    req = make_request(max_new_tokens=10, min_tokens=3, stop=["x"], stop_token_ids=[50])
-    assert req.append_token(EOS, "", eos_token_ids={EOS}) is None
-    assert req.append_token(50, "") is None
-    assert req.append_token(12, "x", eos_token_ids={EOS}) is None     # the 3rd token: still inside
-    assert req.output_text == "x"
-    assert req.append_token(13, "ax") is FinishReason.STOP_SEQUENCE   # past min_tokens: stop rules again
-    assert req.output_text == "xa"
+    req = make_request(max_new_tokens=10, min_tokens=2, stop_token_ids=[50])
+    assert req.append_token(EOS, eos_token_ids={EOS}) is None
+    assert req.append_token(50) is None
+    assert req.append_token(50) is FinishReason.STOP_SEQUENCE     # past min_tokens: stop rules again
 
 
 @pytest.mark.parametrize(("token_id", "reason"), [(EOS, FinishReason.EOS_TOKEN), (50, FinishReason.STOP_SEQUENCE)])
 def test_min_tokens_then_eos_or_stop_id(token_id: int, reason: FinishReason):
     req = make_request(max_new_tokens=10, min_tokens=1, stop_token_ids=[50])
-    req.append_token(11, "a", eos_token_ids={EOS})
-    assert req.append_token(token_id, "!", eos_token_ids={EOS}) is reason
-    assert req.output_text == "a"
+    req.append_token(11, eos_token_ids={EOS})
+    assert req.append_token(token_id, eos_token_ids={EOS}) is reason
 
 
 def test_min_tokens_equal_to_max_new_tokens_stops_on_length():
     req = make_request(max_new_tokens=2, min_tokens=2)
-    feed(req, ["a", "b", "c"])
-    assert req.finish_reason is FinishReason.LENGTH and req.output_text == "ab"
+    req.append_token(EOS, eos_token_ids={EOS})
+    assert req.append_token(EOS, eos_token_ids={EOS}) is FinishReason.LENGTH
 
 
 def test_prompt_logprobs_are_set_once_per_prompt_token():
@@ -197,3 +108,22 @@ def test_prompt_logprobs_are_set_once_per_prompt_token():
     assert not make_request().needs_prompt_logprobs
     with pytest.raises(AssertionError):
         make_request(prompt_logprobs=0).set_prompt_logprobs([None], [None])   # not one per prompt token
+
+
+def test_delta_sends_prompt_logprobs_with_the_first_token_only():
+    req = make_request(max_new_tokens=5, logprobs=0, prompt_logprobs=0)
+    req.set_prompt_logprobs([None, -1.0, -2.0], [None, [], []])
+    req.append_token(11, logprob=-0.25, top_logprobs=[])
+    first = RequestDelta.of(req)
+    assert (first.token_id, first.logprob, first.prompt_logprobs) == (11, -0.25, [None, -1.0, -2.0])
+    req.append_token(12, logprob=-0.5, top_logprobs=[])
+    second = RequestDelta.of(req)
+    assert (second.token_id, second.logprob, second.prompt_logprobs, second.finish_reason) == (12, -0.5, None, None)
+
+
+def test_delta_of_a_failed_request_has_no_token():
+    req = make_request()
+    req.error = "boom"
+    req.finish(FinishReason.ERROR)
+    delta = RequestDelta.of(req)
+    assert (delta.token_id, delta.finish_reason, delta.error) == (None, FinishReason.ERROR, "boom")

@@ -40,7 +40,7 @@ def run_step(scheduler: Scheduler, eos_for: set[int] = frozenset()) -> Scheduler
         if not item.samples:   # a chunk of a prompt that goes on next step
             continue
         token = EOS if req.req_id in eos_for else TOKEN
-        reason = req.append_token(token, "", eos_token_ids={EOS})
+        reason = req.append_token(token, eos_token_ids={EOS})
         if reason is not None:
             scheduler.finish_request(req, reason)
     return output
@@ -375,7 +375,7 @@ def test_random_workload(
             if not item.samples:
                 continue
             token = EOS if rng.random() < eos_probability else TOKEN
-            reason = req.append_token(token, "", eos_token_ids={EOS})
+            reason = req.append_token(token, eos_token_ids={EOS})
             if reason is not None:
                 scheduler.finish_request(req, reason)
                 del kv[req.req_id]

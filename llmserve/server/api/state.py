@@ -82,7 +82,7 @@ class ServerState:
         # HF fast tokenizers must not be used by two threads at once ("Already borrowed"): the
         # event loop uses the client's tokenizer (single-token texts, echo), and prompts are
         # tokenized on TOKENIZER_THREADS threads, each with a copy of its own (tokenize_in_thread).
-        # (Detokenization runs in the engine-core process, with a tokenizer of its own.)
+        # Detokenization runs on the event loop too (the engine client's reader task).
         self.tokenizer = engine.tokenizer
         self._thread_tokenizers = threading.local()
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="llmserve-tokenize",

@@ -310,6 +310,21 @@ def test_tp2_server_matches_tp1(tiny_server, tiny_llama_dir):
     assert not any(pid_alive(p) for p in workers)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc")
+def test_the_engine_core_runs_without_torch(tiny_server):
+    """The engine core deals in token ids only (the HTTP process detokenizes and matches stop
+    strings), so it never loads torch: its start costs a fraction of a second, not seconds."""
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 6, "stop": ["e"], "decoder_input_details": True}}
+    r = httpx.post(tiny_server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    with open(f"/proc/{tiny_server.core_pid}/maps") as f:
+        libraries = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+    assert not [lib for lib in libraries if "torch" in os.path.basename(lib)], sorted(libraries)
+    # and the worker, for contrast, has it
+    with open(f"/proc/{tiny_server.worker_pids[0]}/maps") as f:
+        assert "libtorch" in f.read()
+
+
 # -- (6) SIGKILL: nothing of the server stays behind ---------------------------------------
 
 def unix_sockets_of(pids: list[int]) -> list[str]:

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file as _load_safetensors
 from tqdm.auto import tqdm
 
+from llmserve.common.errors import ModelLoadError
+
 try:  # exported at the top level since safetensors 0.3; fall back to "any exception" before that
     from safetensors import SafetensorError as _SafetensorError
 except ImportError:  # pragma: no cover - depends on the installed safetensors
@@ -23,10 +25,6 @@ except ImportError:  # pragma: no cover - depends on the installed safetensors
 __all__ = ["ModelLoadError", "load_hf_config", "iter_hf_weight_files", "list_hf_weight_files"]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-class ModelLoadError(ValueError):
-    """A model path or file the user gave cannot be loaded; the message is one line saying why."""
 
 
 def _check_model_dir(model_dir: str) -> None:
