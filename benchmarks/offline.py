@@ -29,9 +29,9 @@ Columns
                    and the KV writes are left out (under 1% here), so it is a lower bound.
   measured/floor   ms/step / floor ms (1.0 would be perfect)
 
-All numbers are eager mode: every kernel is launched from Python on every step. CUDA graphs
-are on the roadmap (not implemented yet); at small batch the gap to the floor is mostly that
-launch overhead.
+  mode             eager: every kernel launched from Python on every step; graphs: the step
+                   replayed from a CUDA graph captured at start-up, as the server runs it on a GPU
+                   (one model: the eager rows run the same weights with its graphs set aside)
 
 Run (GPU):   python benchmarks/offline.py --json benchmarks/results/offline.json
 Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 32 --steps 4
@@ -159,8 +159,10 @@ def kv_bytes_per_token(model: LlamaTpPartModel) -> int:
     return mem.layer_num * 2 * mem.head_num * mem.head_dim * mem.dtype.itemsize
 
 
-def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int) -> LlamaTpPartModel:
+def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
+                graphs: bool) -> LlamaTpPartModel:
     params = ModelInitParams(
+        cuda_graph_max_bs=max_batch if graphs and device.type == "cuda" else 0,
         model_path="",
         device=str(device),
         dtype=dtype,
@@ -176,6 +178,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
 # -- the benchmark -------------------------------------------------------------------------
 @dataclass
 class BatchResult:
+    mode: str                     # eager | graphs
     batch: int
     prompt_len: int
     prefill_s: float
@@ -206,8 +209,19 @@ def prefill(model: LlamaTpPartModel, rows: list[int], prompt_len: int) -> torch.
     return torch.cat(logits)
 
 
-def run_batch(model: LlamaTpPartModel, batch: int, prompt_len: int, warmup: int, steps: int,
+def run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
               copy_bw: float, weights_read: int) -> BatchResult:
+    graphs = model.decode_graphs
+    if mode == "eager":
+        model.decode_graphs = None      # the same model, its decode steps run the plain forward
+    try:
+        return _run_batch(model, mode, batch, prompt_len, warmup, steps, copy_bw, weights_read)
+    finally:
+        model.decode_graphs = graphs
+
+
+def _run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
+               copy_bw: float, weights_read: int) -> BatchResult:
     rows = [model.req_manager.alloc_req() for _ in range(batch)]
     try:
         synchronize(model.device)
@@ -243,7 +257,7 @@ def run_batch(model: LlamaTpPartModel, batch: int, prompt_len: int, warmup: int,
         print(f"warning: batch {batch}: slowest step {max(step_ms):.1f} ms vs median {median:.1f} ms "
               "(a JIT compile or allocator growth inside the timed steps?)", file=sys.stderr)
     return BatchResult(
-        batch=batch, prompt_len=prompt_len, prefill_s=prefill_s, step_ms=step_ms,
+        mode=mode, batch=batch, prompt_len=prompt_len, prefill_s=prefill_s, step_ms=step_ms,
         ms_per_step=ms, median_ms_per_step=median, tokens_per_s=batch / (ms * 1e-3),
         weight_bytes_read=weights_read, kv_bytes_per_step=kv_bytes, floor_ms=floor_ms,
         measured_over_floor=ms / floor_ms,
@@ -271,10 +285,10 @@ def warm_up_kernels(model: LlamaTpPartModel, prompt_len: int, max_batch: int) ->
 
 # -- output ----------------------------------------------------------------------------------
 def results_table(results: list[BatchResult]) -> str:
-    headers = ["batch", "prompt", "ms/step", "tok/s", "weights GB", "KV GB/step", "floor ms",
+    headers = ["mode", "batch", "prompt", "ms/step", "tok/s", "weights GB", "KV GB/step", "floor ms",
                "measured/floor", "prefill tok/s"]
     rows = [
-        [r.batch, r.prompt_len, f"{r.ms_per_step:.2f}", f"{r.tokens_per_s:.0f}", f"{r.weight_bytes_read / 1e9:.2f}",
+        [r.mode, r.batch, r.prompt_len, f"{r.ms_per_step:.2f}", f"{r.tokens_per_s:.0f}", f"{r.weight_bytes_read / 1e9:.2f}",
          f"{r.kv_bytes_per_step / 1e9:.2f}", f"{r.floor_ms:.2f}", f"{r.measured_over_floor:.2f}",
          f"{r.batch * r.prompt_len / r.prefill_s:.0f}"]
         for r in results
@@ -290,6 +304,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before them")
     p.add_argument("--model-size", choices=sorted(CONFIGS), default="8b",
                    help="8b: Llama-3-8B shapes; tiny: 2 small layers, for CPU smoke tests")
+    p.add_argument("--modes", default="eager,graphs",
+                   help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
+                        "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")
     add_device_arguments(p)
     return p.parse_args()
 
@@ -306,7 +323,13 @@ def main() -> int:
     copy_bw = measure_copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; building {args.model_size} model "
           f"({dtype_name(dtype)}, random weights) on {device} ...", file=sys.stderr)
-    model = build_model(cfg, device, dtype, max(batch_sizes), max_len)
+    modes = [m for m in args.modes.split(",") if m.strip() and (m != "graphs" or device.type == "cuda")]
+    if not set(modes) <= {"eager", "graphs"}:
+        raise SystemExit(f"--modes: eager and/or graphs, got {args.modes!r}")
+    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes)
+    if model.decode_graphs is not None:
+        print(f"CUDA graphs for batch <= {model.decode_graphs.max_batch_size}: captured in "
+              f"{model.decode_graphs.capture_seconds:.1f} s, {model.decode_graphs.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
     held, read = weight_bytes(model)
     print(f"weights held {held / 1e9:.2f} GB, read per decode step {read / 1e9:.2f} GB; KV pool "
           f"{model.max_total_token_num} tokens ({model.max_total_token_num * kv_bytes_per_token(model) / 1e9:.2f} GB)",
@@ -315,11 +338,12 @@ def main() -> int:
 
     results: list[BatchResult] = []
     for batch in batch_sizes:
-        print(f"batch {batch}: prefill {batch} x {args.prompt_len}, then {args.warmup_steps} + {args.steps} decode steps",
-              file=sys.stderr)
-        results.append(run_batch(model, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read))
+        for mode in modes:
+            print(f"batch {batch}, {mode}: prefill {batch} x {args.prompt_len}, then {args.warmup_steps} + {args.steps} "
+                  "decode steps", file=sys.stderr)
+            results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read))
 
-    print(f"\n### Decode step, Llama-3 {args.model_size} shapes, {dtype_name(dtype)}, eager mode, "
+    print(f"\n### Decode step, Llama-3 {args.model_size} shapes, {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 

@@ -16,6 +16,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="weights and KV cache dtype (default: float32 on CPU, the checkpoint's fp16/bf16 on GPU)")
     p.add_argument("--max-total-token-num", type=int, default=None, help="KV cache size in tokens (default: from free memory; 16384 on CPU)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="on GPU, decode steps of up to this many requests replay CUDA graphs captured at start-up "
+                        "(batch sizes 1, 2, 4, then multiples of 8); 0 = none (default: 256)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly, capturing no CUDA graphs (as vLLM's flag)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -102,6 +107,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
+        cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
     )
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         chat_template = args.chat_template if args.command == "chat" else None
         with LLM(args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
-                 chat_template=chat_template) as llm:
+                 chat_template=chat_template, cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs) as llm:
             print(llm.engine.summary(), file=sys.stderr)
             if args.command == "chat":
                 messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -43,6 +43,7 @@ class EngineConfig:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192      # prompt tokens per step
     chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
+    cuda_graph_max_bs: int = 256        # GPU decode steps up to this batch replay CUDA graphs; 0: eager
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class LLMEngine:
                 model_path=model.path, model_type=model.model_type, tp_rank=rank, world_size=config.tp, device=model.device,
                 dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
                 max_req_num=config.max_running_requests, dist_init_method=init_method,
-                eos_token_ids=sorted(model.eos_token_ids),
+                eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
             )
             for rank in range(config.tp)
         ])
@@ -115,8 +116,10 @@ class LLMEngine:
     def summary(self) -> str:
         """The line ``llmserve`` prints once the model is loaded: what runs, and where."""
         info = self.info
+        graphs = (f"CUDA graphs for decode batches up to {info.cuda_graph_max_bs} (captured in "
+                  f"{info.cuda_graph_seconds:.1f} s, {info.cuda_graph_mib:.0f} MiB)" if info.cuda_graph_max_bs else "eager")
         return (f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
-                f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens")
+                f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request; ``InvalidRequest`` (a ``ValueError``) if it can never run."""

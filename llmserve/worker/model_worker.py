@@ -48,6 +48,7 @@ class ModelWorker:
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
             mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
+            cuda_graph_max_bs=args.cuda_graph_max_bs if device.type == "cuda" else 0,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
@@ -73,6 +74,7 @@ class ModelWorker:
             model_type=m.network_config_.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
+            **_graph_info(m),
         )
 
     def step(self, step: StepInput) -> StepOutput | None:
@@ -168,6 +170,14 @@ class ModelWorker:
         row = self.req_rows.pop(req_id, None)
         if row is not None:
             self.model.req_manager.free_req(row)
+
+
+def _graph_info(model) -> dict:
+    graphs = model.decode_graphs
+    if graphs is None:
+        return {}
+    return dict(cuda_graph_max_bs=graphs.max_batch_size, cuda_graph_seconds=graphs.capture_seconds,
+                cuda_graph_mib=graphs.capture_bytes / 2**20)
 
 
 def _per_entry(num_entries: int, sampled: list[int], result: SampleResult | None,

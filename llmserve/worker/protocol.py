@@ -50,6 +50,7 @@ class WorkerInitArgs:
     max_req_num: int = 256
     dist_init_method: str = ""       # tcp://127.0.0.1:PORT when world_size > 1
     eos_token_ids: list[int] = field(default_factory=list)  # banned by the sampler below min_tokens
+    cuda_graph_max_bs: int = 0       # on CUDA, decode batches up to this size replay CUDA graphs
 
 
 @dataclass
@@ -64,6 +65,9 @@ class WorkerInfo:
     device: str
     num_layers: int
     num_params: int
+    cuda_graph_max_bs: int = 0       # 0: every step runs eagerly
+    cuda_graph_seconds: float = 0.0  # capture time at start-up
+    cuda_graph_mib: float = 0.0      # GPU memory the graphs took
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Iterable
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from llmserve.common.basemodel.cuda_graph import DecodeGraphs
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
@@ -31,6 +32,10 @@ class ModelInitParams:
     mem_fraction: float = 0.85            # GPU: share of the card's memory the process may fill
     max_req_num: int = 256                # rows of the req->token table
     max_seq_len: int | None = None        # longest request; None: min(context window, KV pool)
+    # Decode steps of up to this many requests replay CUDA graphs (cuda_graph.py); 0: never.
+    cuda_graph_max_bs: int = 0
+    # Test hook: the graphs' padded static-buffer path without capturing (CPU tests).
+    cuda_graph_capture: bool = True
     config: dict | None = None            # use this HF-style config instead of the checkpoint's
     weights: Iterable[dict[str, torch.Tensor]] | None = None  # use these tensors (random-weight benchmarks)
 
@@ -61,6 +66,7 @@ class TpPartBaseModel:
         self._init_infer_layer()
         self._init_some_value()
         self._init_custom()
+        self.decode_graphs: DecodeGraphs | None = self._init_decode_graphs()
 
     # -- construction -------------------------------------------------------------------
     def _init_config(self) -> None:
@@ -115,30 +121,53 @@ class TpPartBaseModel:
             w.finalize()
         self._gguf_tensors = None
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps will replay CUDA graphs (asked for, and the model allows them)."""
+        return self.params.cuda_graph_max_bs > 0 and self._graphs_supported()
+
+    def _graphs_supported(self) -> bool:
+        """Hook: False for a model whose decode step needs the host (Llama's dynamic NTK rotary)."""
+        return True
+
     def _init_mem_manager(self) -> None:
         cfg = self.network_config_
         tp_kv_heads = num_kv_heads(cfg) // self.world_size_
         dim = head_dim(cfg)
-        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * dim)
+        context = getattr(cfg, "max_position_embeddings", None)
+        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * dim, context)
         self.max_total_token_num = size
-        self.mem_manager = MemoryManager(size, self.data_type, tp_kv_heads, dim, cfg.num_hidden_layers, self.device)
-        context = getattr(cfg, "max_position_embeddings", None) or size
-        self.max_seq_len = self.params.max_seq_len or min(context, size)
-        self.req_manager = ReqManager(self.params.max_req_num, self.max_seq_len, self.mem_manager, self.device)
+        # The CUDA graphs' padding request takes one slot and one row that nobody else sees.
+        spare = 1 if self.uses_cuda_graphs else 0
+        self.mem_manager = MemoryManager(size + spare, self.data_type, tp_kv_heads, dim, cfg.num_hidden_layers, self.device)
+        self.max_seq_len = self.params.max_seq_len or min(context or size, size)
+        self.req_manager = ReqManager(self.params.max_req_num + spare, self.max_seq_len, self.mem_manager, self.device)
 
-    def _auto_kv_size(self, kv_dim_per_layer: int) -> int:
+    def _init_decode_graphs(self) -> DecodeGraphs | None:
+        if not self.uses_cuda_graphs:
+            return None
+        return DecodeGraphs(self, min(self.params.cuda_graph_max_bs, self.params.max_req_num),
+                            capture=self.params.cuda_graph_capture)
+
+    def _auto_kv_size(self, kv_dim_per_layer: int, context: int | None) -> int:
         """KV slots that fit in what the weights left over (GPU), or a modest default (CPU).
 
         The budget is this process's share (``mem_fraction`` of the card, less what it holds
         already) but never more than is actually free on the card less the headroom that
         share leaves, so a second process on the same GPU gets a clear error here instead of
-        running out of memory mid-forward."""
+        running out of memory mid-forward. The CUDA graphs' memory comes out of it too."""
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
-        bytes_per_token = 2 * kv_dim_per_layer * self.network_config_.num_hidden_layers * self.data_type.itemsize
+        cfg = self.network_config_
+        bytes_per_token = 2 * kv_dim_per_layer * cfg.num_hidden_layers * self.data_type.itemsize
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = self.params.mem_fraction
         budget = min(total * fraction - torch.cuda.memory_reserved(self.device), free - total * (1 - fraction))
+        if self.uses_cuda_graphs:
+            max_bs = min(self.params.cuda_graph_max_bs, self.params.max_req_num)
+            # the graphs' bound on sequence length is the context window, or the pool it fits in
+            bound = self.params.max_seq_len or context or int(budget // bytes_per_token)
+            budget -= DecodeGraphs.memory_estimate(max_bs, cfg, self.data_type.itemsize, bound, self.world_size_)
         if budget < bytes_per_token * 1024:
             raise ValueError(
                 f"not enough GPU memory left for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
@@ -178,8 +207,16 @@ class TpPartBaseModel:
         flags asks for all rows of the flagged requests only (prompt logprobs of one request
         should not cost a vocab-wide row for every token of the batch), requests back to back."""
         mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len, expected_lens=b_cached_len)
+        graphs = self.decode_graphs
+        if (graphs is not None and graphs.can_run(len(b_q_len)) and all(n == 1 for n in b_q_len)
+                and not any(return_all_logits if isinstance(return_all_logits, list) else [return_all_logits])):
+            return graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index)
         state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits)
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
+        return self.forward_layers(input_ids, state)
+
+    def forward_layers(self, input_ids: torch.Tensor, state: InferStateInfo) -> torch.Tensor:
+        """The layers over a batch whose slots and state are ready (``input_ids`` on the device)."""
         h = self.pre_infer.forward(input_ids, state, self.pre_post_weight)
         for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
             h = layer_infer.forward(h, state, layer_weight)

@@ -36,5 +36,11 @@ class LlamaTpPartModel(TpPartBaseModel):
             # attention, so requests are capped at the window rather than silently diverging.
             self.params.max_seq_len = min(self.params.max_seq_len or window, window)
 
+    def _graphs_supported(self) -> bool:
+        # Dynamic NTK rotary computes its table on the host once a sequence outgrows the trained
+        # context; a captured step cannot.
+        rope = dict(getattr(self.network_config_, "rope_parameters", None) or {})
+        return rope.get("rope_type", "default") != "dynamic"
+
     def _init_custom(self) -> None:
         self.rotary_emb = RotaryEmbedding(self.network_config_, self.device, self.max_seq_len)

@@ -92,7 +92,7 @@ def create_app(state: ServerState) -> FastAPI:
             "max_total_tokens": lim.max_total_tokens, "max_top_n_tokens": lim.max_top_n_tokens,
             "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
             "chunked_prefill": state.engine.config.chunked_prefill,
-            "kv_cache_tokens": i.max_total_token_num,
+            "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
             "chat_template": state.chat_template.describe() if state.chat_template else None,
             # the sampling defaults a request's unset fields take (--generation-config)
             "generation_config": state.sampling_defaults.describe(),

@@ -1,0 +1,151 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step launches a dozen kernels per layer from Python; at small batches launching them
+takes longer than the GPU takes to run them. So every decode step of up to ``max_batch_size``
+requests is captured once at start-up, one graph per batch-size bucket (1, 2, 4, then multiples
+of 8), and replayed: a step writes its inputs into static buffers, pads the batch up to its
+bucket, and launches one graph.
+
+What makes one capture valid for every later step of its bucket:
+
+- The inputs live in static device buffers, written before each replay: token ids, req->token
+  table rows, sequence lengths, positions (one int64 block, one host-to-device copy) and the
+  new tokens' KV slots.
+- The padding rows are a request of their own: a table row and a KV slot reserved at start-up
+  (the model's pools are built one larger for them), one token long, so they read and write
+  that slot only, and their logits are dropped.
+- Decode attention gets the model's longest sequence as its bound: the split-K grid is then
+  the same at every step, the splits past a row's length exit at once, and the merge reads only
+  the splits that exist, so the result does not depend on the bound.
+- Nothing inside reads a value back to the host; what the layers take from Python (batch size,
+  bounds) is fixed per bucket.
+
+``capture=False`` runs the same padded, static-buffer step without a graph: the CPU tests hold
+that path against the plain forward token for token; the GPU tests hold the graphs against it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from llmserve.common.basemodel.basemodel import TpPartBaseModel
+
+
+def batch_size_buckets(max_batch_size: int) -> list[int]:
+    """The batch sizes a graph is captured for: 1, 2, 4, then every multiple of 8, and the max."""
+    sizes = {b for b in (1, 2, 4) if b < max_batch_size} | set(range(8, max_batch_size, 8)) | {max_batch_size}
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    def __init__(self, model: TpPartBaseModel, max_batch_size: int, *, capture: bool = True):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.buckets = batch_size_buckets(max_batch_size)
+        self.max_batch_size = self.buckets[-1]
+        device = model.device
+        # The padding request (the pools hold one row and one slot more than they report).
+        self.pad_row = model.req_manager.alloc_req()
+        self.pad_slot = int(model.req_manager.append_tokens(self.pad_row, 1)[0])
+        n = self.max_batch_size
+        # Rows: token id, table row, sequence length (with the new token), position.
+        self._inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
+        self._slots = torch.full((n,), self.pad_slot, dtype=torch.int32, device=device)
+        self._q_start = torch.arange(n, dtype=torch.int32, device=device)
+        self._q_len = torch.ones(n, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        if capture:
+            self._capture()
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.max_batch_size
+
+    def bucket(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    # -- a step --------------------------------------------------------------------------
+    def run(self, input_ids: torch.Tensor, b_req_idx: list[int], b_cached_len: list[int],
+            mem_index: torch.Tensor) -> torch.Tensor:
+        """One decode step (request i: row ``b_req_idx[i]`` of the table, ``b_cached_len[i]``
+        tokens cached, its new token ``input_ids[i]`` already given KV slot ``mem_index[i]``).
+        Returns float32 logits ``[batch, vocab]``: a view of the graph's output, valid until the
+        next step."""
+        bs = len(b_req_idx)
+        bucket = self.bucket(bs)
+        pad = bucket - bs
+        host = torch.tensor([
+            [0] * bucket,           # the token ids come next, straight from where they are
+            list(b_req_idx) + [self.pad_row] * pad,
+            [n + 1 for n in b_cached_len] + [1] * pad,
+            list(b_cached_len) + [0] * pad,
+        ], dtype=torch.int64)
+        self._inputs[:, :bucket].copy_(host)
+        self._inputs[0, :bs].copy_(input_ids)
+        self._slots[:bs].copy_(mem_index)
+        self._slots[bs:bucket].fill_(self.pad_slot)
+        if bucket in self._graphs:
+            self._graphs[bucket].replay()
+            return self._outputs[bucket][:bs]
+        return self._step(bucket)[:bs]
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        """The work a graph holds: the layers over the static buffers' first ``bucket`` rows."""
+        model = self.model
+        inputs = self._inputs[:, :bucket]
+        seq_len = inputs[2].int()
+        state = model.infer_state_class(
+            batch_size=bucket, total_token_num=bucket, is_decode=True,
+            b_req_idx=inputs[1].int(), b_q_start=self._q_start[:bucket], b_q_len=self._q_len[:bucket],
+            b_cached_len=seq_len - 1, b_seq_len=seq_len, max_q_len=1, max_seq_len=model.max_seq_len,
+            position_ids=inputs[3], mem_index=self._slots[:bucket],
+            mem_manager=model.mem_manager, req_manager=model.req_manager, logit_rows=None,
+        )
+        state.init_some_extra_state(model)
+        return model.forward_layers(inputs[0], state)
+
+    # -- start-up ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        device = self.model.device
+        torch.cuda.synchronize(device)
+        free_before, _ = torch.cuda.mem_get_info(device)
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: the smaller graphs then fit in the memory the largest took from the pool.
+        for bucket in reversed(self.buckets):
+            self._inputs[:, :bucket].copy_(torch.tensor([[0], [self.pad_row], [1], [0]]).expand(4, bucket))
+            self._slots[:bucket].fill_(self.pad_slot)
+            # Once outside the graph: Triton compiles its kernels, cuBLAS picks its algorithms.
+            self._step(bucket)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[bucket] = self._step(bucket)
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+
+    @staticmethod
+    def memory_estimate(max_batch_size: int, config, itemsize: int, max_seq_len: int, tp: int) -> int:
+        """Bytes the graphs' pool will take (an upper estimate, so the KV cache can leave room):
+        the largest bucket's logits (the lm_head's output and its float32 copy), decode
+        attention's split-K scratch, and a layer's activations."""
+        from llmserve.common.basemodel.basemodel import head_dim
+
+        hq = config.num_attention_heads // tp
+        d = head_dim(config)
+        splits = -(-max_seq_len // 256)
+        intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+        per_row = (config.vocab_size * (itemsize + 4)
+                   + hq * splits * (d + 1) * 4
+                   + (4 * config.hidden_size + 3 * intermediate // tp) * itemsize)
+        return int(1.5 * max_batch_size * per_row) + (64 << 20)

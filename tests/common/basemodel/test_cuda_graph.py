@@ -1,0 +1,117 @@
+"""Decode steps through DecodeGraphs (padded up to a bucket, over static buffers; replayed from
+captured CUDA graphs on the GPU) equal the plain forward token for token, while requests join,
+leave and are preempted and the batch size wanders across the buckets and past the largest.
+
+On the CPU the same padded static-buffer step runs without capture; the GPU suite
+(LLMSERVE_TEST_DEVICE=cuda) runs this file with real graphs in fp16/bf16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import BloomConfig, LlamaConfig
+
+from llmserve.common.basemodel.cuda_graph import batch_size_buckets
+from parity_utils import EXACT, TEST_DEVICE, build_tiny_hf_model, load_ours, random_prompts, rel_err
+
+MAX_BS = 6             # buckets 1, 2, 4, 6; a larger decode batch runs the plain forward
+VOCAB = 512
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "bloom": lambda: BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=VOCAB),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def eager_and_graphs(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    build_tiny_hf_model(CONFIGS[request.param](), path)
+    eager = load_ours(path, max_req_num=32)
+    graphs = load_ours(path, max_req_num=32, cuda_graph_max_bs=MAX_BS, cuda_graph_capture=TEST_DEVICE == "cuda")
+    return eager, graphs
+
+
+def test_buckets():
+    assert batch_size_buckets(1) == [1]
+    assert batch_size_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_size_buckets(256) == [1, 2, 4, *range(8, 257, 8)]
+
+
+def test_the_padding_request_is_invisible(eager_and_graphs):
+    eager, graphs = eager_and_graphs
+    assert graphs.decode_graphs is not None and eager.decode_graphs is None
+    assert graphs.max_total_token_num == eager.max_total_token_num
+    assert graphs.mem_manager.can_use_mem_size == eager.mem_manager.can_use_mem_size
+    assert graphs.req_manager.can_use_req_size == eager.req_manager.can_use_req_size
+
+
+class Twin:
+    """One request run on both models: its table row in each, its tokens so far."""
+
+    def __init__(self, tokens: list[int], target_len: int):
+        self.tokens = tokens
+        self.target_len = target_len
+        self.rows: tuple[int, int] | None = None
+        self.cached = 0
+
+
+def forward_both(models, twins: list[Twin], chunks: list[list[int]]) -> torch.Tensor:
+    """One forward of the same batch on both models; the plain forward's logits, after checking
+    the other's against them."""
+    outs = []
+    for m, model in enumerate(models):
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
+        outs.append(model.forward(ids, [t.rows[m] for t in twins], [t.cached for t in twins], [len(c) for c in chunks]).float().cpu())
+    plain, other = outs
+    assert other.shape == plain.shape
+    assert other.argmax(-1).tolist() == plain.argmax(-1).tolist()
+    assert rel_err(other, plain) < (1e-5 if EXACT else 1e-2)
+    for t, c in zip(twins, chunks):
+        t.cached += len(c)
+    return plain
+
+
+def test_graph_steps_equal_plain_steps_as_requests_come_and_go(eager_and_graphs):
+    models = eager_and_graphs
+    rng = random.Random(0)
+    waiting = [Twin(p, len(p) + rng.randint(3, 24)) for p in random_prompts([rng.randint(1, 12) for _ in range(28)], VOCAB)]
+    running: list[Twin] = []
+    decode_sizes = set()
+    for step in range(160):
+        if not waiting and not running:
+            break
+        if step in (40, 90) and len(running) > 2:
+            # preemption: a running request loses its KV and queues again
+            t = running.pop(rng.randrange(len(running)))
+            for model, row in zip(models, t.rows):
+                model.req_manager.free_req(row)
+            waiting.append(t)
+            continue
+        if waiting and (not running or rng.random() < 0.3):
+            # a prefill step for 1-3 arrivals (a preempted request comes back with its whole text)
+            joining = [waiting.pop(0) for _ in range(min(len(waiting), rng.randint(1, 3)))]
+            for t in joining:
+                t.rows = (models[0].req_manager.alloc_req(), models[1].req_manager.alloc_req())
+                t.cached = 0
+            logits = forward_both(models, joining, [t.tokens for t in joining])
+            batch = joining
+            running += joining
+        else:
+            batch = list(running)
+            decode_sizes.add(len(batch))
+            logits = forward_both(models, batch, [[t.tokens[-1]] for t in batch])
+        for t, token in zip(batch, logits.argmax(-1).tolist()):
+            t.tokens.append(token)
+        for t in [t for t in running if len(t.tokens) >= t.target_len]:
+            running.remove(t)
+            for model, row in zip(models, t.rows):
+                model.req_manager.free_req(row)
+    assert not running and not waiting
+    buckets = {models[1].decode_graphs.bucket(n) for n in decode_sizes if n <= MAX_BS}
+    assert buckets == {1, 2, 4, 6} and max(decode_sizes) > MAX_BS, decode_sizes   # across the buckets, and past them
+    for model in models:   # nothing leaked: every slot and row is back (the padding request's excepted)
+        assert model.mem_manager.can_use_mem_size == model.max_total_token_num
