@@ -24,8 +24,9 @@ run() {  # run NAME CMD...: log to $out/NAME.log, remember pass/fail
 }
 
 run kernel-tests python3 -m pytest -q -p no:cacheprovider tests/kernels
-run parity-fp16 env LLMSERVE_TEST_DEVICE=cuda LLMSERVE_TEST_DTYPE=float16 python3 -m pytest -q -p no:cacheprovider tests/models
-run parity-bf16 env LLMSERVE_TEST_DEVICE=cuda LLMSERVE_TEST_DTYPE=bfloat16 python3 -m pytest -q -p no:cacheprovider tests/models
+# (with the CUDA graphs held against the plain forward: real captures here, the CPU suite runs that path uncaptured)
+run parity-fp16 env LLMSERVE_TEST_DEVICE=cuda LLMSERVE_TEST_DTYPE=float16 python3 -m pytest -q -p no:cacheprovider tests/models tests/common/basemodel/test_cuda_graph.py
+run parity-bf16 env LLMSERVE_TEST_DEVICE=cuda LLMSERVE_TEST_DTYPE=bfloat16 python3 -m pytest -q -p no:cacheprovider tests/models tests/common/basemodel/test_cuda_graph.py
 tok=${LLMSERVE_TEST_TOKENIZER_DIR:-.gpu-assets/smollm2-tokenizer}
 if [ -d "$tok" ]; then
   # fp32 so that "batched == alone" and "tp=2 == tp=1" can be asserted token for token; the tests
@@ -40,7 +41,7 @@ else
   status+=("engine: skipped (no tokenizer copy at $tok)")
 fi
 run bench-kernels python3 benchmarks/kernels.py --device cuda --json "$out/kernels.json"
-run bench-offline python3 benchmarks/offline.py --device cuda --batch-sizes 1,32,128 --prompt-len 512 --json "$out/offline.json"
+run bench-offline python3 benchmarks/offline.py --device cuda --batch-sizes 1,32,128 --prompt-len 512 --modes eager,graphs --json "$out/offline.json"
 
 echo; echo "=== kernels"; sed -n '/^|/p' "$out/bench-kernels.log"
 echo; echo "=== offline"; sed -n '/^|/p' "$out/bench-offline.log"

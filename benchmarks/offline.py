@@ -60,6 +60,7 @@ from common import (
     synchronize,
     write_json,
 )
+from hf_peer import PEERS, HFPeer, build_hf_model
 
 remove_script_dir_from_sys_path()
 
@@ -160,7 +161,7 @@ def kv_bytes_per_token(model: LlamaTpPartModel) -> int:
 
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
-                graphs: bool) -> LlamaTpPartModel:
+                graphs: bool = False) -> LlamaTpPartModel:
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs and device.type == "cuda" else 0,
         model_path="",
@@ -220,6 +221,34 @@ def run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, w
         model.decode_graphs = graphs
 
 
+def peer_batch(peer: HFPeer, batch: int, prompt_len: int, warmup: int, steps: int, copy_bw: float,
+               weights_read: int, kv_per_token: int) -> BatchResult:
+    """The peer (HF transformers, hf_peer.py) on the same shapes, timed the same way."""
+    prefill_s, step_ms = peer.run(batch, prompt_len, warmup, steps)
+    return summarize(peer.mode, batch, prompt_len, prefill_s, step_ms, warmup, copy_bw, weights_read, kv_per_token,
+                     peer.device)
+
+
+def summarize(mode: str, batch: int, prompt_len: int, prefill_s: float, step_ms: list[float], warmup: int,
+              copy_bw: float, weights_read: int, kv_per_token: int, device: torch.device) -> BatchResult:
+    steps = len(step_ms)
+    # Timed step s attends to prompt_len + warmup + s + 1 tokens per request (its own included).
+    kv_lens = [prompt_len + warmup + s + 1 for s in range(steps)]
+    kv_bytes = batch * statistics.mean(kv_lens) * kv_per_token
+    ms = statistics.mean(step_ms)
+    floor_ms = (weights_read + kv_bytes) / copy_bw * 1e3
+    median = statistics.median(step_ms)
+    if device.type == "cuda" and max(step_ms) > 3 * median:
+        print(f"warning: {mode}, batch {batch}: slowest step {max(step_ms):.1f} ms vs median {median:.1f} ms "
+              "(a JIT compile or allocator growth inside the timed steps?)", file=sys.stderr)
+    return BatchResult(
+        mode=mode, batch=batch, prompt_len=prompt_len, prefill_s=prefill_s, step_ms=step_ms,
+        ms_per_step=ms, median_ms_per_step=median, tokens_per_s=batch / (ms * 1e-3),
+        weight_bytes_read=weights_read, kv_bytes_per_step=kv_bytes, floor_ms=floor_ms,
+        measured_over_floor=ms / floor_ms,
+    )
+
+
 def _run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
                copy_bw: float, weights_read: int) -> BatchResult:
     rows = [model.req_manager.alloc_req() for _ in range(batch)]
@@ -247,21 +276,26 @@ def _run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, 
         for row in rows:
             model.req_manager.free_req(row)
 
-    # Timed step s attends to prompt_len + warmup + s + 1 tokens per request (its own included).
-    kv_lens = [prompt_len + warmup + s + 1 for s in range(steps)]
-    kv_bytes = batch * statistics.mean(kv_lens) * kv_bytes_per_token(model)
-    ms = statistics.mean(step_ms)
-    floor_ms = (weights_read + kv_bytes) / copy_bw * 1e3
-    median = statistics.median(step_ms)
-    if model.device.type == "cuda" and max(step_ms) > 3 * median:
-        print(f"warning: batch {batch}: slowest step {max(step_ms):.1f} ms vs median {median:.1f} ms "
-              "(a JIT compile or allocator growth inside the timed steps?)", file=sys.stderr)
-    return BatchResult(
-        mode=mode, batch=batch, prompt_len=prompt_len, prefill_s=prefill_s, step_ms=step_ms,
-        ms_per_step=ms, median_ms_per_step=median, tokens_per_s=batch / (ms * 1e-3),
-        weight_bytes_read=weights_read, kv_bytes_per_step=kv_bytes, floor_ms=floor_ms,
-        measured_over_floor=ms / floor_ms,
-    )
+    return summarize(mode, batch, prompt_len, prefill_s, step_ms, warmup, copy_bw, weights_read,
+                     kv_bytes_per_token(model), model.device)
+
+
+@torch.inference_mode()
+def check_same_model(model: LlamaTpPartModel, hf_model) -> None:
+    """The peer computes what we compute: one short prompt's last logits agree (to the dtype's
+    rounding), so the two hold the same weights and the table compares like with like."""
+    n = min(16, model.max_seq_len)
+    ids = torch.randint(model.vocab_size, (n,), device=model.device)
+    row = model.req_manager.alloc_req()
+    try:
+        ours = model.forward(ids, [row], [0], [n])[0].float()
+    finally:
+        model.req_manager.free_req(row)
+    theirs = hf_model(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()
+    err = float((ours - theirs).norm() / theirs.norm())
+    if err > 0.05:
+        raise RuntimeError(f"the peer's logits differ from ours by {err:.3f} (relative): not the same model")
+    print(f"peer check: last-token logits agree to {err:.1e} (relative)", file=sys.stderr)
 
 
 def warm_up_kernels(model: LlamaTpPartModel, prompt_len: int, max_batch: int) -> None:
@@ -307,6 +341,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="eager,graphs",
                    help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
                         "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")
+    p.add_argument("--peer", choices=["none", *PEERS], default="none",
+                   help="also time HF transformers on the same weights: hf (eager, dynamic cache, as generate "
+                        "does) or hf-compiled (static cache + torch.compile reduce-overhead) (default: none)")
     add_device_arguments(p)
     return p.parse_args()
 
@@ -335,6 +372,11 @@ def main() -> int:
           f"{model.max_total_token_num} tokens ({model.max_total_token_num * kv_bytes_per_token(model) / 1e9:.2f} GB)",
           file=sys.stderr)
     warm_up_kernels(model, args.prompt_len, max(batch_sizes))
+    peer = None
+    if args.peer != "none":
+        # the same weights: the same generator, seed and order as the model's
+        peer = HFPeer(build_hf_model(cfg, device, dtype, random_llama_weights(cfg, device, dtype)), args.peer)
+        check_same_model(model, peer.model)
 
     results: list[BatchResult] = []
     for batch in batch_sizes:
@@ -342,6 +384,10 @@ def main() -> int:
             print(f"batch {batch}, {mode}: prefill {batch} x {args.prompt_len}, then {args.warmup_steps} + {args.steps} "
                   "decode steps", file=sys.stderr)
             results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read))
+        if peer is not None:
+            print(f"batch {batch}, {peer.mode}", file=sys.stderr)
+            results.append(peer_batch(peer, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read,
+                                      kv_bytes_per_token(model)))
 
     print(f"\n### Decode step, Llama-3 {args.model_size} shapes, {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")

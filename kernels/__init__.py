@@ -1,5 +1,6 @@
 """Compute kernels: each op is a Triton kernel with a plain-torch twin, picked by `backend`."""
 
+from .add_rmsnorm import add_rmsnorm_forward
 from .apply_penalty import apply_penalty
 from .backend import get_backend, set_backend, use_triton
 from .context_attention import context_attention_fwd
@@ -11,6 +12,7 @@ from .rotary_emb import rotary_emb_fwd
 from .silu_and_mul import silu_and_mul_fwd
 
 __all__ = [
+    "add_rmsnorm_forward",
     "apply_penalty",
     "context_attention_fwd",
     "decode_attention_fwd",

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.common.basemodel import TransformerLayerInferTpl
-from llmserve.kernels import rmsnorm_forward, rotary_emb_fwd, silu_and_mul_fwd
+from llmserve.kernels import add_rmsnorm_forward, rmsnorm_forward, rotary_emb_fwd, silu_and_mul_fwd
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 
 
@@ -20,6 +20,10 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
 
     def _ffn_norm(self, h: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         return rmsnorm_forward(h, layer_weight.ffn_norm_weight_, self.eps_)
+
+    def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: LlamaInferStateInfo,
+                      layer_weight) -> torch.Tensor:
+        return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_)
 
     def _get_qkv(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight):
         q, kv = super()._get_qkv(x, infer_state, layer_weight)

@@ -18,7 +18,8 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         h += o_proj(attention(qkv(att_norm(h))))      # writes K/V of the new tokens first
         h += ffn(ffn_norm(h))
 
-    Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary). The heads of this
+    Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary); ``_add_ffn_norm`` (the
+    first residual add and the norm after it) may be one fused kernel. The heads of this
     rank are a contiguous slice, so attention itself needs no communication; the two
     row-parallel projections end in an all-reduce."""
 
@@ -38,6 +39,12 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _ffn(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         raise NotImplementedError
 
+    def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: InferStateInfo,
+                      layer_weight) -> torch.Tensor:
+        """``h += attn_out`` in place, then the MLP's input norm of ``h``."""
+        h.add_(attn_out)
+        return self._ffn_norm(h, infer_state, layer_weight)
+
     def _alibi_slopes(self, layer_weight) -> torch.Tensor | None:
         return None
 
@@ -55,22 +62,24 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
 
     # -- the layer --------------------------------------------------------------------
     def context_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        self._attention_block(h, infer_state, layer_weight, self._context_attention_kernel)
-        self._ffn_block(h, infer_state, layer_weight)
+        attn_out = self._attention_block(h, infer_state, layer_weight, self._context_attention_kernel)
+        self._ffn_block(h, attn_out, infer_state, layer_weight)
         return h
 
     def token_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        self._attention_block(h, infer_state, layer_weight, self._token_attention_kernel)
-        self._ffn_block(h, infer_state, layer_weight)
+        attn_out = self._attention_block(h, infer_state, layer_weight, self._token_attention_kernel)
+        self._ffn_block(h, attn_out, infer_state, layer_weight)
         return h
 
-    def _attention_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight, attend: Callable) -> None:
+    def _attention_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight, attend: Callable) -> torch.Tensor:
+        """The attention's output for the residual stream (not added yet: see ``_ffn_block``)."""
         q, kv = self._get_qkv(self._att_norm(h, infer_state, layer_weight), infer_state, layer_weight)
         destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_])
-        h.add_(self._get_o(attend(q, infer_state, layer_weight), infer_state, layer_weight))
+        return self._get_o(attend(q, infer_state, layer_weight), infer_state, layer_weight)
 
-    def _ffn_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> None:
-        h.add_(self._ffn(self._ffn_norm(h, infer_state, layer_weight), infer_state, layer_weight))
+    def _ffn_block(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> None:
+        x = self._add_ffn_norm(h, attn_out, infer_state, layer_weight)
+        h.add_(self._ffn(x, infer_state, layer_weight))
 
     def _context_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,81 @@
+"""HF transformers as the peer in ``offline.py``'s table: ``LlamaForCausalLM`` with the very same
+random weights (the same generator, seed and order as ours), prefilled and then decoded one
+step at a time, each step timed the way ours is (CUDA events around forward + argmax).
+
+- ``hf``: eager, ``DynamicCache``: what ``model.generate`` does by default.
+- ``hf-compiled``: ``StaticCache`` and ``torch.compile(mode="reduce-overhead", fullgraph=True)``
+  of the forward: HF's recipe for fast decoding (CUDA graphs through inductor). The compile runs
+  in the untimed warm-up steps, once per batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from common import IntervalTimer, synchronize
+
+PEERS = ("hf", "hf-compiled")
+
+
+def build_hf_model(cfg: dict, device: torch.device, dtype: torch.dtype, weights: Iterable[dict[str, torch.Tensor]]):
+    """An HF Llama of ``cfg``'s shapes on ``device`` in ``dtype``, holding ``weights`` (HF names)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    for chunk in weights:
+        missing = set(chunk) - set(model.state_dict())
+        assert not missing, f"HF Llama has no {sorted(missing)[:3]}"
+        model.load_state_dict(chunk, strict=False)
+        del chunk
+    return model
+
+
+class HFPeer:
+    def __init__(self, model, mode: str):
+        assert mode in PEERS, mode
+        self.model = model
+        self.mode = mode
+        self.device = next(model.parameters()).device
+        self._forward = (torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+                         if mode == "hf-compiled" else model.forward)
+
+    @torch.inference_mode()
+    def run(self, batch: int, prompt_len: int, warmup: int, steps: int) -> tuple[float, list[float]]:
+        """Prefill ``batch`` random prompts in one forward, then ``warmup + steps`` greedy decode
+        steps; returns the prefill's seconds and the timed steps' milliseconds."""
+        from transformers import DynamicCache, StaticCache
+
+        model, device = self.model, self.device
+        if self.mode == "hf-compiled":
+            warmup = max(warmup, 3)         # compile, then record the CUDA graph, then replay
+            cache = StaticCache(config=model.config, max_cache_len=prompt_len + warmup + steps + 1)
+        else:
+            cache = DynamicCache(config=model.config)
+        ids = torch.randint(model.config.vocab_size, (batch, prompt_len), device=device)
+        synchronize(device)
+        timer = IntervalTimer(device)
+        timer.start()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    cache_position=torch.arange(prompt_len, device=device))
+        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+        timer.stop()
+        prefill_s = timer.elapsed_ms()[0] / 1e3
+        timer = IntervalTimer(device)
+        for s in range(warmup + steps):
+            timer.start()
+            out = self._forward(input_ids=tokens, past_key_values=cache, use_cache=True,
+                                cache_position=torch.tensor([prompt_len + s], device=device))
+            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+            timer.stop()
+        if not bool(torch.isfinite(out.logits).all()):
+            raise RuntimeError(f"{self.mode}: non-finite logits")
+        return prefill_s, timer.elapsed_ms()[warmup:]

@@ -1,0 +1,70 @@
+"""Residual add and RMSNorm in one pass: ``h += delta`` (in place, rounded to h's dtype as a plain
+add is), then HF LlamaRMSNorm of the new ``h``. A decoder layer does this between its attention
+and its MLP; one kernel reads and writes the residual row once instead of twice, and launches
+once instead of twice."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import launcher, row_launch_config, use_triton
+from .rmsnorm import rmsnorm_forward_torch
+
+
+@triton.jit
+def _add_rmsnorm_kernel(H, Delta, W, Y, stride_h, stride_d, stride_y, N, eps, BLOCK_N: tl.constexpr):
+    # One program per row; rows wider than BLOCK_N are walked in chunks (twice: add, then scale).
+    row = tl.program_id(0).to(tl.int64)
+    h_row = H + row * stride_h
+    d_row = Delta + row * stride_d
+    y_row = Y + row * stride_y
+    sq = tl.zeros([BLOCK_N], tl.float32)
+    for off in range(0, N, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (h + d).to(H.dtype.element_ty)        # the residual stream, rounded as `h += delta` rounds it
+        tl.store(h_row + cols, s, mask=mask)
+        s = s.to(tl.float32)
+        sq += s * s
+    rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
+    tl.debug_barrier()                            # the second pass reads what the first wrote
+    for off in range(0, N, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        # HF rounds the normalised value to the dtype before the weight multiply.
+        x = (s * rstd).to(H.dtype.element_ty).to(tl.float32)
+        tl.store(y_row + cols, (w * x).to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton version of `add_rmsnorm_forward`."""
+    n = h.shape[-1]
+    h2, d2 = h.view(-1, n), delta.reshape(-1, n)
+    y = torch.empty_like(h2)
+    if h2.shape[0] > 0:
+        block_n, num_warps = row_launch_config(n)
+        launcher(_add_rmsnorm_kernel, h2)[(h2.shape[0],)](
+            h2, d2, weight, y, h2.stride(0), d2.stride(0), y.stride(0), n, eps, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y.view(h.shape)
+
+
+def add_rmsnorm_forward_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch twin of `add_rmsnorm_forward`: HF's residual add, then LlamaRMSNorm."""
+    h.add_(delta)
+    return rmsnorm_forward_torch(h, weight, eps)
+
+
+def add_rmsnorm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` in place (h: ``[n, N]`` with unit-stride rows), then RMSNorm of h with
+    weight ``[N]``; returns the norm as a new tensor in h's dtype."""
+    assert h.stride(-1) == 1 and delta.shape == h.shape, (h.shape, h.stride(), delta.shape)
+    if use_triton(h):
+        return add_rmsnorm_forward_triton(h, delta, weight, eps)
+    return add_rmsnorm_forward_torch(h, delta, weight, eps)

@@ -1,0 +1,43 @@
+"""add_rmsnorm_forward: twin vs HF (residual add, then LlamaRMSNorm), Triton vs twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_test_utils import DEVICE_DTYPES, randn, rng, tol
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from llmserve.kernels.add_rmsnorm import add_rmsnorm_forward_torch, add_rmsnorm_forward_triton
+
+SHAPES = [(1, 64), (5, 100), (3, 4096), (2, 5000)]  # 5000 > one 4096 block: chunked rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,N", SHAPES)
+def test_twin_matches_hf(n, N, dtype):
+    g = rng(N)
+    h = randn(g, n, N, dtype=dtype, device="cpu", scale=3.0)
+    delta = randn(g, n, N, dtype=dtype, device="cpu")
+    norm = LlamaRMSNorm(N, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(g, N, dtype=dtype, device="cpu"))
+        residual = h + delta                    # as HF's decoder layer: hidden = residual + attn_out
+        want = norm(residual)
+    got = add_rmsnorm_forward_torch(h, delta, norm.weight.detach(), 1e-5)
+    torch.testing.assert_close(h, residual, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n,N", SHAPES)
+def test_triton_matches_twin(device, dtype, n, N):
+    g = rng(N + 1)
+    h = randn(g, n, N, dtype=dtype, device=device, scale=3.0)
+    delta = randn(g, n, N, dtype=dtype, device=device)
+    w = randn(g, N, dtype=dtype, device=device)
+    h_twin = h.clone()
+    want = add_rmsnorm_forward_torch(h_twin, delta, w, 1e-6)
+    got = add_rmsnorm_forward_triton(h, delta, w, 1e-6)
+    assert got.dtype == dtype and got.shape == h.shape
+    torch.testing.assert_close(h, h_twin, atol=0, rtol=0)       # the residual: one rounded add, both ways
+    torch.testing.assert_close(got, want, **tol(dtype))
