@@ -293,7 +293,9 @@ def check_same_model(model: LlamaTpPartModel, hf_model) -> None:
         model.req_manager.free_req(row)
     theirs = hf_model(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()
     err = float((ours - theirs).norm() / theirs.norm())
-    if err > 0.05:
+    # float32 agrees to rounding; in half precision 32 random layers drift apart by several
+    # percent (as in tests/parity_utils.py), while different weights would differ by ~100%
+    if err > (1e-3 if model.data_type == torch.float32 else 0.1):
         raise RuntimeError(f"the peer's logits differ from ours by {err:.3f} (relative): not the same model")
     print(f"peer check: last-token logits agree to {err:.1e} (relative)", file=sys.stderr)
 
