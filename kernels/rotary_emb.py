@@ -64,9 +64,25 @@ def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
 
 
 def rotary_emb_fwd_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Triton version of `rotary_emb_fwd` (the same kernel runs on q, then k)."""
-    _rotate_triton(q, cos, sin)
-    _rotate_triton(k, cos, sin)
+    """Triton version of `rotary_emb_fwd`: one launch when k's heads follow q's in memory (the
+    fused qkv projection lays them out so), else the same kernel on q, then on k."""
+    both = _heads_of_both(q, k)
+    if both is not None:
+        _rotate_triton(both, cos, sin)
+    else:
+        _rotate_triton(q, cos, sin)
+        _rotate_triton(k, cos, sin)
+
+
+def _heads_of_both(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q's and k's heads as one ``[n, Hq + Hk, D]`` view, if k's heads continue q's in memory
+    (same rows, same strides, k's first head right after q's last); else None."""
+    n, hq, d = q.shape
+    if (k.shape[0] != n or k.shape[2] != d or k.dtype != q.dtype or k.stride() != q.stride()
+            or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+            or k.storage_offset() != q.storage_offset() + hq * q.stride(1)):
+        return None
+    return q.as_strided((n, hq + k.shape[1], d), q.stride())
 
 
 def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

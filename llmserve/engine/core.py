@@ -24,12 +24,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from llmserve.engine.engine import LLMEngine
+from llmserve.engine.engine import LLMEngine, ModelSpec
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
     StartEngine, StartupFailed, StepFailed, encode,
 )
 from llmserve.engine.request import FinishReason, Request, RequestDelta
+from llmserve.engine.worker_client import ModelWorkerGroup
 from llmserve.worker.protocol import WorkerError, error_line, socket_path
 
 logger = logging.getLogger(__name__)
@@ -166,10 +167,10 @@ class EngineCore:
 # -- the process -----------------------------------------------------------------------------
 
 def serve(address: str) -> int:
-    """The engine-core process's life: read what to run from stdin (the HTTP process writes one
-    ``StartEngine`` there as it starts us),
-    build the engine, then accept the HTTP process on ``address`` and serve it. Returns the exit
-    code."""
+    """The engine-core process's life: read what to run from stdin (the HTTP process writes a
+    ``StartEngine`` there as it starts us, and the ``ModelSpec`` once it has checked the model),
+    start the workers, build the engine, then accept the HTTP process on ``address`` and serve
+    it. Returns the exit code."""
     try:
         start = pickle.load(sys.stdin.buffer)
     except EOFError:
@@ -179,9 +180,17 @@ def serve(address: str) -> int:
     listener.bind(socket_path(address))
     listener.listen(1)      # the HTTP process may connect now; it waits for EngineReady
     engine: LLMEngine | None = None
+    workers: ModelWorkerGroup | None = None
     try:
-        engine = LLMEngine(start.config, start.model)
+        workers = ModelWorkerGroup(start.config.tp)     # they import torch while we wait for the model
+        model = pickle.load(sys.stdin.buffer)
+        assert isinstance(model, ModelSpec), model
+        engine = LLMEngine(start.config, model, workers)
         first: object = EngineReady(engine.info, engine.config, engine.model, engine.summary())
+    except EOFError:
+        if workers is not None:
+            workers.close()
+        return 1            # the HTTP process gave up on the model (it failed its checks) or died
     except Exception as e:
         first = StartupFailed(_picklable(e))
     sock, _ = listener.accept()

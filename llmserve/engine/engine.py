@@ -82,12 +82,14 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: ModelSpec):
+    def __init__(self, config: EngineConfig, model: ModelSpec, workers: ModelWorkerGroup | None = None):
+        """``workers``: the worker processes, if already started (the engine core starts them
+        before it knows the model, so that they import torch meanwhile); else started here."""
         self.config = config
         self.model = model
         self.model_path = model.path
         self.eos_token_ids = model.eos_token_ids
-        self.workers = ModelWorkerGroup(config.tp)
+        self.workers = workers if workers is not None else ModelWorkerGroup(config.tp)
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.info = self.workers.init_model([
             WorkerInitArgs(

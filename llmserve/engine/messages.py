@@ -1,8 +1,8 @@
 """What the HTTP process and the engine-core process say to each other over their local socket:
 plain dataclasses, one verb each, pickled and framed by an 8-byte length.
 
-HTTP -> core: ``StartEngine`` (once, on the core's stdin, as it is started), then over the socket
-``AddRequest``, ``AbortRequests``, ``Shutdown``.
+HTTP -> core: ``StartEngine`` and then a ``ModelSpec`` (once each, on the core's stdin), then over
+the socket ``AddRequest``, ``AbortRequests``, ``Shutdown``.
 Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
 step (every request's ``RequestDelta`` of that step: token ids, no text; plus a stats snapshot), ``StepFailed`` when a step
 raised for no request of its own, and ``EngineDead`` last if the engine cannot go on.
@@ -32,8 +32,10 @@ _HEADER = struct.Struct("!Q")
 
 @dataclass
 class StartEngine:
+    """On stdin, first: the core starts its worker processes at once (they take seconds to import
+    torch), then reads the ``ModelSpec`` that follows on stdin once the HTTP process has its
+    tokenizer (``inspect_model`` needs it), and loads the model."""
     config: EngineConfig
-    model: ModelSpec                  # checked by the HTTP process (inspect_model)
 
 
 @dataclass

@@ -99,11 +99,12 @@ class RequestStream:
 # -- the process ---------------------------------------------------------------------------
 
 class EngineCoreProcess:
-    """``python -m llmserve.engine.core_main``: started with what to run on its stdin, so that it
-    loads the model while this process does its own start-up; ``wait_ready`` connects and waits
-    until the model is loaded (its workers are its children)."""
+    """``python -m llmserve.engine.core_main``: started with what to run on its stdin, so that its
+    workers import torch while this process loads its tokenizer and checks the model (then
+    ``start_model``); ``wait_ready`` connects and waits until the model is loaded (its workers are
+    its children)."""
 
-    def __init__(self, config: EngineConfig, model: ModelSpec, log_level: str = "warning"):
+    def __init__(self, config: EngineConfig, log_level: str = "warning"):
         # The HTTP process's PID in the name tells whose core this is (ss -xlp; tests look for it).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
         prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
@@ -112,12 +113,24 @@ class EngineCoreProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmserve.engine.core_main", self._address, str(os.getpid()), log_level],
             stdin=subprocess.PIPE)
+        self._send_on_stdin(StartEngine(config))
+        self.sock: socket.socket | None = None
+
+    def start_model(self, model: ModelSpec) -> None:
+        """The model the core loads, once this process has checked it (the core has started its
+        workers meanwhile)."""
+        self._send_on_stdin(model)
         try:
-            self.proc.stdin.write(pickle.dumps(StartEngine(config, model), protocol=pickle.HIGHEST_PROTOCOL))
             self.proc.stdin.close()
         except OSError:
+            pass
+
+    def _send_on_stdin(self, message: object) -> None:
+        try:
+            self.proc.stdin.write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            self.proc.stdin.flush()
+        except OSError:
             pass        # it died already: wait_ready says so, with its exit code
-        self.sock: socket.socket | None = None
 
     def wait_ready(self) -> EngineReady:
         """Connect, and wait until the core has loaded the model (however long that takes: a core

@@ -88,10 +88,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     chat_template = load_chat_template(config.chat_template) if config.chat_template else None
     model_path = resolve_model_path(engine_config.model)
     sampling_defaults = load_sampling_defaults(config.generation_config, model_path)
-    tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
-    model = inspect_model(engine_config, tokenizer)
-    core = EngineCoreProcess(engine_config, model, log_level)   # it loads the model from now on
+    core = EngineCoreProcess(engine_config, log_level)   # its workers start (importing torch) meanwhile
     try:
+        tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
+        core.start_model(inspect_model(engine_config, tokenizer))
         ready = core.wait_ready()
         metrics = ServerMetrics()
         server: _Server | None = None

@@ -54,6 +54,8 @@ class ModelWorker:
         self.model = model_cls(params)
         self.device = device
         if device.type == "cuda":
+            self.model.warm_up()   # Triton's compiles now, not inside the first requests' steps
+        if device.type == "cuda":
             # Once the weights are loaded (conversions on the CPU may use every core), the host
             # only does bookkeeping on tiny CPU tensors (the req->token table's indices). With
             # torch's default thread pool every such op woke 15 OpenMP threads that then spun at

@@ -14,7 +14,7 @@ import pickle, sys
 import llmserve.engine.core_main, llmserve.engine.core
 from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.messages import StartEngine
-pickle.loads(pickle.dumps(StartEngine(EngineConfig(), ModelSpec("/m", "llama", "cpu", frozenset({2})))))
+pickle.loads(pickle.dumps(StartEngine(EngineConfig()))), pickle.loads(pickle.dumps(ModelSpec("/m", "llama", "cpu", frozenset({2}))))
 print(sorted({"torch", "transformers", "tokenizers"} & set(sys.modules)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

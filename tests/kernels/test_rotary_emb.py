@@ -52,3 +52,28 @@ def test_triton_matches_twin(device, dtype, n, Hq, Hk, D):
     # Bitwise: both round each product and the sum to the dtype, as HF does (no FMA in the kernel).
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(got[:, Hq + Hk:], qkv[:, Hq + Hk:], atol=0, rtol=0)  # v untouched
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_triton_on_separate_q_and_k(device, dtype):
+    """q and k in tensors of their own: two launches, the same result."""
+    g = rng(5)
+    n, Hq, Hk, D = 7, 4, 2, 64
+    q, k = randn(g, n, Hq, D, dtype=dtype, device=device), randn(g, n, Hk, D, dtype=dtype, device=device)
+    cos, sin = cos_sin(g, n, D, device)
+    want_q, want_k = q.clone(), k.clone()
+    rotary_emb_fwd_torch(want_q, want_k, cos, sin)
+    rotary_emb_fwd_triton(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(k, want_k, atol=0, rtol=0)
+
+
+def test_q_and_k_rotate_in_one_launch_only_when_k_follows_q():
+    from llmserve.kernels.rotary_emb import _heads_of_both
+
+    qkv = torch.zeros(5, 4 + 2 * 2, 8)
+    both = _heads_of_both(qkv[:, :4], qkv[:, 4:6])
+    assert both is not None and both.shape == (5, 6, 8) and both.data_ptr() == qkv.data_ptr()
+    assert _heads_of_both(qkv[:, :4], qkv[:, 5:7]) is None        # a gap between them
+    assert _heads_of_both(qkv[:, :4], torch.zeros(5, 2, 8)) is None  # another tensor
+    assert _heads_of_both(qkv[:3, :4], qkv[:3, 4:6]) is not None

@@ -90,3 +90,13 @@ def test_kv_pool_exhaustion_is_a_clear_error(models):
         driver.prefill([[1] * 200] * 11)   # 2200 tokens > 2048 slots
     assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size
     driver.free()
+
+
+def test_warm_up_leaves_the_pools_as_it_found_them(models):
+    """The start-up warm-up (the worker runs it on a GPU) runs prefill and mixed steps and gives
+    back every slot and row; the model answers as before."""
+    hf, ours = models
+    slots, rows = ours.mem_manager.can_use_mem_size, ours.req_manager.can_use_req_size
+    ours.warm_up(max_prefill_tokens=512)
+    assert (ours.mem_manager.can_use_mem_size, ours.req_manager.can_use_req_size) == (slots, rows)
+    assert_matches_hf_greedy(ours, hf, random_prompts([3, 7], 512, seed=5), steps=2)
