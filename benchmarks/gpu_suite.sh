@@ -41,7 +41,7 @@ else
   status+=("engine: skipped (no tokenizer copy at $tok)")
 fi
 run bench-kernels python3 benchmarks/kernels.py --device cuda --json "$out/kernels.json"
-run bench-offline python3 benchmarks/offline.py --device cuda --batch-sizes 1,32,128 --prompt-len 512 --modes eager,graphs --json "$out/offline.json"
+run bench-offline python3 benchmarks/offline.py --device cuda --batch-sizes 1,32,128 --prompt-len 512 --modes eager,graphs --peer hf-compiled --json "$out/offline.json"
 
 echo; echo "=== kernels"; sed -n '/^|/p' "$out/bench-kernels.log"
 echo; echo "=== offline"; sed -n '/^|/p' "$out/bench-offline.log"
