@@ -95,7 +95,21 @@ TINY_CONFIG: dict = {
     "vocab_size": 1024,
 }
 
-CONFIGS = {"8b": LLAMA3_8B_CONFIG, "tiny": TINY_CONFIG}
+# SmolLM2-135M's shapes (the embedded default model): the CPU comparison with HF. Its lm_head is
+# tied to the embedding; untied here (random weights for both), which reads the same bytes a step.
+SMOLLM2_135M_CONFIG: dict = {
+    **LLAMA3_8B_CONFIG,
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "rope_theta": 100000.0,
+}
+
+CONFIGS = {"8b": LLAMA3_8B_CONFIG, "smollm2": SMOLLM2_135M_CONFIG, "tiny": TINY_CONFIG}
 MAX_PREFILL_TOKENS = 16384
 
 
@@ -339,7 +353,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before them")
     p.add_argument("--model-size", choices=sorted(CONFIGS), default="8b",
-                   help="8b: Llama-3-8B shapes; tiny: 2 small layers, for CPU smoke tests")
+                   help="8b: Llama-3-8B shapes; smollm2: SmolLM2-135M's (the embedded model; for CPU "
+                        "comparisons); tiny: 2 small layers, for CPU smoke tests")
     p.add_argument("--modes", default="eager,graphs",
                    help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
                         "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")
@@ -391,7 +406,7 @@ def main() -> int:
             results.append(peer_batch(peer, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read,
                                       kv_bytes_per_token(model)))
 
-    print(f"\n### Decode step, Llama-3 {args.model_size} shapes, {dtype_name(dtype)}, "
+    print(f"\n### Decode step, {args.model_size} shapes (Llama), {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 
