@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
