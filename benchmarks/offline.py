@@ -177,7 +177,7 @@ def kv_bytes_per_token(model: LlamaTpPartModel) -> int:
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
                 graphs: bool = False) -> LlamaTpPartModel:
     params = ModelInitParams(
-        cuda_graph_max_bs=max_batch if graphs and device.type == "cuda" else 0,
+        cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
         model_path="",
         device=str(device),
         dtype=dtype,
@@ -233,14 +233,6 @@ def run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, w
         return _run_batch(model, mode, batch, prompt_len, warmup, steps, copy_bw, weights_read)
     finally:
         model.decode_graphs = graphs
-
-
-def peer_batch(peer: HFPeer, batch: int, prompt_len: int, warmup: int, steps: int, copy_bw: float,
-               weights_read: int, kv_per_token: int) -> BatchResult:
-    """The peer (HF transformers, hf_peer.py) on the same shapes, timed the same way."""
-    prefill_s, step_ms = peer.run(batch, prompt_len, warmup, steps)
-    return summarize(peer.mode, batch, prompt_len, prefill_s, step_ms, warmup, copy_bw, weights_read, kv_per_token,
-                     peer.device)
 
 
 def summarize(mode: str, batch: int, prompt_len: int, prefill_s: float, step_ms: list[float], warmup: int,
@@ -403,8 +395,9 @@ def main() -> int:
             results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read))
         if peer is not None:
             print(f"batch {batch}, {peer.mode}", file=sys.stderr)
-            results.append(peer_batch(peer, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read,
-                                      kv_bytes_per_token(model)))
+            prefill_s, step_ms = peer.run(batch, args.prompt_len, args.warmup_steps, args.steps)
+            results.append(summarize(peer.mode, batch, args.prompt_len, prefill_s, step_ms, args.warmup_steps,
+                                     copy_bw, read, kv_bytes_per_token(model), device))
 
     print(f"\n### Decode step, {args.model_size} shapes (Llama), {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")

@@ -12,6 +12,7 @@ set -u
 model=$1 levels=${2:-"1 32 128 256"} in_len=${3:-512} out_len=${4:-128}
 out=${OUT:-./server-vs-engine}
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/server_helpers.sh"
 port=${PORT:-8124}
 mkdir -p "$out"
 nprompts() { if [ "$1" -eq 1 ]; then echo 8; elif [ $((2 * $1)) -gt 96 ]; then echo $((2 * $1)); else echo 96; fi; }
@@ -26,11 +27,7 @@ rm -f "$out/trace.jsonl"
 LLMSERVE_STEP_TRACE="$out/trace.jsonl" python3 -c "import sys; from llmserve.cli import main; sys.exit(main())" \
   serve --model "$model" --port "$port" --max-concurrent-requests 1024 > "$out/serve.log" 2>&1 &
 pid=$!
-for _ in $(seq 900); do
-  curl -sf "localhost:$port/health" >/dev/null && break
-  kill -0 $pid 2>/dev/null || { echo "the server did not start:"; tail -5 "$out/serve.log"; exit 1; }
-  sleep 1
-done
+wait_for_health $pid "$port" "$out/serve.log" || exit 1
 for c in $levels; do
   python3 "$here/serving.py" --backend openai --model "$(basename "$model")" --base-url "http://127.0.0.1:$port" \
     --tokenizer "$model" --input-len "$in_len" --output-len "$out_len" --num-prompts "$(nprompts "$c")" \

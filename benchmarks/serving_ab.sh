@@ -13,6 +13,7 @@ model=$1 a=$2 b=$3 rounds=${4:-2} levels=${5:-"32 128"}
 out=${OUT:-./ab-out}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/server_helpers.sh"
 port=${PORT:-8123}
 
 serve_bench() {  # NAME SRC
@@ -22,11 +23,7 @@ serve_bench() {  # NAME SRC
      "import sys; from llmserve.cli import main; sys.exit(main())" \
      serve --model "$model" --port "$port" --max-concurrent-requests 1024) > "$out/serve_$name.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 600); do
-    curl -sf "localhost:$port/health" >/dev/null && break
-    kill -0 $pid 2>/dev/null || { echo "$name: the server did not start:"; tail -3 "$out/serve_$name.log"; return 1; }
-    sleep 1
-  done
+  wait_for_health $pid "$port" "$out/serve_$name.log" || return 1
   for c in $levels; do
     timeout 300 python3 "$here/serving.py" --backend openai --model "$(basename "$model")" --base-url "http://127.0.0.1:$port" \
       --tokenizer "$model" --input-len 512 --output-len 128 --num-prompts $((2 * c)) --max-concurrency "$c" --warmup "$c" \

@@ -15,12 +15,15 @@ from .backend import LOG2E, sdpa_attention, softmax_scale, use_triton
 from .decode_attention_stage1 import decode_attention_stage1_triton
 from .decode_attention_stage2 import decode_attention_stage2_triton
 
+# Keys per split-K block of the Triton path (the scratch holds cdiv(max_seq_len, this) splits).
+DECODE_BLOCK_SEQ = 256
+
 
 def decode_attention_fwd_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    *, block_seq: int = 256,
+    *, block_seq: int = DECODE_BLOCK_SEQ,
 ) -> None:
     """Triton version of `decode_attention_fwd`; `block_seq` is the keys per split."""
     bs, Hq, D = q.shape

@@ -23,6 +23,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly, capturing no CUDA graphs (as vLLM's flag)")
 
 
+def _cuda_graph_max_bs(args: argparse.Namespace) -> int:
+    return 0 if args.enforce_eager else args.cuda_graph_max_bs
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -107,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
-        cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
+        cuda_graph_max_bs=_cuda_graph_max_bs(args),
     )
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         chat_template = args.chat_template if args.command == "chat" else None
         with LLM(args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
-                 chat_template=chat_template, cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs) as llm:
+                 chat_template=chat_template, cuda_graph_max_bs=_cuda_graph_max_bs(args)) as llm:
             print(llm.engine.summary(), file=sys.stderr)
             if args.command == "chat":
                 messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -92,7 +92,7 @@ class LLM:
             while any(not out.is_finished for out in outputs.values()):
                 for req in self.engine.step():
                     out = outputs.get(req.req_id)    # None: a request someone queued on the engine itself
-                    if out is not None and out.apply(RequestDelta.of(req)):   # a stop string ended it
+                    if out is not None and out.apply(RequestDelta.of(req)):   # it ended here: a stop string, say
                         self.engine.abort_request(req.req_id)
         except BaseException:
             for r in requests:   # nothing of this call stays queued (a Ctrl-C, a dead worker)

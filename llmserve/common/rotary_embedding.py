@@ -13,11 +13,15 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from llmserve.common.basemodel.basemodel import head_dim
 
 
+def rope_type(config: PretrainedConfig) -> str:
+    """The config's rope type: default, llama3, linear, dynamic, yarn, longrope, ..."""
+    return dict(getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+
+
 class RotaryEmbedding:
     def __init__(self, config: PretrainedConfig, device: torch.device, max_position: int):
-        rope = dict(getattr(config, "rope_parameters", None) or {})
         self.config = config
-        self.rope_type: str = rope.get("rope_type", "default")
+        self.rope_type: str = rope_type(config)
         self.head_dim: int = head_dim(config)
         self.device = device
         inv_freq, self.attention_scaling = self._inv_freq(seq_len=None)

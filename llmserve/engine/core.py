@@ -181,18 +181,21 @@ def serve(address: str) -> int:
     listener.listen(1)      # the HTTP process may connect now; it waits for EngineReady
     engine: LLMEngine | None = None
     workers: ModelWorkerGroup | None = None
+    first: object | None = None
     try:
         workers = ModelWorkerGroup(start.config.tp)     # they import torch while we wait for the model
         model = pickle.load(sys.stdin.buffer)
         assert isinstance(model, ModelSpec), model
         engine = LLMEngine(start.config, model, workers)
-        first: object = EngineReady(engine.info, engine.config, engine.model, engine.summary())
+        first = EngineReady(engine.info, engine.config, engine.model, engine.summary())
     except EOFError:
-        if workers is not None:
-            workers.close()
-        return 1            # the HTTP process gave up on the model (it failed its checks) or died
+        pass                # the HTTP process gave up on the model (it failed its checks) or died
     except Exception as e:
         first = StartupFailed(_picklable(e))
+    if engine is None and workers is not None:
+        workers.close()
+    if first is None:
+        return 1
     sock, _ = listener.accept()
     listener.close()
     try:

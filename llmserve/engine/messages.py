@@ -4,8 +4,9 @@ plain dataclasses, one verb each, pickled and framed by an 8-byte length.
 HTTP -> core: ``StartEngine`` and then a ``ModelSpec`` (once each, on the core's stdin), then over
 the socket ``AddRequest``, ``AbortRequests``, ``Shutdown``.
 Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
-step (every request's ``RequestDelta`` of that step: token ids, no text; plus a stats snapshot), ``StepFailed`` when a step
-raised for no request of its own, and ``EngineDead`` last if the engine cannot go on.
+step (every request's ``RequestDelta`` of that step, token ids and no text, plus a stats
+snapshot), ``StepFailed`` when a step raised for no request of its own, and ``EngineDead`` last
+if the engine cannot go on.
 
 Each HTTP -> core frame on the socket is a list of messages: all that the HTTP process
 sent in one turn of its event loop, taken in whole by the core between two steps.

@@ -332,7 +332,7 @@ class EngineClient:
             if stream is None:           # aborted while the step ran
                 continue
             req = stream.request
-            if req.apply(delta):         # a stop string ended it: the core need not go on
+            if req.apply(delta):         # it ended here (a stop string, text that will not decode): tell the core
                 self._send(AbortRequests([req.req_id]))
             if req.error is not None:
                 del self._streams[delta.req_id]

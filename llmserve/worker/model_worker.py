@@ -48,14 +48,13 @@ class ModelWorker:
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
             mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
-            cuda_graph_max_bs=args.cuda_graph_max_bs if device.type == "cuda" else 0,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
         self.device = device
         if device.type == "cuda":
             self.model.warm_up()   # Triton's compiles now, not inside the first requests' steps
-        if device.type == "cuda":
             # Once the weights are loaded (conversions on the CPU may use every core), the host
             # only does bookkeeping on tiny CPU tensors (the req->token table's indices). With
             # torch's default thread pool every such op woke 15 OpenMP threads that then spun at

@@ -122,9 +122,16 @@ class TpPartBaseModel:
         self._gguf_tensors = None
 
     @property
-    def uses_cuda_graphs(self) -> bool:
-        """Whether decode steps will replay CUDA graphs (asked for, and the model allows them)."""
-        return self.params.cuda_graph_max_bs > 0 and self._graphs_supported()
+    def cuda_graph_max_bs(self) -> int:
+        """The largest decode batch that replays a CUDA graph; 0: none (not asked for, not on a
+        GPU, or the model cannot). ``cuda_graph_capture=False`` (tests) runs the graphs' padded
+        path without capturing, so it needs no GPU."""
+        p = self.params
+        if p.cuda_graph_max_bs <= 0 or not self._graphs_supported():
+            return 0
+        if p.cuda_graph_capture and self.device.type != "cuda":
+            return 0
+        return min(p.cuda_graph_max_bs, p.max_req_num)
 
     def _graphs_supported(self) -> bool:
         """Hook: False for a model whose decode step needs the host (Llama's dynamic NTK rotary)."""
@@ -138,16 +145,15 @@ class TpPartBaseModel:
         size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * dim, context)
         self.max_total_token_num = size
         # The CUDA graphs' padding request takes one slot and one row that nobody else sees.
-        spare = 1 if self.uses_cuda_graphs else 0
+        spare = 1 if self.cuda_graph_max_bs else 0
         self.mem_manager = MemoryManager(size + spare, self.data_type, tp_kv_heads, dim, cfg.num_hidden_layers, self.device)
         self.max_seq_len = self.params.max_seq_len or min(context or size, size)
         self.req_manager = ReqManager(self.params.max_req_num + spare, self.max_seq_len, self.mem_manager, self.device)
 
     def _init_decode_graphs(self) -> DecodeGraphs | None:
-        if not self.uses_cuda_graphs:
+        if not self.cuda_graph_max_bs:
             return None
-        return DecodeGraphs(self, min(self.params.cuda_graph_max_bs, self.params.max_req_num),
-                            capture=self.params.cuda_graph_capture)
+        return DecodeGraphs(self, self.cuda_graph_max_bs, capture=self.params.cuda_graph_capture)
 
     def _auto_kv_size(self, kv_dim_per_layer: int, context: int | None) -> int:
         """KV slots that fit in what the weights left over (GPU), or a modest default (CPU).
@@ -163,11 +169,11 @@ class TpPartBaseModel:
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = self.params.mem_fraction
         budget = min(total * fraction - torch.cuda.memory_reserved(self.device), free - total * (1 - fraction))
-        if self.uses_cuda_graphs:
-            max_bs = min(self.params.cuda_graph_max_bs, self.params.max_req_num)
+        if self.cuda_graph_max_bs:
             # the graphs' bound on sequence length is the context window, or the pool it fits in
             bound = self.params.max_seq_len or context or int(budget // bytes_per_token)
-            budget -= DecodeGraphs.memory_estimate(max_bs, cfg, self.data_type.itemsize, bound, self.world_size_)
+            budget -= DecodeGraphs.memory_estimate(self.cuda_graph_max_bs, cfg, self.data_type.itemsize, bound,
+                                                   self.world_size_)
         if budget < bytes_per_token * 1024:
             raise ValueError(
                 f"not enough GPU memory left for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
@@ -207,11 +213,11 @@ class TpPartBaseModel:
         flags asks for all rows of the flagged requests only (prompt logprobs of one request
         should not cost a vocab-wide row for every token of the batch), requests back to back."""
         mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len, expected_lens=b_cached_len)
-        graphs = self.decode_graphs
-        if (graphs is not None and graphs.can_run(len(b_q_len)) and all(n == 1 for n in b_q_len)
-                and not any(return_all_logits if isinstance(return_all_logits, list) else [return_all_logits])):
-            return graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index)
-        state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, return_all_logits)
+        all_logits = return_all_logits if isinstance(return_all_logits, list) else [return_all_logits] * len(b_q_len)
+        is_decode = all(n == 1 for n in b_q_len) and not any(all_logits)
+        if is_decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(b_q_len)):
+            return self.decode_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index)
+        state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, all_logits, is_decode)
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
         return self.forward_layers(input_ids, state)
 
@@ -236,8 +242,9 @@ class TpPartBaseModel:
             return                                        # a pool too small to be worth warming
         rows = [self.req_manager.alloc_req() for _ in range(decode_rows + 1)]
         try:
-            vocab = self.vocab_size
-            ids = lambda n: torch.arange(n, dtype=torch.int64) % vocab   # noqa: E731
+            def ids(n: int) -> torch.Tensor:
+                return torch.arange(n, dtype=torch.int64) % self.vocab_size
+
             lens = [0] * decode_rows
             self.forward(ids(decode_rows), rows[:-1], lens, [1] * decode_rows)          # short prompts
             lens = [1] * decode_rows
@@ -252,8 +259,7 @@ class TpPartBaseModel:
                 self.req_manager.free_req(row)
 
     def _build_infer_state(self, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
-                           mem_index: torch.Tensor, return_all_logits: bool | list[bool]) -> InferStateInfo:
-        all_logits = return_all_logits if isinstance(return_all_logits, list) else [return_all_logits] * len(b_q_len)
+                           mem_index: torch.Tensor, all_logits: list[bool], is_decode: bool) -> InferStateInfo:
         q_len = torch.tensor(b_q_len, dtype=torch.int32)
         cached = torch.tensor(b_cached_len, dtype=torch.int32)
         q_start = torch.cumsum(q_len, 0, dtype=torch.int32) - q_len
@@ -268,7 +274,7 @@ class TpPartBaseModel:
         state = self.infer_state_class(
             batch_size=len(b_req_idx),
             total_token_num=total,
-            is_decode=total == len(b_req_idx) and not any(all_logits),
+            is_decode=is_decode,
             b_req_idx=req_idx_d,
             b_q_start=q_start_d,
             b_q_len=q_len_d,

@@ -80,21 +80,27 @@ class DecodeGraphs:
         next step."""
         bs = len(b_req_idx)
         bucket = self.bucket(bs)
-        pad = bucket - bs
+        self._write_inputs(bucket, b_req_idx, b_cached_len)
+        self._inputs[0, :bs].copy_(input_ids)
+        self._slots[:bs].copy_(mem_index)
+        if bucket in self._graphs:
+            self._graphs[bucket].replay()
+            return self._outputs[bucket][:bs]
+        return self._step(bucket)[:bs]
+
+    def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int]) -> None:
+        """Rows, lengths and positions of the requests, then of the padding request up to
+        ``bucket``; token ids 0 and the padding slot everywhere (the caller writes the requests'
+        own ids and slots over theirs)."""
+        pad = bucket - len(b_req_idx)
         host = torch.tensor([
-            [0] * bucket,           # the token ids come next, straight from where they are
+            [0] * bucket,
             list(b_req_idx) + [self.pad_row] * pad,
             [n + 1 for n in b_cached_len] + [1] * pad,
             list(b_cached_len) + [0] * pad,
         ], dtype=torch.int64)
         self._inputs[:, :bucket].copy_(host)
-        self._inputs[0, :bs].copy_(input_ids)
-        self._slots[:bs].copy_(mem_index)
-        self._slots[bs:bucket].fill_(self.pad_slot)
-        if bucket in self._graphs:
-            self._graphs[bucket].replay()
-            return self._outputs[bucket][:bs]
-        return self._step(bucket)[:bs]
+        self._slots[:bucket].fill_(self.pad_slot)
 
     def _step(self, bucket: int) -> torch.Tensor:
         """The work a graph holds: the layers over the static buffers' first ``bucket`` rows."""
@@ -124,8 +130,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         # Largest first: the smaller graphs then fit in the memory the largest took from the pool.
         for bucket in reversed(self.buckets):
-            self._inputs[:, :bucket].copy_(torch.tensor([[0], [self.pad_row], [1], [0]]).expand(4, bucket))
-            self._slots[:bucket].fill_(self.pad_slot)
+            self._write_inputs(bucket, [], [])        # all padding
             # Once outside the graph: Triton compiles its kernels, cuBLAS picks its algorithms.
             self._step(bucket)
             torch.cuda.synchronize(device)
@@ -143,10 +148,11 @@ class DecodeGraphs:
         the largest bucket's logits (the lm_head's output and its float32 copy), decode
         attention's split-K scratch, and a layer's activations."""
         from llmserve.common.basemodel.basemodel import head_dim
+        from llmserve.kernels.decode_attention import DECODE_BLOCK_SEQ
 
         hq = config.num_attention_heads // tp
         d = head_dim(config)
-        splits = -(-max_seq_len // 256)
+        splits = -(-max_seq_len // DECODE_BLOCK_SEQ)
         intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
         per_row = (config.vocab_size * (itemsize + 4)
                    + hq * splits * (d + 1) * 4

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from llmserve.common.basemodel import TpPartBaseModel
-from llmserve.common.rotary_embedding import RotaryEmbedding
+from llmserve.common.rotary_embedding import RotaryEmbedding, rope_type
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 from llmserve.models.llama.layer_infer.post_layer_infer import LlamaPostLayerInfer
 from llmserve.models.llama.layer_infer.pre_layer_infer import LlamaPreLayerInfer
@@ -39,8 +39,7 @@ class LlamaTpPartModel(TpPartBaseModel):
     def _graphs_supported(self) -> bool:
         # Dynamic NTK rotary computes its table on the host once a sequence outgrows the trained
         # context; a captured step cannot.
-        rope = dict(getattr(self.network_config_, "rope_parameters", None) or {})
-        return rope.get("rope_type", "default") != "dynamic"
+        return rope_type(self.network_config_) != "dynamic"
 
     def _init_custom(self) -> None:
         self.rotary_emb = RotaryEmbedding(self.network_config_, self.device, self.max_seq_len)
