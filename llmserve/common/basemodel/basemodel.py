@@ -19,6 +19,7 @@ from llmserve.common.mem_manager import MemoryManager, ReqManager
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS = 16384
+_INT32_PER_16_BYTES = 4   # Triton specialises a pointer argument on 16-byte alignment
 
 
 @dataclass
@@ -231,10 +232,11 @@ class TpPartBaseModel:
     @torch.inference_mode()
     def warm_up(self, max_prefill_tokens: int = 8192) -> None:
         """Run once the step shapes serving meets first, so that Triton compiles its kernels'
-        variants (the attention's tile sizes, arguments specialised on divisibility by 16) and
-        cuBLAS picks its algorithms now, not inside the first requests' steps: in one H100 run a
-        served mixed step took 1.1-1.4 s instead of ~0.2 s, twice, for that. Triton keeps what it
-        compiled on disk, so later starts pay little. Leaves the pools as it found them."""
+        variants (the attention's tile sizes, integers specialised on being 1 or a multiple of 16)
+        and cuBLAS picks its algorithms now, not inside the first requests' steps, where each
+        compile costs 1-2 s on an H100. (Pointer alignment, the other thing Triton specialises
+        on, is kept constant by `_build_infer_state`.) Triton keeps what it compiled on disk, so
+        later starts pay little. Leaves the pools as it found them."""
         decode_rows = 17                                  # neither 1 nor a multiple of 16
         prefill_lens = [n for n in (100, 512, min(2048, max_prefill_tokens)) if n <= self.max_seq_len - 2]
         need = decode_rows * 3 + sum(prefill_lens) + 8
@@ -267,10 +269,14 @@ class TpPartBaseModel:
         total = int(q_len.sum())
         # position of each new token: its request's cached length plus its index among the new ones
         positions = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave((q_start - cached).long(), q_len.long())
-        # one host-to-device copy for all the per-request columns (each copy costs a launch)
-        req_idx_d, q_start_d, q_len_d, cached_d, seq_len_d = torch.stack(
-            [torch.tensor(b_req_idx, dtype=torch.int32), q_start, q_len, cached, seq_len]
-        ).to(self.device, non_blocking=True)
+        # One host-to-device copy for all the per-request columns (each copy costs a launch). Each
+        # column starts on a 16-byte boundary, whatever the batch size: Triton specialises a kernel
+        # on its pointers' alignment, so columns that followed each other unpadded compiled the
+        # attention kernel anew (1-2 s) the first time a step's batch size met another residue mod 4.
+        bs = len(b_req_idx)
+        columns = torch.zeros(5, -(-bs // _INT32_PER_16_BYTES) * _INT32_PER_16_BYTES, dtype=torch.int32)
+        columns[:, :bs] = torch.stack([torch.tensor(b_req_idx, dtype=torch.int32), q_start, q_len, cached, seq_len])
+        req_idx_d, q_start_d, q_len_d, cached_d, seq_len_d = columns.to(self.device, non_blocking=True)[:, :bs]
         state = self.infer_state_class(
             batch_size=len(b_req_idx),
             total_token_num=total,
