@@ -65,11 +65,11 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], output_len: int, c
     while queue or running:
         while queue and len(running) < concurrency:
             running.append(engine.add_request(queue.pop(), params))
-        updated = engine.step()
+        deltas = engine.step()
         now = time.perf_counter()
-        for req in updated:
-            first_token.setdefault(req.req_id, now)
-            last_token[req.req_id] = now
+        for delta in deltas:
+            first_token.setdefault(delta.req_id, now)
+            last_token[delta.req_id] = now
         still = [r for r in running if not r.is_finished]
         done += [r for r in running if r.is_finished]
         running = still

@@ -21,10 +21,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(batch sizes 1, 2, 4, then multiples of 8); 0 = none (default: 256)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly, capturing no CUDA graphs (as vLLM's flag)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="on one GPU, wait for each step's tokens before scheduling the next, instead of "
+                        "scheduling it while the GPU runs (as SGLang's flag); same tokens, slower")
 
 
-def _cuda_graph_max_bs(args: argparse.Namespace) -> int:
-    return 0 if args.enforce_eager else args.cuda_graph_max_bs
+def _step_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of how steps run: CUDA graphs and the overlapped loop."""
+    return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
+                overlap=False if args.disable_overlap_schedule else None)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
-        cuda_graph_max_bs=_cuda_graph_max_bs(args),
+        **_step_options(args),
     )
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         chat_template = args.chat_template if args.command == "chat" else None
         with LLM(args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
-                 chat_template=chat_template, cuda_graph_max_bs=_cuda_graph_max_bs(args)) as llm:
+                 chat_template=chat_template, **_step_options(args)) as llm:
             print(llm.engine.summary(), file=sys.stderr)
             if args.command == "chat":
                 messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -90,10 +90,10 @@ class LLM:
             self.engine.enqueue(r)
         try:
             while any(not out.is_finished for out in outputs.values()):
-                for req in self.engine.step():
-                    out = outputs.get(req.req_id)    # None: a request someone queued on the engine itself
-                    if out is not None and out.apply(RequestDelta.of(req)):   # it ended here: a stop string, say
-                        self.engine.abort_request(req.req_id)
+                for delta in self.engine.step():
+                    out = outputs.get(delta.req_id)    # None: a request someone queued on the engine itself
+                    if out is not None and not out.is_finished and out.apply(delta):   # it ended here: a stop string, say
+                        self.engine.abort_request(delta.req_id)
         except BaseException:
             for r in requests:   # nothing of this call stays queued (a Ctrl-C, a dead worker)
                 self.engine.abort_request(r.req_id)

@@ -128,8 +128,10 @@ class MemoryManager:
         slots = self._free_stack[top - n : top].flip(0).clone()
         self._num_free = top - n
         self._ref_count[slots.long()] = 1
-        # A plain (blocking) copy: the source is pageable memory, where non_blocking buys nothing.
-        return slots.to(self.device)
+        # Not a blocking copy: that would wait for every step queued on the device, which the
+        # overlapped loop keeps one step ahead. (From pageable memory the driver stages the
+        # bytes before returning, so the temporary may go at once.)
+        return slots.to(self.device, non_blocking=True)
 
     def incref(self, slots: torch.Tensor) -> None:
         """Add one reference per occurrence of each slot (to share it, e.g. from a prefix cache).
@@ -270,8 +272,8 @@ class ReqManager:
         first_of_req = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         tok_pos = torch.repeat_interleave(starts, counts) + (torch.arange(total) - first_of_req)
         # One host-to-device copy for both index columns.
-        tok_rows, tok_pos = torch.stack([tok_rows, tok_pos]).to(self.device)
-        self.req_to_token[tok_rows, tok_pos] = slots.to(self.device)
+        tok_rows, tok_pos = torch.stack([tok_rows, tok_pos]).to(self.device, non_blocking=True)   # (see alloc)
+        self.req_to_token[tok_rows, tok_pos] = slots.to(self.device, non_blocking=True)
         self._seq_len[rows] = starts + counts
         return slots
 

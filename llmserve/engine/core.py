@@ -115,7 +115,7 @@ class EngineCore:
         failure is tied to no request (a bug of ours) and costs the requests in flight, not the
         engine."""
         try:
-            updated = self._in_thread(self.engine.step)
+            deltas = self._in_thread(self.engine.step)
         except WorkerError:
             raise
         except Exception as e:
@@ -125,7 +125,7 @@ class EngineCore:
                 self.engine.abort_request(req_id)
             self._send(StepFailed(req_ids, f"the engine step failed: {e}"))
             return []
-        return [RequestDelta.of(req) for req in updated]
+        return deltas
 
     def _in_thread(self, fn: Callable[[], T]) -> T:
         future = self._executor.submit(fn)

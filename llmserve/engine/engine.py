@@ -18,13 +18,14 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from llmserve.common.errors import ModelLoadError
 from llmserve.default_model import default_model_path
 from llmserve.engine.admission import RequestLimits, check_request
-from llmserve.engine.request import FinishReason, Request
-from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from llmserve.engine.request import FinishReason, Request, RequestDelta
+from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from llmserve.engine.worker_client import ModelWorkerGroup, free_tcp_port
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.protocol import BatchEntry, StepInput, StepOutput, WorkerInitArgs, error_line
@@ -44,6 +45,9 @@ class EngineConfig:
     max_prefill_tokens: int = 8192      # prompt tokens per step
     chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
     cuda_graph_max_bs: int = 256        # GPU decode steps up to this batch replay CUDA graphs; 0: eager
+    # Schedule step N+1 while the device runs step N (see LLMEngine.step). None: on for one GPU
+    # rank, where it hides the host's work; True also on the CPU (tests: same tokens either way).
+    overlap: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,12 @@ class LLMEngine:
             max_running_requests=min(config.max_running_requests, self.info.max_req_num),
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
         ))
+        if config.overlap and config.tp > 1:
+            raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
+        self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.tp == 1
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
+        self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet
         self._ids = itertools.count()
         # LLMSERVE_STEP_TRACE=FILE: one JSON line per step (times and batch shape), to see where
         # a serving run's time goes (benchmarks/step_trace.py summarizes it).
@@ -146,50 +154,93 @@ class LLMEngine:
             self._release(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     # -- one step ----------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one forward over the scheduled batch; return the requests that got a token, or
-        failed (those are finished, with ``error`` set)."""
+    def step(self) -> list[RequestDelta]:
+        """Send the workers the next scheduled batch; return what the steps whose output came
+        back did to each request: a token, or a failure (the request is then finished, with
+        ``error`` set). One call may bring a request two deltas (a step and the one before it).
+
+        Without overlap that is this step's. With it, the workers answer once this step is
+        queued on the device, with the output of the step before: the host reads those tokens
+        and schedules the next step while the device computes, and a request that ended (an
+        EOS) in the step read has run one step more, whose token is dropped."""
         plan = self.scheduler.schedule()
         entries = [self._batch_entry(s) for s in plan.scheduled]
-        step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted])
+        step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted],
+                         overlap=self.overlap)
         self._to_free = []
-        if not entries and not step.finished_req_ids and not step.preempted_req_ids:
+        if not entries and not step.finished_req_ids and not step.preempted_req_ids and not self._in_flight:
             return []
+        shape = self._step_shape(plan) if self._trace is not None else None
         started = time.perf_counter()
-        result = self._run(step)
-        if self._trace is not None:
-            self._trace_step(plan.scheduled, started)
+        outputs = self.workers.step(step)
+        if shape is not None:
+            self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), **shape}) + "\n")
+        if entries:
+            self._in_flight.append(plan)
+            self._sent(plan)
+        # The steps these outputs are of, taken off first: whatever goes wrong below, what stays
+        # in flight is what the workers still owe.
+        done = [self._in_flight.popleft() for _ in outputs]
+        return [delta for plan, output in zip(done, outputs) for delta in self._take_step(plan, output)]
+
+    def _sent(self, plan: SchedulerOutput) -> None:
+        """The workers have the step: its tokens are in the KV cache, or on their way there."""
         self.scheduler.update_after_step(plan)
-        if result is None:
-            return []
+        for s in plan.scheduled:
+            s.request.num_pending_tokens += s.samples
+
+    def _take_step(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestDelta]:
+        """Give a step's output to its requests; the deltas of those that got a token or failed."""
+        for s in plan.scheduled:
+            s.request.num_pending_tokens -= s.samples
+        if result.forward_failed and len(plan.scheduled) > 1:
+            return self._run_again(plan)
         updated = []
         for i, s in enumerate(plan.scheduled):
+            if s.request.is_finished:    # ended while the step ran (aborted, or stopped by the step before)
+                continue
             error = result.errors[i] or self._take_output(s, result, i)
             if error is not None:
                 self._fail(s.request, error)
             if error is not None or s.samples:
-                updated.append(s.request)
+                updated.append(RequestDelta.of(s.request))
         return updated
 
-    def _trace_step(self, scheduled: list[ScheduledRequest], started: float) -> None:
-        # Before update_after_step, so the scheduler still sees each request as it was scheduled.
-        decode = sum(1 for s in scheduled if self.scheduler.is_decoding(s.request))
-        prefill = sum(s.num_new_tokens for s in scheduled) - decode
-        self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), "decode": decode,
-                                      "prefill": prefill, "waiting": self.scheduler.num_waiting}) + "\n")
+    def _run_again(self, plan: SchedulerOutput) -> list[RequestDelta]:
+        """A step whose forward raised, which the workers have undone: undo it here too, and run
+        its live entries again at once, in halves (see ``_run_in_halves``)."""
+        for s in plan.scheduled:
+            s.request.num_cached -= s.num_new_tokens
+        live = SchedulerOutput([s for s in plan.scheduled if not s.request.is_finished], [])
+        if not live.scheduled:
+            return []
+        result = self._run_in_halves([self._batch_entry(s) for s in live.scheduled])
+        self._sent(live)
+        return self._take_step(live, result)
 
-    def _run(self, step: StepInput) -> StepOutput | None:
-        """The workers run the step. When the forward fails, its entries run again in halves,
-        so that those which cause it fail alone and the others get their tokens as if alone (an
-        entry's logits depend only on its own tokens, and nothing was sampled by the failed try)."""
-        result = self.workers.step(step)
-        if result is None or not result.forward_failed or len(step.entries) == 1:
+    def _step_shape(self, plan: SchedulerOutput) -> dict:
+        # Before update_after_step, so the scheduler still sees each request as it was scheduled.
+        decode = sum(1 for s in plan.scheduled if self.scheduler.is_decoding(s.request))
+        return {"decode": decode, "prefill": sum(s.num_new_tokens for s in plan.scheduled) - decode,
+                "waiting": self.scheduler.num_waiting}
+
+    def _run_in_halves(self, entries: list[BatchEntry]) -> StepOutput:
+        """Run entries whose forward failed together again, not overlapped, in halves (and the
+        halves of a half that fails), so that those which cause it fail alone and the others get
+        their tokens as if alone: an entry's logits depend only on its own tokens, and nothing
+        was sampled by the failed try."""
+        if len(entries) == 1:
+            [result] = self.workers.step(StepInput(entries))
             return result
-        half = len(step.entries) // 2
-        return StepOutput.concat([self._run(StepInput(step.entries[:half])), self._run(StepInput(step.entries[half:]))])
+        half = len(entries) // 2
+        return StepOutput.concat([self._run(entries[:half]), self._run(entries[half:])])
+
+    def _run(self, entries: list[BatchEntry]) -> StepOutput:
+        [result] = self.workers.step(StepInput(entries))
+        return self._run_in_halves(entries) if result.forward_failed and len(entries) > 1 else result
 
     def _take_output(self, s: ScheduledRequest, result: StepOutput, i: int) -> str | None:
         """Give the request what entry ``i`` of the step made for it (prompt logprobs, a token),
@@ -219,11 +270,13 @@ class LLMEngine:
 
     def _batch_entry(self, s: ScheduledRequest) -> BatchEntry:
         req, start = s.request, s.request.num_cached
+        end = start + s.num_new_tokens
         first = start == 0   # first chunk, or the first after a preemption: (re)send the sampling setup
         return BatchEntry(
-            req_id=req.req_id, token_ids=req.token_slice(start, start + s.num_new_tokens), num_cached=start,
+            req_id=req.req_id, token_ids=req.token_slice(start, min(end, req.num_tokens)), num_cached=start,
             params=req.params if first else None, prompt_token_ids=req.prompt_token_ids if first else None,
             want_prompt_logprobs=first and req.needs_prompt_logprobs, sample=s.samples,
+            pending_token=end > req.num_tokens,   # its last token is the one in flight
         )
 
     def _release(self, req: Request) -> None:
@@ -231,10 +284,15 @@ class LLMEngine:
         self.requests.pop(req.req_id, None)
 
     def flush(self) -> None:
-        """Hand the workers any pending frees now (the engine is going idle)."""
-        if self._to_free:
-            self.workers.step(StepInput([], finished_req_ids=self._to_free))
+        """The caller is going idle: read the step still in flight (``generate`` is done once its
+        own requests are, and a step may be running for one that stopped) and hand the workers
+        the pending frees, scheduling nothing new."""
+        while self._in_flight or self._to_free:
+            step = StepInput([], finished_req_ids=self._to_free, overlap=self.overlap)
             self._to_free = []
+            outputs = self.workers.step(step)
+            for plan, output in [(self._in_flight.popleft(), output) for output in outputs]:
+                self._take_step(plan, output)
 
     def shutdown(self) -> None:
         self.workers.close()

@@ -52,6 +52,10 @@ class Request:
     # How many of all_token_ids are in the KV cache right now. The scheduler resets it to
     # 0 when it preempts the request; the request is then prefilled again from scratch.
     num_cached: int = 0
+    # Tokens drawn by a step still running, not read yet (0 or 1): the overlapped loop schedules
+    # the next step before the last one reports, and the request's next step feeds that token
+    # from the worker's side (BatchEntry.pending_token).
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # Why the request failed (finish_reason ERROR): one line, fit for the client.
@@ -72,6 +76,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def final_token_pending(self) -> bool:
+        """The token in flight is the last ``max_new_tokens`` allows: nothing is left to schedule."""
+        return self.num_pending_tokens > 0 and self.num_output_tokens + self.num_pending_tokens >= self.params.max_new_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

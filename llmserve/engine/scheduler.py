@@ -14,6 +14,11 @@ scheduler only does the bookkeeping; the engine runs the step and tells it what 
 KV accounting is in token slots: a request holds ``num_cached`` slots. A step that feeds ``n``
 new tokens of a request needs ``n`` free slots. Admitting a request reserves room for its whole
 prompt at once, so a prefill that has started can always finish.
+
+With the overlapped loop the engine schedules a step before it has read the tokens of the step
+still running: a request's tokens then include the one in flight (``num_pending_tokens``), which
+its decode feeds like any other, except a final one (``max_new_tokens`` reached): that request
+has nothing to feed, and ends when its token is read.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ class Scheduler:
         scheduled = [ScheduledRequest(req, 1) for req in self.running if self.is_decoding(req)]
         budget = _PrefillBudget(self.config.max_prefill_tokens)
         for req in self.running:   # prompts under way first: they are older than any waiting one
-            if not self.is_decoding(req):
+            if self._num_uncached(req) and not self.is_decoding(req):
                 chunk = self._chunk(req, budget)
                 if chunk == 0:
                     break
@@ -131,6 +136,8 @@ class Scheduler:
         free_after_step = self._num_uncommitted_slots() - self._num_decode_tokens()
         while self.waiting:
             req = self.waiting[0]
+            if req.num_pending_tokens:
+                break   # preempted while its token was in flight: it waits for the step that reads it
             num_uncached = self._num_uncached(req)  # the whole sequence: num_cached is 0
             if len(self.running) >= self.config.max_running_requests:
                 break
@@ -164,7 +171,7 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(req: Request, num_new_tokens: int) -> ScheduledRequest:
-        return ScheduledRequest(req, num_new_tokens, samples=req.num_cached + num_new_tokens == req.num_tokens)
+        return ScheduledRequest(req, num_new_tokens, samples=req.num_cached + num_new_tokens == req.num_tokens_with_pending)
 
     # ----------------------------------------------------------------------------------
     # Accounting
@@ -172,7 +179,9 @@ class Scheduler:
 
     @staticmethod
     def _num_uncached(req: Request) -> int:
-        return req.num_tokens - req.num_cached
+        """Tokens the request has yet to feed: those not in the KV cache, the one in flight
+        included, unless that one is final (it is never fed)."""
+        return req.num_tokens_with_pending - req.num_cached - req.final_token_pending
 
     def is_decoding(self, req: Request) -> bool:
         """A running request feeds one sampled token; the others are part-way through a prompt."""

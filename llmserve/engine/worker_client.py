@@ -94,7 +94,9 @@ class ModelWorkerGroup:
         self.info: WorkerInfo = infos[0]
         return self.info
 
-    def step(self, step: StepInput) -> StepOutput | None:
+    def step(self, step: StepInput) -> list[StepOutput]:
+        """Every rank runs the step; rank 0's answer: the outputs of the steps done (see
+        ``ModelWorker.step``)."""
         try:
             return self._gather([c.step(step) for c in self.clients])[0]
         except WorkerError:

@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import pickle
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import rpyc
@@ -22,7 +23,7 @@ from llmserve.worker.protocol import (
 )
 
 if TYPE_CHECKING:
-    from llmserve.worker.sampler import SampleResult
+    from llmserve.worker.sampler import PendingSample, SampleResult
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class ModelWorker:
             torch.set_num_threads(1)
         self.sampler = Sampler(eos_token_ids=args.eos_token_ids) if args.tp_rank == 0 else None
         self.req_rows: dict[int, int] = {}   # req_id -> row of req_to_token
+        self._owed: _LaunchedStep | None = None   # an overlapped step whose output is not sent yet
+        # The last step's draw, on the device, and each sampling request's row in it: where a
+        # pending token of the next step comes from.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_sampled_row: dict[int, int] = {}
 
     def info(self) -> WorkerInfo:
         m = self.model
@@ -78,42 +84,87 @@ class ModelWorker:
             **_graph_info(m),
         )
 
-    def step(self, step: StepInput) -> StepOutput | None:
+    def step(self, step: StepInput) -> list[StepOutput]:
+        """Run the step; return the outputs of the steps that are done, in the order they were
+        sent: this one's, after the one still owed (an overlapped step before it). An overlapped
+        step is only queued here, and its output owed to the next call, unless its forward
+        failed. Ranks other than 0 return nothing (rank 0 samples)."""
         for req_id in step.preempted_req_ids:
             self._free_kv(req_id)
         for req_id in step.finished_req_ids:
             self._free_kv(req_id)
             if self.sampler is not None:
                 self.sampler.remove_request(req_id)
+        owed, self._owed = self._owed, None
+        done = [owed.output()] if owed is not None and not step.entries else []
         if not step.entries:
-            return None
+            return done
 
         rows = [self._row(e.req_id) for e in step.entries]
         # Entries whose sampling setup failed still run the forward: every rank must run the
         # same batch (only rank 0 has a sampler), and their rows harm no one.
         errors = self._add_to_sampler(step.entries)
-        input_ids = torch.tensor([t for e in step.entries for t in e.token_ids], dtype=torch.int64)
-        q_lens = [len(e.token_ids) for e in step.entries]
+        q_lens = [e.num_new_tokens for e in step.entries]
         # The same flag on every rank: the lm_head's all-gather is a collective.
         all_logits = [e.want_prompt_logprobs for e in step.entries]
         try:
-            logits = self.model.forward(input_ids, rows, [e.num_cached for e in step.entries], q_lens,
-                                        return_all_logits=all_logits)
+            logits = self.model.forward(self._input_ids(step.entries), rows, [e.num_cached for e in step.entries],
+                                        q_lens, return_all_logits=all_logits)
         except Exception as e:
-            return self._forward_failed(step.entries, rows, e)
+            failed = self._forward_failed(step.entries, rows, e)
+            return [owed.output(), failed] if owed is not None else [failed]
         if self.sampler is None:
-            return None
+            return []
+        # The forward is queued: now read the owed step's tokens (the device is busy meanwhile),
+        # which also counts them for the penalties before this step samples.
+        if owed is not None:
+            done.append(owed.output())
         # An asking entry has one row of logits per new token, the others one, entries back to back.
         row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
         prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends, errors)
-        sampling = [i for i, e in enumerate(step.entries) if e.sample and errors[i] is None]
+        # Not an entry whose sampling setup failed, in this step or (overlapped) in the one
+        # before, whose failure the engine has not read yet: it ends the request then.
+        sampling = [i for i, e in enumerate(step.entries) if e.sample and errors[i] is None and e.req_id in self.sampler]
         if sampling and row_ends[-1] != len(sampling):
             # Keep the last row of each entry that samples. (The common step, one row per entry
             # and all sampling, skips this.)
             last_rows = [row_ends[i] - 1 for i in sampling]
-            logits = logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
-        result = self.sampler.sample(logits, [step.entries[i].req_id for i in sampling]) if sampling else None
-        return StepOutput(*_per_entry(len(step.entries), sampling, result, errors), prompt_lps, prompt_tops, errors)
+            logits = logits[torch.tensor(last_rows, dtype=torch.long).to(logits.device, non_blocking=True)]
+        drawn = self.sampler.launch(logits, [step.entries[i].req_id for i in sampling]) if sampling else None
+        self._last_sampled = None if drawn is None else drawn.token_ids.to(self.device, non_blocking=True)
+        self._last_sampled_row = {step.entries[i].req_id: n for n, i in enumerate(sampling)}
+        launched = _LaunchedStep(len(step.entries), sampling, drawn, prompt_lps, prompt_tops, errors)
+        if step.overlap:
+            self._owed = launched
+        else:
+            done.append(launched.output())
+        return done
+
+    def _input_ids(self, entries: list[BatchEntry]) -> torch.Tensor:
+        """The step's new tokens, those the engine sent and those still only on the device
+        (``pending_token``: the last step's draw for the request)."""
+        ids: list[int] = []
+        pending_at: list[int] = []        # positions in the step of pending tokens
+        pending_rows: list[int] = []      # their rows in the last step's draw
+        for e in entries:
+            ids += e.token_ids
+            if e.pending_token:
+                row = self._last_sampled_row.get(e.req_id)
+                if row is not None:
+                    pending_at.append(len(ids))
+                    pending_rows.append(row)
+                # else its draw failed last step (its sampling setup did): the request fails once
+                # the engine reads that, and drops what this step makes for it. Any id will do.
+                ids.append(0)
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        if not pending_at:
+            return input_ids
+        drawn = self._last_sampled.index_select(0, torch.tensor(pending_rows).to(self.device, non_blocking=True))
+        if len(pending_at) == len(ids):   # a decode step: every token is a pending one
+            return drawn
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        input_ids[torch.tensor(pending_at).to(self.device, non_blocking=True)] = drawn
+        return input_ids
 
     def _row(self, req_id: int) -> int:
         """The request's row of the req -> token table, taken on its first step."""
@@ -179,6 +230,22 @@ def _graph_info(model) -> dict:
         return {}
     return dict(cuda_graph_max_bs=graphs.max_batch_size, cuda_graph_seconds=graphs.capture_seconds,
                 cuda_graph_mib=graphs.capture_bytes / 2**20)
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose forward and draw are queued: what its ``StepOutput`` needs once the draw is read."""
+    num_entries: int
+    sampling: list[int]               # the entries that sample, in the draw's row order
+    drawn: PendingSample | None
+    prompt_logprobs: list
+    prompt_top_logprobs: list
+    errors: list[str | None]
+
+    def output(self) -> StepOutput:
+        result = self.drawn.result() if self.drawn is not None else None
+        return StepOutput(*_per_entry(self.num_entries, self.sampling, result, self.errors),
+                          self.prompt_logprobs, self.prompt_top_logprobs, self.errors)
 
 
 def _per_entry(num_entries: int, sampled: list[int], result: SampleResult | None,

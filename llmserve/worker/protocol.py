@@ -3,6 +3,12 @@ pickled and sent as bytes over rpyc (which keeps rpyc's proxies out of the hot p
 
 Every step the engine sends all ranks the same ``StepInput``; each rank runs its share of the
 forward (the collectives inside line them up), and rank 0 samples and returns a ``StepOutput``.
+
+With ``StepInput.overlap`` (one GPU rank), the worker answers as soon as it has queued the step
+on the device, with the outputs of the steps before it that are done: the engine reads step N's
+tokens and schedules step N+1 while the GPU runs step N. A request that sampled in the step
+still running feeds that token to the next step without the engine knowing it yet
+(``BatchEntry.pending_token``): the worker takes it from the device.
 A failure tied to some entries of a step (bad sampling parameters, a forward that raises) is
 reported in ``StepOutput.errors``, and the worker stays usable; anything a worker raises
 instead is a ``WorkerError``, like its death: its state is then unknown, and the engine stops.
@@ -83,6 +89,13 @@ class BatchEntry:
     # Sample a token from this entry's last row (false for a chunk of a prompt that continues
     # next step: drawing there would shift the request's random stream).
     sample: bool = True
+    # One more new token after token_ids: the one this worker sampled for the request in the
+    # step before, which the engine has not read yet (overlapped steps only).
+    pending_token: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids) + self.pending_token
 
 
 @dataclass
@@ -90,6 +103,9 @@ class StepInput:
     entries: list[BatchEntry]
     finished_req_ids: list[int] = field(default_factory=list)   # free KV and sampling state
     preempted_req_ids: list[int] = field(default_factory=list)  # free KV only; they come back later
+    # Answer once the step is queued on the device, with the outputs of earlier steps only: this
+    # step's output comes with the next call's answer (see the module's doc).
+    overlap: bool = False
 
 
 @dataclass

@@ -16,6 +16,10 @@ whatever other requests share its batch, and wherever it sits in it.
 A request whose parameters break a step (say a top_k no tensor can hold) fails alone: the
 batch is sampled again row by row from the same logits and random state, so every other row
 gets exactly the token it would have got, and the culprit gets an error instead.
+
+Drawing and reading are two calls (``Sampler.launch``, then ``PendingSample.result``), so that
+on a GPU the host can queue the next step's forward before it waits for this step's tokens
+(the worker's overlapped loop); ``Sampler.sample`` does both at once.
 """
 
 from __future__ import annotations
@@ -113,12 +117,21 @@ class Sampler:
     def remove_request(self, req_id: int) -> None:
         self._requests.pop(req_id, None)
 
-    @torch.inference_mode()
+    def __contains__(self, req_id: int) -> bool:
+        return req_id in self._requests
+
     def sample(self, logits: torch.Tensor, req_ids: list[int]) -> SampleResult:
         """Pick one token per row of ``logits`` ([batch, vocab] float32, left as it is).
 
         A row that cannot be sampled gets an error in ``errors`` and no token; the others are
         sampled exactly as if it had not been in the batch."""
+        return self.launch(logits, req_ids).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, req_ids: list[int]) -> PendingSample:
+        """``sample``'s draw, queued on the logits' device; ``result()`` reads it. The requests'
+        token counts (the penalties') take the tokens only then: read a step's result before
+        launching the next step of the same requests."""
         states = [self._requests[req_id] for req_id in req_ids]
         saved = [_RandomState.save(s) for s in states]
         try:
@@ -128,7 +141,7 @@ class Sampler:
         except Exception:
             for snapshot in saved:
                 snapshot.restore()
-        return self._sample_row_by_row(logits, states)
+        return PendingSample.of(self._sample_row_by_row(logits, states))
 
     @staticmethod
     def _sample_row_by_row(logits: torch.Tensor, states: list[_RequestState]) -> SampleResult:
@@ -136,7 +149,7 @@ class Sampler:
         result = SampleResult([], [], [], [])
         for row, state in enumerate(states):
             try:
-                one = _sample_batch(logits[row : row + 1].clone(), [state])
+                one = _sample_batch(logits[row : row + 1].clone(), [state]).result()
                 token_id, logprob, top, error = one.token_ids[0], one.logprobs[0], one.top_logprobs[0], None
             except Exception as e:
                 token_id, logprob, top, error = None, None, None, error_line(e)
@@ -145,6 +158,43 @@ class Sampler:
             result.top_logprobs.append(top)
             result.errors.append(error)
         return result
+
+
+class PendingSample:
+    """One batch's draw, on its way from the device to the host.
+
+    ``token_ids`` (on the device, one per row; 0 where the row failed) can feed the next
+    step's forward before the host has read them; ``result()`` waits for the copies and
+    returns the ``SampleResult``, counting the tokens into their requests' penalty state once."""
+
+    def __init__(self, states: list[_RequestState], token_ids: torch.Tensor, host: dict[str, torch.Tensor],
+                 logprob_rows: list[int], ready: torch.cuda.Event | None):
+        self.token_ids = token_ids
+        self._states = states
+        self._host = host                 # token ids, and the logprobs' tensors: copies under way
+        self._logprob_rows = logprob_rows
+        self._ready = ready               # recorded after the copies (None on the CPU: done already)
+        self._result: SampleResult | None = None
+
+    @classmethod
+    def of(cls, result: SampleResult) -> PendingSample:
+        """A draw that is already on the host (the row-by-row path)."""
+        # A failed row's request ends once the engine reads this; until then, a step launched
+        # ahead may feed its "token" to the forward, so it must be a valid id.
+        pending = cls([], torch.tensor([0 if t is None else t for t in result.token_ids]), {}, [], None)
+        pending._result = result
+        return pending
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            token_ids = self._host["token_ids"].tolist()
+            for state, token_id in zip(self._states, token_ids):
+                state.token_counts[token_id] = state.token_counts.get(token_id, 0) + 1
+            logprobs, top_logprobs = _logprob_lists(self._host, self._logprob_rows, self._states)
+            self._result = SampleResult(token_ids, logprobs, top_logprobs, [None] * len(token_ids))
+        return self._result
 
 
 @dataclass
@@ -165,20 +215,25 @@ class _RandomState:
             self.request.generator.set_state(self.generator_state)
 
 
-def _sample_batch(logits: torch.Tensor, states: list[_RequestState]) -> SampleResult:
-    """The pipeline over all rows at once (``logits`` is modified in place). The requests'
-    state (counts, number sampled) changes only once every step has succeeded."""
+def _sample_batch(logits: torch.Tensor, states: list[_RequestState]) -> PendingSample:
+    """The pipeline over all rows at once (``logits`` is modified in place), queued on the
+    device. The requests' state changes only once every step has been queued: the number
+    sampled now, the token counts when the result is read."""
     raw_logprobs = _raw_logprobs(logits, states)  # before the penalties touch logits
     _ban_stop_tokens_below_min_tokens(logits, states)
     _apply_penalties(logits, states)
     token_ids = _choose_tokens(logits, states)
-    logprobs, top_logprobs = _gather_logprobs(raw_logprobs, token_ids, states)
-
-    token_id_list = token_ids.tolist()
-    for state, token_id in zip(states, token_id_list):
-        state.token_counts[token_id] = state.token_counts.get(token_id, 0) + 1
+    device_out, logprob_rows = _gather_logprobs(raw_logprobs, token_ids, states)
+    device_out["token_ids"] = token_ids
+    # Copies to the host that do not wait for the device; an event says when they are done.
+    host = {name: t.to("cpu", non_blocking=True) for name, t in device_out.items()}
+    ready = None
+    if token_ids.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    for state in states:
         state.num_sampled += 1
-    return SampleResult(token_id_list, logprobs, top_logprobs, [None] * len(states))
+    return PendingSample(states, token_ids, host, logprob_rows, ready)
 
 
 # --------------------------------------------------------------------------------------
@@ -186,10 +241,16 @@ def _sample_batch(logits: torch.Tensor, states: list[_RequestState]) -> SampleRe
 # --------------------------------------------------------------------------------------
 
 
+def _on(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor of ``values`` on ``device``, copied without waiting for the device: a blocking
+    copy (``torch.tensor(values, device=...)`` makes one) would wait for the step queued before
+    it, which the overlapped loop keeps running while this one is prepared."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _row_indices(selected: list[bool], device: torch.device) -> torch.Tensor:
     """The indices of the selected batch rows, as an index tensor."""
-    indices = [i for i, is_selected in enumerate(selected) if is_selected]
-    return torch.tensor(indices, dtype=torch.long, device=device)
+    return _on([i for i, is_selected in enumerate(selected) if is_selected], device, torch.long)
 
 
 def _raw_logprobs(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor | None:
@@ -212,7 +273,7 @@ def _ban_stop_tokens_below_min_tokens(logits: torch.Tensor, states: list[_Reques
             rows += [row] * len(banned)
             cols += banned
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        logits[_on(rows, logits.device), _on(cols, logits.device)] = float("-inf")
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> None:
@@ -233,7 +294,7 @@ def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> None:
     max_len_in_batch = max(b - a for a, b in zip(cumsum_seq_len, cumsum_seq_len[1:]))
 
     def column(values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=logits.device)
+        return _on(values, logits.device, dtype)
 
     apply_penalty(
         logits,
@@ -270,14 +331,14 @@ def _warp(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
     """Temperature, top-k, top-p, typical-p: the order of HF's ``_get_logits_processor``.
     Returns new logits with the excluded tokens at -inf."""
     device = logits.device
-    temperatures = torch.tensor([s.params.temperature for s in states], device=device)
+    temperatures = _on([s.params.temperature for s in states], device)
     logits = logits / temperatures.unsqueeze(1)
     if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in states):
-        top_k = torch.tensor([s.params.top_k for s in states], device=device)
-        top_p = torch.tensor([s.params.top_p for s in states], device=device)
+        top_k = _on([s.params.top_k for s in states], device)
+        top_p = _on([s.params.top_p for s in states], device)
         logits = _apply_top_k_top_p(logits, top_k, top_p)
     if any(s.params.typical_p < 1.0 for s in states):
-        typical_p = torch.tensor([s.params.typical_p for s in states], device=device)
+        typical_p = _on([s.params.typical_p for s in states], device)
         logits = _apply_typical_p(logits, typical_p)
     return logits
 
@@ -350,18 +411,30 @@ def _draw(probs: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
 
 def _gather_logprobs(
     raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor, states: list[_RequestState]
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """On the device, for the rows that asked for logprobs: the chosen token's raw logprob and
+    the most likely alternatives (as many as the greediest row wants); and those rows."""
+    if raw_logprobs is None:
+        return {}, []
+    rows = [i for i, s in enumerate(states) if s.wants_logprobs]
+    chosen_ids = token_ids[_on(rows, token_ids.device)]
+    chosen = raw_logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+    # More alternatives than the vocabulary has would make topk raise; 0 gives empty lists.
+    k = min(max(states[i].params.logprobs for i in rows), raw_logprobs.shape[-1])
+    top_values, top_ids = raw_logprobs.topk(k, dim=-1)
+    return {"chosen": chosen, "top_values": top_values, "top_ids": top_ids}, rows
+
+
+def _logprob_lists(
+    host: dict[str, torch.Tensor], rows: list[int], states: list[_RequestState]
 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-    """Per request: the chosen token's raw logprob and the top alternatives, or None."""
+    """Per request: the chosen token's raw logprob and its top alternatives, or None."""
     logprobs: list[float | None] = [None] * len(states)
     top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(states)
-    if raw_logprobs is None:
+    if not rows:
         return logprobs, top_logprobs
-
-    rows = [i for i, s in enumerate(states) if s.wants_logprobs]
-    chosen_ids = token_ids[torch.tensor(rows, device=token_ids.device)]
-    chosen = raw_logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
-
-    top = _top_pairs(raw_logprobs, max(states[i].params.logprobs for i in rows))
+    chosen = host["chosen"].tolist()
+    top = [list(zip(ids, vals)) for ids, vals in zip(host["top_ids"].tolist(), host["top_values"].tolist())]
     for n, row in enumerate(rows):
         logprobs[row] = chosen[n]
         top_logprobs[row] = top[n][: states[row].params.logprobs]

@@ -38,9 +38,11 @@ GOOD_PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS) as llm:
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def tiny(tiny_llama_dir, request):
+    """The tiny model, with the plain and with the overlapped step loop (where a step's failure
+    is read with the output of the step before it)."""
+    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS, overlap=request.param) as llm:
         yield llm
 
 

@@ -399,3 +399,47 @@ def test_random_workload(
         assert req.is_finished
         if req.finish_reason is FinishReason.LENGTH:
             assert req.num_output_tokens == req.params.max_new_tokens
+
+
+# --------------------------------------------------------------------------------------
+# The overlapped loop: steps scheduled before the last one's tokens are read
+# --------------------------------------------------------------------------------------
+
+
+def test_a_pending_token_is_fed_and_a_final_one_is_not():
+    scheduler = make_scheduler(100)
+    short, long = make_request(0, 4, max_new_tokens=2), make_request(1, 4, max_new_tokens=8)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    in_flight = []
+    for _ in range(2):   # each step is sent before the one before it has reported
+        output = scheduler.schedule()
+        scheduler.update_after_step(output)
+        for item in output.scheduled:
+            item.request.num_pending_tokens += item.samples
+        in_flight.append(output)
+        if len(in_flight) == 2:
+            first = in_flight.pop(0)
+            for item in first.scheduled:
+                item.request.num_pending_tokens -= 1
+                item.request.append_token(TOKEN)
+    # Both prefilled, then both fed their first (pending) token: the second step saw neither.
+    assert [item.num_new_tokens for item in in_flight[0].scheduled] == [1, 1]
+    assert short.num_output_tokens == 1 and short.num_pending_tokens == 1 and short.final_token_pending
+    # The short request's token in flight is its last: only the long one decodes, and the short
+    # one's slots are not counted as a prompt still to feed.
+    output = scheduler.schedule()
+    assert scheduled_ids(output) == [1]
+    assert scheduler._num_uncommitted_slots() == scheduler.num_free_slots
+
+
+def test_a_request_preempted_with_its_token_in_flight_waits_for_it():
+    scheduler = make_scheduler(100)
+    req = make_request(0, 4)
+    req.num_pending_tokens = 1           # as the engine leaves it after sending a step
+    req.status = RequestStatus.WAITING
+    scheduler.waiting.append(req)
+    assert scheduler.schedule().scheduled == []
+    req.num_pending_tokens = 0
+    req.append_token(TOKEN)
+    assert scheduled_ids(scheduler.schedule()) == [0]

@@ -99,7 +99,7 @@ class DecodeGraphs:
             [n + 1 for n in b_cached_len] + [1] * pad,
             list(b_cached_len) + [0] * pad,
         ], dtype=torch.int64)
-        self._inputs[:, :bucket].copy_(host)
+        self._inputs[:, :bucket].copy_(host, non_blocking=True)   # a blocking copy would wait for the step before
         self._slots[:bucket].fill_(self.pad_slot)
 
     def _step(self, bucket: int) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""The overlapped step loop (``EngineConfig.overlap``) gives exactly the output of the plain one.
+
+With overlap the engine schedules step N+1 before it reads step N's tokens, and the worker feeds
+a decoding request the token it drew last step without the engine having seen it. On the CPU it
+gains nothing (every forward is synchronous there), but its bookkeeping is the same as on a GPU,
+so these tests hold it against the plain loop token for token: requests that join and leave,
+chunked prompts, preemptions, stops that fire while a step of the request is already in flight,
+aborts (stop strings), seeded sampling, penalties, logprobs and prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.engine.scheduler import Scheduler
+
+DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")
+KV_TOKENS = 320        # small: the batch below outgrows it, so requests are preempted
+PREFILL_TOKENS = 64    # small: longer prompts are chunked
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    with LLM(tiny_llama_dir, dtype=DTYPE, max_total_token_num=KV_TOKENS, max_prefill_tokens=PREFILL_TOKENS) as llm:
+        yield llm
+
+
+def run(llm: LLM, overlap: bool, prompts, params, monkeypatch) -> tuple[list, int]:
+    """Outputs, and how many preemptions the scheduler made."""
+    preempted = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, req: (preempted.append(req.req_id), preempt(self, req)))
+    llm.engine.overlap = overlap
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.engine.overlap = False
+        monkeypatch.undo()
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.num_used_slots == 0
+    return outs, len(preempted)
+
+
+def assert_same(overlapped, plain) -> None:
+    """Equal outputs: tokens, text, finish reasons and the logprobs' token ids exactly; logprob
+    values to float rounding (a request may share its steps with other requests under overlap,
+    which keeps finished requests one step longer, and batch shapes round differently)."""
+    def tops(t):
+        return [None if row is None else [i for i, _ in row] for row in t or []]
+
+    def values(t):
+        return [v for row in t or [] if row is not None for _, v in row]
+
+    for o, p in zip(overlapped, plain, strict=True):
+        assert (o.token_ids, o.text, o.finish_reason, o.error) == (p.token_ids, p.text, p.finish_reason, p.error)
+        assert tops(o.top_logprobs) == tops(p.top_logprobs) and tops(o.prompt_top_logprobs) == tops(p.prompt_top_logprobs)
+        for a, b in [(o.logprobs, p.logprobs), (o.prompt_logprobs, p.prompt_logprobs),
+                     (values(o.top_logprobs), values(p.top_logprobs)),
+                     (values(o.prompt_top_logprobs), values(p.prompt_top_logprobs))]:
+            assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, abs=1e-4))
+
+
+def workload(vocab: int, n: int = 16, seed: int = 0):
+    rng = random.Random(seed)
+    # mostly short prompts that generate long: admitted together, their decodes outgrow the pool
+    prompts = [[rng.randrange(vocab) for _ in range(rng.choice([5, 12, 20, 150]))] for _ in range(n)]
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=1.0, top_k=20, seed=7),
+        dict(temperature=0.8, top_p=0.9, seed=11, logprobs=3),
+        dict(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3),
+        dict(temperature=1.0, seed=3, prompt_logprobs=2, min_tokens=1),
+    ]
+    params = [SamplingParams(max_new_tokens=rng.choice([1, 2, 7, 40, 60]), ignore_eos=True, **kinds[i % len(kinds)])
+              for i in range(n)]
+    return prompts, params
+
+
+def test_overlap_equals_the_plain_loop(llm, monkeypatch):
+    prompts, params = workload(llm.engine.info.vocab_size)
+    plain, plain_preemptions = run(llm, False, prompts, params, monkeypatch)
+    overlapped, preemptions = run(llm, True, prompts, params, monkeypatch)
+    assert_same(overlapped, plain)
+    assert preemptions > 0 and plain_preemptions > 0, "the workload should outgrow the KV pool"
+
+
+def test_stops_that_fire_with_the_next_step_in_flight(llm, monkeypatch):
+    # Stop tokens, EOS and stop strings picked from the plain run's own outputs, so that they fire
+    # mid-stream: with overlap the request's next step is then already running, and its token
+    # must be dropped (a stop string aborts the request from the front end).
+    prompts, params = workload(llm.engine.info.vocab_size, seed=1)
+    params = [SamplingParams(**{**vars(p), "max_new_tokens": 30, "stop": []}) for p in params]
+    free_run, _ = run(llm, False, prompts, params, monkeypatch)
+    for i, (p, out) in enumerate(zip(params, free_run)):
+        if i % 3 == 0:
+            p.stop_token_ids = [out.token_ids[5]]
+        elif i % 3 == 1:
+            p.stop = [llm.tokenizer.decode(out.token_ids[8:10])]
+        else:
+            p.ignore_eos, p.stop_token_ids = False, [out.token_ids[12]]
+    plain, _ = run(llm, False, prompts, params, monkeypatch)
+    overlapped, _ = run(llm, True, prompts, params, monkeypatch)
+    assert_same(overlapped, plain)
+    reasons = {o.finish_reason for o in plain}
+    assert "stop_sequence" in reasons and sum(len(o.token_ids) < 30 for o in plain) >= len(plain) // 2
