@@ -44,6 +44,7 @@ from llmserve.tokenizer import load_tokenizer  # noqa: E402
 
 @dataclass
 class Result:
+    loop: str                        # overlap | plain: the engine's step loop (EngineConfig.overlap)
     concurrency: int
     num_requests: int
     output_tokens: int
@@ -81,7 +82,7 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], output_len: int, c
     # the first C requests are all queued at the start: their TTFT is first token - start
     first_wave = sorted(done, key=lambda r: r.req_id)[:concurrency]
     ttfts = [(first_token[r.req_id] - start) * 1e3 for r in first_wave]
-    return Result(concurrency, len(done), tokens, seconds, tokens / seconds,
+    return Result("overlap" if engine.overlap else "plain", concurrency, len(done), tokens, seconds, tokens / seconds,
                   statistics.fmean(tpots) if tpots else float("nan"), statistics.fmean(ttfts))
 
 
@@ -95,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-total-token-num", type=int, default=None)
+    p.add_argument("--loops", default=None,
+                   help="comma-separated step loops to time, each over every C: overlap, plain "
+                        "(default: the engine's own choice, overlap on one GPU)")
     p.add_argument("--json", default=None, help="also write every number here")
     return p.parse_args()
 
@@ -117,18 +121,21 @@ def main() -> int:
         return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(n)]
 
     print(f"{engine.summary()}; in {args.input_len} / out {args.output_len}", file=sys.stderr)
+    loops = args.loops.split(",") if args.loops else ["overlap" if engine.overlap else "plain"]
     results = []
     try:
-        for c, n in zip(levels, counts):
-            run_requests(engine, prompts(c), args.output_len, c)          # warm-up
-            results.append(run_requests(engine, prompts(n), args.output_len, c))
-            print(f"C={c}: {results[-1].out_tok_per_s:.0f} tok/s", file=sys.stderr)
+        for loop in loops:
+            engine.overlap = loop == "overlap"
+            for c, n in zip(levels, counts):
+                run_requests(engine, prompts(c), args.output_len, c)          # warm-up
+                results.append(run_requests(engine, prompts(n), args.output_len, c))
+                print(f"{loop} C={c}: {results[-1].out_tok_per_s:.0f} tok/s", file=sys.stderr)
     finally:
         engine.shutdown()
 
     print(f"\n### Offline engine, in {args.input_len} / out {args.output_len}, {engine.info.dtype} on {engine.info.device}\n")
-    print(markdown_table(["C", "requests", "out tok/s", "TPOT ms", "TTFT ms (first C)"],
-                        [[r.concurrency, r.num_requests, f"{r.out_tok_per_s:.1f}", f"{r.tpot_ms:.2f}", f"{r.ttft_ms:.1f}"]
+    print(markdown_table(["loop", "C", "requests", "out tok/s", "TPOT ms", "TTFT ms (first C)"],
+                        [[r.loop, r.concurrency, r.num_requests, f"{r.out_tok_per_s:.1f}", f"{r.tpot_ms:.2f}", f"{r.ttft_ms:.1f}"]
                          for r in results]))
     if args.json:
         device = torch.device(engine.info.device)

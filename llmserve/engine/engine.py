@@ -190,7 +190,13 @@ class LLMEngine:
         """The workers have the step: its tokens are in the KV cache, or on their way there."""
         self.scheduler.update_after_step(plan)
         for s in plan.scheduled:
-            s.request.num_pending_tokens += s.samples
+            req = s.request
+            req.num_pending_tokens += s.samples
+            if self.overlap and req.final_token_pending:
+                # Its last token is drawn: free its KV with the next step, as the plain loop does
+                # once it reads that token, so that the next batches are the plain loop's too.
+                self.scheduler.retire(req)
+                self._to_free.append(req.req_id)
 
     def _take_step(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestDelta]:
         """Give a step's output to its requests; the deltas of those that got a token or failed."""

@@ -83,7 +83,8 @@ class Request:
 
     @property
     def final_token_pending(self) -> bool:
-        """The token in flight is the last ``max_new_tokens`` allows: nothing is left to schedule."""
+        """The token in flight is the last ``max_new_tokens`` allows: nothing is left to schedule
+        (the engine retires the request from the scheduler)."""
         return self.num_pending_tokens > 0 and self.num_output_tokens + self.num_pending_tokens >= self.params.max_new_tokens
 
     @property

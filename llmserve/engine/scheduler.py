@@ -17,8 +17,8 @@ prompt at once, so a prefill that has started can always finish.
 
 With the overlapped loop the engine schedules a step before it has read the tokens of the step
 still running: a request's tokens then include the one in flight (``num_pending_tokens``), which
-its decode feeds like any other, except a final one (``max_new_tokens`` reached): that request
-has nothing to feed, and ends when its token is read.
+its decode feeds like any other. A request whose final token (``max_new_tokens``) is in flight
+is retired at once (``retire``): the batches are then the plain loop's, step for step.
 """
 
 from __future__ import annotations
@@ -82,6 +82,12 @@ class Scheduler:
             self.waiting.remove(req)
         req.finish(reason)
 
+    def retire(self, req: Request) -> None:
+        """Take out of the running batch a request with nothing left to schedule (its final token
+        is in flight): its KV slots count as free from now on, as the workers free them before
+        the next step. It finishes when that token is read (``finish_request``)."""
+        self.running.remove(req)
+
     def abort_request(self, req_id: int) -> Request | None:
         """Finish an unfinished request with ABORT; None if there is no such request."""
         for req in [*self.running, *self.waiting]:
@@ -102,7 +108,7 @@ class Scheduler:
         scheduled = [ScheduledRequest(req, 1) for req in self.running if self.is_decoding(req)]
         budget = _PrefillBudget(self.config.max_prefill_tokens)
         for req in self.running:   # prompts under way first: they are older than any waiting one
-            if self._num_uncached(req) and not self.is_decoding(req):
+            if not self.is_decoding(req):
                 chunk = self._chunk(req, budget)
                 if chunk == 0:
                     break
@@ -179,9 +185,8 @@ class Scheduler:
 
     @staticmethod
     def _num_uncached(req: Request) -> int:
-        """Tokens the request has yet to feed: those not in the KV cache, the one in flight
-        included, unless that one is final (it is never fed)."""
-        return req.num_tokens_with_pending - req.num_cached - req.final_token_pending
+        """Tokens the request has yet to feed: those not in the KV cache, the one in flight included."""
+        return req.num_tokens_with_pending - req.num_cached
 
     def is_decoding(self, req: Request) -> bool:
         """A running request feeds one sampled token; the others are part-way through a prompt."""

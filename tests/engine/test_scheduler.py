@@ -406,13 +406,13 @@ def test_random_workload(
 # --------------------------------------------------------------------------------------
 
 
-def test_a_pending_token_is_fed_and_a_final_one_is_not():
+def test_a_pending_token_is_fed_and_a_retired_request_frees_its_slots():
     scheduler = make_scheduler(100)
     short, long = make_request(0, 4, max_new_tokens=2), make_request(1, 4, max_new_tokens=8)
     scheduler.add_request(short)
     scheduler.add_request(long)
     in_flight = []
-    for _ in range(2):   # each step is sent before the one before it has reported
+    for _ in range(2):   # each step is sent before the one before it has reported (as the engine does)
         output = scheduler.schedule()
         scheduler.update_after_step(output)
         for item in output.scheduled:
@@ -423,14 +423,16 @@ def test_a_pending_token_is_fed_and_a_final_one_is_not():
             for item in first.scheduled:
                 item.request.num_pending_tokens -= 1
                 item.request.append_token(TOKEN)
-    # Both prefilled, then both fed their first (pending) token: the second step saw neither.
+    # Both prefilled, then both fed their first token while it was still pending.
     assert [item.num_new_tokens for item in in_flight[0].scheduled] == [1, 1]
-    assert short.num_output_tokens == 1 and short.num_pending_tokens == 1 and short.final_token_pending
-    # The short request's token in flight is its last: only the long one decodes, and the short
-    # one's slots are not counted as a prompt still to feed.
-    output = scheduler.schedule()
-    assert scheduled_ids(output) == [1]
-    assert scheduler._num_uncommitted_slots() == scheduler.num_free_slots
+    assert short.num_output_tokens == 1 and short.final_token_pending and not long.final_token_pending
+    used = scheduler.num_used_slots
+    scheduler.retire(short)
+    assert scheduler.num_used_slots == used - short.num_cached
+    assert scheduled_ids(scheduler.schedule()) == [1]
+    short.num_pending_tokens = 0
+    scheduler.finish_request(short, short.append_token(TOKEN))
+    assert short.finish_reason is FinishReason.LENGTH and not scheduler.waiting
 
 
 def test_a_request_preempted_with_its_token_in_flight_waits_for_it():
