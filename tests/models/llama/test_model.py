@@ -99,4 +99,6 @@ def test_warm_up_leaves_the_pools_as_it_found_them(models):
     slots, rows = ours.mem_manager.can_use_mem_size, ours.req_manager.can_use_req_size
     ours.warm_up(max_prefill_tokens=512)
     assert (ours.mem_manager.can_use_mem_size, ours.req_manager.can_use_req_size) == (slots, rows)
-    assert_matches_hf_greedy(ours, hf, random_prompts([3, 7], 512, seed=5), steps=2)
+    # Enough tokens that the 90% greedy agreement asked of fp16/bf16 allows a near-tie (with 6
+    # it allowed none, and a random bf16 model on an H100 has some).
+    assert_matches_hf_greedy(ours, hf, random_prompts([3, 7, 12, 5], 512, seed=5), steps=4)
