@@ -12,11 +12,12 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "engi
 
 def test_engine_benchmark_keeps_c_requests_in_flight_and_prints_its_table(tiny_llama_dir):
     done = subprocess.run([sys.executable, SCRIPT, "--model", tiny_llama_dir, "--concurrency", "1,3",
-                           "--num-prompts", "5", "--input-len", "8", "--output-len", "3"],
+                           "--num-prompts", "5", "--input-len", "8", "--output-len", "3", "--loops", "plain,overlap"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [(int(r[1]), int(r[2])) for r in rows] == [(1, 5), (3, 5)]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in done.stdout.splitlines()
+            if line.startswith("|") and line.split("|")[1].strip() in ("plain", "overlap")]
+    assert [(r[0], int(r[1]), int(r[2])) for r in rows] == [("plain", 1, 5), ("plain", 3, 5), ("overlap", 1, 5), ("overlap", 3, 5)]
     assert all(float(r[3]) > 0 for r in rows)
 
 
