@@ -192,10 +192,9 @@ class LLMEngine:
         for s in plan.scheduled:
             req = s.request
             req.num_pending_tokens += s.samples
-            if self.overlap and req.final_token_pending:
+            if self.overlap and req.final_token_pending and self.scheduler.retire(req):
                 # Its last token is drawn: free its KV with the next step, as the plain loop does
                 # once it reads that token, so that the next batches are the plain loop's too.
-                self.scheduler.retire(req)
                 self._to_free.append(req.req_id)
 
     def _take_step(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestDelta]:

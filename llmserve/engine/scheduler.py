@@ -82,11 +82,15 @@ class Scheduler:
             self.waiting.remove(req)
         req.finish(reason)
 
-    def retire(self, req: Request) -> None:
+    def retire(self, req: Request) -> bool:
         """Take out of the running batch a request with nothing left to schedule (its final token
         is in flight): its KV slots count as free from now on, as the workers free them before
-        the next step. It finishes when that token is read (``finish_request``)."""
+        the next step. It finishes when that token is read (``finish_request``). False if it was
+        not running (retired already: a step of it failed and ran again)."""
+        if req not in self.running:
+            return False
         self.running.remove(req)
+        return True
 
     def abort_request(self, req_id: int) -> Request | None:
         """Finish an unfinished request with ABORT; None if there is no such request."""

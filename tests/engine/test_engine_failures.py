@@ -217,6 +217,26 @@ def test_a_forward_failing_mid_generation_fails_that_request_alone(failing_forwa
     assert_kv_all_free(worker)
 
 
+def test_a_forward_failing_on_a_requests_last_step_fails_that_request_alone(failing_forward):
+    # The step that feeds the request's second token draws its last (the third): the overlapped
+    # loop has retired the request from the scheduler by the time the failure is read.
+    llm, poison, worker = failing_forward
+    expected = alone(llm)
+    short = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    (victim,) = llm.generate(["Poison:"], short)
+    second = victim.token_ids[1]
+    assert all(second not in ids + llm.tokenizer(p).input_ids for ids, p in zip(expected, GOOD_PROMPTS))
+    poison.add(second)
+    outs = llm.generate(["Poison:", *GOOD_PROMPTS], [short, *GOOD_PARAMS])
+    bad = outs.pop(0)
+    assert bad.finish_reason == "error" and "a kernel failed" in bad.error, bad
+    assert bad.token_ids == victim.token_ids[:2]
+    assert [o.token_ids for o in outs] == expected
+    llm.engine.flush()
+    assert_idle(llm)
+    assert_kv_all_free(worker)
+
+
 # -- the server's engine core and its client ----------------------------------------------
 
 async def tokens(stream) -> list[int]:
