@@ -54,6 +54,17 @@ def poisoned(**fields) -> SamplingParams:
     return params
 
 
+_EXPECTED: list[list[int]] = []
+
+
+def expected_alone(llm: LLM) -> list[list[int]]:
+    """``alone``'s answer, computed once: every ``tiny`` has the same weights, and its two loops
+    give the same tokens (tests/engine/test_overlap.py)."""
+    if not _EXPECTED:
+        _EXPECTED.extend(alone(llm))
+    return _EXPECTED
+
+
 def alone(llm: LLM) -> list[list[int]]:
     return [llm.generate([p], params)[0].token_ids for p, params in zip(GOOD_PROMPTS, GOOD_PARAMS)]
 
@@ -78,7 +89,7 @@ POISONS = {
 @pytest.mark.parametrize("poison", list(POISONS))
 def test_poisonous_sampling_params_fail_alone(tiny, poison, monkeypatch):
     params, words = POISONS[poison]
-    expected = alone(tiny)
+    expected = expected_alone(tiny)
     # the poison in the middle of the batch, so rows on both sides of it must survive
     prompts = GOOD_PROMPTS[:2] + ["Poison:"] + GOOD_PROMPTS[2:]
     with monkeypatch.context() as unchecked:
@@ -110,7 +121,7 @@ def test_a_detokenizer_error_mid_generation_fails_that_request_alone(tiny, monke
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
             return super().step(token_id)
 
-    expected = alone(tiny)
+    expected = expected_alone(tiny)
     monkeypatch.setattr(output_module, "IncrementalDetokenizer", FailingDetokenizer)
     outs = tiny.generate(["Poison:", *GOOD_PROMPTS], [GOOD_PARAMS[0], *GOOD_PARAMS])
     bad = outs.pop(0)
@@ -180,7 +191,7 @@ def assert_kv_all_free(worker: ModelWorker) -> None:
 
 def test_a_forward_failing_on_prompts_fails_those_requests_alone(failing_forward):
     llm, poison, worker = failing_forward
-    expected = alone(llm)
+    expected = expected_alone(llm)
     bad_prompts = ["Poison: zebra", "More poison: zebra"]
     poison.update(llm.tokenizer(" zebra", add_special_tokens=False).input_ids)
     assert not any(poison & set(llm.tokenizer(p).input_ids) for p in GOOD_PROMPTS)
@@ -200,7 +211,7 @@ def test_a_forward_failing_on_prompts_fails_those_requests_alone(failing_forward
 
 def test_a_forward_failing_mid_generation_fails_that_request_alone(failing_forward):
     llm, poison, worker = failing_forward
-    expected = alone(llm)
+    expected = expected_alone(llm)
     (victim,) = llm.generate(["Poison:"], GOOD_PARAMS[0])
     # the request's 3rd token becomes poison: the forward of the step that feeds it fails, a
     # decode step with every other request in it (none of which sees that token)
@@ -221,7 +232,7 @@ def test_a_forward_failing_on_a_requests_last_step_fails_that_request_alone(fail
     # The step that feeds the request's second token draws its last (the third): the overlapped
     # loop has retired the request from the scheduler by the time the failure is read.
     llm, poison, worker = failing_forward
-    expected = alone(llm)
+    expected = expected_alone(llm)
     short = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
     (victim,) = llm.generate(["Poison:"], short)
     second = victim.token_ids[1]
@@ -286,7 +297,7 @@ def test_the_router_ends_only_the_failed_stream(tiny, monkeypatch):
     assert healthy
     bad = results.pop(0)
     assert isinstance(bad, RequestError) and "Overflow" in str(bad), bad
-    expected = alone(tiny)
+    expected = expected_alone(tiny)
     assert results == expected
     assert after == expected[0]
     assert_idle(tiny)
