@@ -96,9 +96,8 @@ class ModelWorker:
             if self.sampler is not None:
                 self.sampler.remove_request(req_id)
         owed, self._owed = self._owed, None
-        done = [owed.output()] if owed is not None and not step.entries else []
         if not step.entries:
-            return done
+            return _outputs_of(owed)
 
         rows = [self._row(e.req_id) for e in step.entries]
         # Entries whose sampling setup failed still run the forward: every rank must run the
@@ -112,13 +111,12 @@ class ModelWorker:
                                         q_lens, return_all_logits=all_logits)
         except Exception as e:
             failed = self._forward_failed(step.entries, rows, e)
-            return [owed.output(), failed] if owed is not None else [failed]
+            return [*_outputs_of(owed), failed]
         if self.sampler is None:
             return []
         # The forward is queued: now read the owed step's tokens (the device is busy meanwhile),
         # which also counts them for the penalties before this step samples.
-        if owed is not None:
-            done.append(owed.output())
+        done = _outputs_of(owed)
         # An asking entry has one row of logits per new token, the others one, entries back to back.
         row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
         prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends, errors)
@@ -246,6 +244,11 @@ class _LaunchedStep:
         result = self.drawn.result() if self.drawn is not None else None
         return StepOutput(*_per_entry(self.num_entries, self.sampling, result, self.errors),
                           self.prompt_logprobs, self.prompt_top_logprobs, self.errors)
+
+
+def _outputs_of(launched: _LaunchedStep | None) -> list[StepOutput]:
+    """The output of an owed step, read now (waiting for its draw), or nothing."""
+    return [] if launched is None else [launched.output()]
 
 
 def _per_entry(num_entries: int, sampled: list[int], result: SampleResult | None,

@@ -419,9 +419,7 @@ def _gather_logprobs(
     rows = [i for i, s in enumerate(states) if s.wants_logprobs]
     chosen_ids = token_ids[_on(rows, token_ids.device)]
     chosen = raw_logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
-    # More alternatives than the vocabulary has would make topk raise; 0 gives empty lists.
-    k = min(max(states[i].params.logprobs for i in rows), raw_logprobs.shape[-1])
-    top_values, top_ids = raw_logprobs.topk(k, dim=-1)
+    top_values, top_ids = _topk(raw_logprobs, max(states[i].params.logprobs for i in rows))
     return {"chosen": chosen, "top_values": top_values, "top_ids": top_ids}, rows
 
 
@@ -434,17 +432,21 @@ def _logprob_lists(
     if not rows:
         return logprobs, top_logprobs
     chosen = host["chosen"].tolist()
-    top = [list(zip(ids, vals)) for ids, vals in zip(host["top_ids"].tolist(), host["top_values"].tolist())]
+    top = _pairs(host["top_values"], host["top_ids"])
     for n, row in enumerate(rows):
         logprobs[row] = chosen[n]
         top_logprobs[row] = top[n][: states[row].params.logprobs]
     return logprobs, top_logprobs
 
 
-def _top_pairs(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-    """Per row of ``logprobs``, its k most likely (token id, logprob) pairs, most likely first."""
-    # More alternatives than the vocabulary has would make topk raise; 0 gives empty lists.
-    values, token_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+def _topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``logprobs``, its k largest values and their token ids, largest first."""
+    # More alternatives than the vocabulary has would make topk raise; 0 gives empty rows.
+    return logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+
+
+def _pairs(values: torch.Tensor, token_ids: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """``_topk``'s rows as lists of (token id, logprob) pairs."""
     return [list(zip(ids, vals)) for ids, vals in zip(token_ids.tolist(), values.tolist())]
 
 
@@ -459,4 +461,4 @@ def prompt_logprobs(
     logprobs = torch.log_softmax(logits[:-1], dim=-1)
     next_ids = torch.tensor(prompt_token_ids[1:], dtype=torch.long, device=logits.device)
     chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
-    return [None, *chosen], [None, *_top_pairs(logprobs, num_top)]
+    return [None, *chosen], [None, *_pairs(*_topk(logprobs, num_top))]

@@ -209,39 +209,23 @@ def test_a_forward_failing_on_prompts_fails_those_requests_alone(failing_forward
     assert alone(llm) == expected
 
 
-def test_a_forward_failing_mid_generation_fails_that_request_alone(failing_forward):
+@pytest.mark.parametrize("max_new_tokens,poisoned", [(N, 2), (3, 1)], ids=["mid_generation", "last_step"])
+def test_a_forward_failing_on_a_decode_step_fails_that_request_alone(failing_forward, max_new_tokens, poisoned):
+    """The request's token ``poisoned`` (0-based) becomes poison: the forward of the decode step
+    that feeds it fails, with every other request in it (none of which sees that token). In
+    "last_step" that step draws the request's last token, so the overlapped loop has retired the
+    request from the scheduler by the time the failure is read."""
     llm, poison, worker = failing_forward
     expected = expected_alone(llm)
-    (victim,) = llm.generate(["Poison:"], GOOD_PARAMS[0])
-    # the request's 3rd token becomes poison: the forward of the step that feeds it fails, a
-    # decode step with every other request in it (none of which sees that token)
-    third = victim.token_ids[2]
-    assert all(third not in ids + llm.tokenizer(p).input_ids for ids, p in zip(expected, GOOD_PROMPTS))
-    poison.add(third)
-    outs = llm.generate(["Poison:", *GOOD_PROMPTS], [GOOD_PARAMS[0], *GOOD_PARAMS])
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    (victim,) = llm.generate(["Poison:"], params)
+    token = victim.token_ids[poisoned]
+    assert all(token not in ids + llm.tokenizer(p).input_ids for ids, p in zip(expected, GOOD_PROMPTS))
+    poison.add(token)
+    outs = llm.generate(["Poison:", *GOOD_PROMPTS], [params, *GOOD_PARAMS])
     bad = outs.pop(0)
     assert bad.finish_reason == "error" and "a kernel failed" in bad.error, bad
-    assert bad.token_ids == victim.token_ids[:3]
-    assert [o.token_ids for o in outs] == expected
-    llm.engine.flush()
-    assert_idle(llm)
-    assert_kv_all_free(worker)
-
-
-def test_a_forward_failing_on_a_requests_last_step_fails_that_request_alone(failing_forward):
-    # The step that feeds the request's second token draws its last (the third): the overlapped
-    # loop has retired the request from the scheduler by the time the failure is read.
-    llm, poison, worker = failing_forward
-    expected = expected_alone(llm)
-    short = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
-    (victim,) = llm.generate(["Poison:"], short)
-    second = victim.token_ids[1]
-    assert all(second not in ids + llm.tokenizer(p).input_ids for ids, p in zip(expected, GOOD_PROMPTS))
-    poison.add(second)
-    outs = llm.generate(["Poison:", *GOOD_PROMPTS], [short, *GOOD_PARAMS])
-    bad = outs.pop(0)
-    assert bad.finish_reason == "error" and "a kernel failed" in bad.error, bad
-    assert bad.token_ids == victim.token_ids[:2]
+    assert bad.token_ids == victim.token_ids[: poisoned + 1]
     assert [o.token_ids for o in outs] == expected
     llm.engine.flush()
     assert_idle(llm)
