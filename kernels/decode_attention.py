@@ -9,35 +9,52 @@ decode_attention_stage2 (merge of the splits).
 from __future__ import annotations
 
 import torch
-import triton
 
-from .backend import LOG2E, sdpa_attention, softmax_scale, use_triton
+from .backend import LOG2E, next_pow2, sdpa_attention, softmax_scale, use_triton
 from .decode_attention_stage1 import decode_attention_stage1_triton
 from .decode_attention_stage2 import decode_attention_stage2_triton
 
-# Keys per split-K block of the Triton path (the scratch holds cdiv(max_seq_len, this) splits).
-DECODE_BLOCK_SEQ = 256
+# The Triton path cuts each request's keys into at most `decode_num_splits` splits, each a multiple
+# of DECODE_BLOCK_N keys (see decode_attention_stage1).
+DECODE_BLOCK_N = 64
+DECODE_MAX_SPLITS = 32
+# Stage 1's programs to aim for: about four per SM of an H100 (132 SMs). In a sweep on one
+# (benchmarks/README.md), fewer splits than this left small batches latency-bound (a request of
+# 512 keys alone: 11.3 us in 2 splits, 6.3 us in 8), and more only added partials to write and
+# merge (batch 128 x 512 keys: 102 us in 1 split, 116 us in 8).
+DECODE_TARGET_PROGRAMS = 512
+
+
+def decode_num_splits(batch_size: int, kv_heads: int) -> int:
+    """How many splits a request's keys may be cut into, for a batch of batch_size requests.
+
+    It reads the batch size only through its next power of two. A CUDA graph's bucket lies
+    between a batch's size and that power (every power of two is a bucket), so a step replayed
+    from a padded graph cuts every request exactly as the same step run eagerly does."""
+    return max(1, min(DECODE_MAX_SPLITS, DECODE_TARGET_PROGRAMS // (next_pow2(batch_size) * kv_heads)))
 
 
 def decode_attention_fwd_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    *, block_seq: int = DECODE_BLOCK_SEQ,
+    *, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
 ) -> None:
-    """Triton version of `decode_attention_fwd`; `block_seq` is the keys per split."""
+    """Triton version of `decode_attention_fwd`: at most `num_splits` splits a request (default:
+    `decode_num_splits`), of a multiple of `block_n` keys each. max_seq_len is not read: the grid
+    holds no length."""
     bs, Hq, D = q.shape
     if bs == 0:
         return
-    num_splits = triton.cdiv(max_seq_len, block_seq)
+    num_splits = num_splits or decode_num_splits(bs, k_cache.shape[1])
     # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
     mid_o = torch.empty((bs, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, Hq, num_splits), dtype=torch.float32, device=q.device)
     decode_attention_stage1_triton(
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
-        softmax_scale(sm_scale, D) * LOG2E, alibi_slopes, block_seq=block_seq,
+        softmax_scale(sm_scale, D) * LOG2E, alibi_slopes, block_n=block_n,
     )
-    decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_seq=block_seq)
+    decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_n=block_n)
 
 
 def decode_attention_fwd_torch(

@@ -1,8 +1,14 @@
 """Flash-decoding stage 1: attention of each request's single query over one split of its keys.
 
-Program (request b, kv head, split s) takes keys [s * BLOCK_SEQ, min((s + 1) * BLOCK_SEQ, seq_len))
-for all query heads of that kv head's group (K/V loaded once per group) and writes the split's
-normalised partial output and its log2-sum-exp (both fp32) to scratch for stage 2.
+Each request's keys are cut into at most num_splits splits of `split_len` keys, a multiple of
+BLOCK_N (`split_length` below). Program (request b, kv head, split s) takes keys
+[s * split_len, min((s + 1) * split_len, seq_len)) for all query heads of that kv head's group
+(K/V loaded once per group) and writes the split's normalised partial output and its
+log2-sum-exp (both fp32) to scratch for stage 2.
+
+The grid (batch, kv heads, num_splits) holds no length, so a CUDA graph replays it at any length;
+num_splits is the caller's choice (`decode_attention.decode_num_splits`), a runtime argument so
+that every choice shares one compiled kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +21,15 @@ from .backend import dot_precision, launcher, next_pow2
 
 
 @triton.jit
+def split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split of a request of seq_len keys: the fewest whole BLOCK_N blocks that cut it
+    into at most num_splits splits. Stage 2 calls this too, to know how many splits exist."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+# num_splits unspecialised: Triton would otherwise compile other variants for 1 and for
+# multiples of 16, in the middle of serving when a batch first takes that value.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_attention_stage1_kernel(
     Q, K, V, ReqToToken, BReqIdx, BSeqLen, Slopes, MidO, MidLse,
     qk_scale,  # sm_scale * log2(e): the softmax runs on exp2
@@ -24,19 +39,20 @@ def _decode_attention_stage1_kernel(
     stride_r_req, stride_r_pos,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_mo_d,
     stride_ml_b, stride_ml_h, stride_ml_s,
-    GROUP, D,
+    GROUP, D, num_splits,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(BSeqLen + b)
-    split_start = split * BLOCK_SEQ
+    split_len = split_length(seq_len, num_splits, BLOCK_N)
+    split_start = split * split_len
     if split_start >= seq_len:
-        return  # stage 2 only reads the cdiv(seq_len, BLOCK_SEQ) splits that exist
-    split_end = tl.minimum(split_start + BLOCK_SEQ, seq_len)
+        return  # stage 2 only reads the cdiv(seq_len, split_len) splits that exist
+    split_end = tl.minimum(split_start + split_len, seq_len)
     req = tl.load(BReqIdx + b).to(tl.int64)
 
     # The group's query heads are the rows of one tile (padded to >= 16 rows for tl.dot).
@@ -88,9 +104,10 @@ def decode_attention_stage1_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor,
     mid_o: torch.Tensor, mid_lse: torch.Tensor, qk_scale: float,
-    alibi_slopes: torch.Tensor | None, *, block_seq: int,
+    alibi_slopes: torch.Tensor | None, *, block_n: int,
 ) -> None:
-    """Fill mid_o [bs, Hq, splits, D] and mid_lse [bs, Hq, splits] (fp32, log2 domain) for each split.
+    """Fill mid_o [bs, Hq, splits, D] and mid_lse [bs, Hq, splits] (fp32, log2 domain) for each
+    split (at most mid_o.shape[2] a request, each a multiple of block_n keys).
 
     qk_scale is sm_scale * log2(e); alibi_slopes are natural-log slopes [Hq] or None.
     """
@@ -99,9 +116,7 @@ def decode_attention_stage1_triton(
     group = Hq // Hkv
     num_splits = mid_o.shape[2]
     BLOCK_D = max(16, next_pow2(D))
-    # 64 keys a step, 4 warps, 2 stages: the fastest of a sweep on an H200 (bf16, D=128, Triton 3.6).
-    BLOCK_N = min(64, block_seq)
-    assert block_seq >= 16 and block_seq & (block_seq - 1) == 0, "block_seq must be a power of two >= 16"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n must be a power of two >= 16"
     slopes = alibi_slopes if alibi_slopes is not None else q  # never read without HAS_ALIBI
     launcher(_decode_attention_stage1_kernel, q)[(bs, Hkv, num_splits)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, slopes, mid_o, mid_lse,
@@ -112,8 +127,8 @@ def decode_attention_stage1_triton(
         req_to_token.stride(0), req_to_token.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
-        group, D,
+        group, D, num_splits,
         HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_SEQ=block_seq, BLOCK_N=BLOCK_N, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D,
+        BLOCK_N=block_n, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D,
         num_warps=4, num_stages=2,
     )

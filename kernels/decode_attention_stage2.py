@@ -7,21 +7,22 @@ import triton
 import triton.language as tl
 
 from .backend import launcher, next_pow2
+from .decode_attention_stage1 import split_length
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # as stage 1's
 def _decode_attention_stage2_kernel(
     MidO, MidLse, O, BSeqLen,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_mo_d,
     stride_ml_b, stride_ml_h, stride_ml_s,
     stride_o_b, stride_o_h, stride_o_d,
-    D,
-    BLOCK_SEQ: tl.constexpr, BLOCK_D: tl.constexpr,
+    D, num_splits,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(BSeqLen + b)
-    num_splits = (seq_len + BLOCK_SEQ - 1) // BLOCK_SEQ  # only the splits stage 1 wrote
+    written = tl.cdiv(seq_len, split_length(seq_len, num_splits, BLOCK_N))  # the splits stage 1 wrote
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -32,7 +33,7 @@ def _decode_attention_stage2_kernel(
     m = float("-inf")
     total = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
+    for s in range(0, written):
         lse = tl.load(ml_base + s * stride_ml_s)
         part = tl.load(mo_base + s * stride_mo_s, mask=d_mask, other=0.0)
         m_new = tl.maximum(m, lse)
@@ -48,16 +49,17 @@ def _decode_attention_stage2_kernel(
 
 def decode_attention_stage2_triton(
     mid_o: torch.Tensor, mid_lse: torch.Tensor, o: torch.Tensor, b_seq_len: torch.Tensor,
-    *, block_seq: int,
+    *, block_n: int,
 ) -> None:
-    """o[b, h] = softmax-weighted merge of stage 1's splits (mid_o [bs, Hq, splits, D], mid_lse [bs, Hq, splits])."""
+    """o[b, h] = softmax-weighted merge of stage 1's splits (mid_o [bs, Hq, splits, D], mid_lse
+    [bs, Hq, splits]); block_n as stage 1 was given it."""
     bs, Hq, D = o.shape
     launcher(_decode_attention_stage2_kernel, o)[(bs, Hq)](
         mid_o, mid_lse, o, b_seq_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        D,
-        BLOCK_SEQ=block_seq, BLOCK_D=max(16, next_pow2(D)),
+        D, mid_o.shape[2],
+        BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         num_warps=4,
     )

@@ -5,18 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE_DTYPES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, run_poisoned, tol
+from kernel_test_utils import DEVICE_DTYPES, DEVICES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, run_poisoned, tol
 
-from llmserve.kernels.decode_attention import decode_attention_fwd_torch, decode_attention_fwd_triton
+from llmserve.kernels.decode_attention import decode_attention_fwd_torch, decode_attention_fwd_triton, decode_num_splits
 
-# (Hq, Hkv, D, seq_lens, block_seq, alibi); block_seq small enough that long sequences span several splits.
+# (Hq, Hkv, D, seq_lens, (num_splits, block_n), alibi): each request's keys fall into at most
+# num_splits splits of a multiple of block_n keys; the ids name the longest request's splits.
 CASES = [
-    pytest.param(2, 2, 64, [1, 7, 33], 16, False, id="mha-d64-3splits"),
-    pytest.param(4, 2, 128, [70, 5], 32, False, id="gqa-d128-3splits"),
-    pytest.param(8, 2, 32, [33, 100, 1], 16, True, id="gqa8-d32-alibi-7splits"),
-    pytest.param(4, 4, 32, [48, 16], 16, True, id="mha-d32-alibi-exact-splits"),
-    pytest.param(4, 2, 64, [300, 17], 256, True, id="gqa-d64-alibi-default-block"),
+    pytest.param(2, 2, 64, [1, 7, 33], (16, 16), False, id="mha-d64-3x16"),
+    pytest.param(4, 2, 128, [70, 5], (2, 16), False, id="gqa-d128-2x48"),
+    pytest.param(8, 2, 32, [33, 100, 1], (4, 16), True, id="gqa8-d32-alibi-4x32"),
+    pytest.param(4, 4, 32, [48, 16], (3, 16), True, id="mha-d32-alibi-3x16-exact"),
+    pytest.param(4, 2, 64, [300, 17], None, True, id="gqa-d64-alibi-defaults"),
+    pytest.param(2, 1, 32, [200], (1, 16), False, id="mqa-d32-one-split"),
 ]
+
+
+def split_args(splits: tuple[int, int] | None) -> dict:
+    return {} if splits is None else dict(num_splits=splits[0], block_n=splits[1])
 
 
 def make_inputs(seed: int, Hq: int, Hkv: int, D: int, seq_lens: list[int], alibi: bool,
@@ -46,8 +52,8 @@ def sdpa_reference(inputs: dict, sm_scale: float | None = None) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("Hq,Hkv,D,seq_lens,block_seq,alibi", CASES)
-def test_twin_matches_sdpa(Hq, Hkv, D, seq_lens, block_seq, alibi):
+@pytest.mark.parametrize("Hq,Hkv,D,seq_lens,splits,alibi", CASES)
+def test_twin_matches_sdpa(Hq, Hkv, D, seq_lens, splits, alibi):
     inputs = make_inputs(0, Hq, Hkv, D, seq_lens, alibi, torch.float32, "cpu")
     got = run_poisoned(decode_attention_fwd_torch, inputs)
     torch.testing.assert_close(got.double(), sdpa_reference(inputs), atol=1e-5, rtol=1e-5)
@@ -60,12 +66,12 @@ def test_twin_sm_scale():
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("Hq,Hkv,D,seq_lens,block_seq,alibi", CASES)
-def test_triton_matches_twin(device, dtype, Hq, Hkv, D, seq_lens, block_seq, alibi):
+@pytest.mark.parametrize("Hq,Hkv,D,seq_lens,splits,alibi", CASES)
+def test_triton_matches_twin(device, dtype, Hq, Hkv, D, seq_lens, splits, alibi):
     inputs = make_inputs(2, Hq, Hkv, D, seq_lens, alibi, dtype, device)
     want = run_poisoned(decode_attention_fwd_torch, inputs)
     assert not want.isnan().any()
-    got = run_poisoned(decode_attention_fwd_triton, inputs, block_seq=block_seq)
+    got = run_poisoned(decode_attention_fwd_triton, inputs, **split_args(splits))
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
@@ -73,7 +79,7 @@ def test_triton_matches_twin(device, dtype, Hq, Hkv, D, seq_lens, block_seq, ali
 def test_triton_sm_scale(device, dtype):
     inputs = make_inputs(3, 4, 2, 32, [40, 3], False, dtype, device)
     want = run_poisoned(decode_attention_fwd_torch, inputs, sm_scale=0.05)
-    got = run_poisoned(decode_attention_fwd_triton, inputs, sm_scale=0.05, block_seq=16)
+    got = run_poisoned(decode_attention_fwd_triton, inputs, sm_scale=0.05, num_splits=4, block_n=16)
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
@@ -83,6 +89,23 @@ def test_every_split_matters():
     base = make_inputs(4, 2, 2, 32, [40], False, torch.float32, "cpu")
     shorter = dict(base, b_seq_len=i32([33], "cpu"))
     with_alibi = dict(base, alibi_slopes=alibi_slopes(2, "cpu"))
-    o = run_poisoned(decode_attention_fwd_triton, base, block_seq=16)
-    assert not torch.allclose(o, run_poisoned(decode_attention_fwd_triton, shorter, block_seq=16), atol=1e-3)
-    assert not torch.allclose(o, run_poisoned(decode_attention_fwd_triton, with_alibi, block_seq=16), atol=1e-3)
+    splits = dict(num_splits=3, block_n=16)  # 40 keys: splits of 16, 16 and 8
+    o = run_poisoned(decode_attention_fwd_triton, base, **splits)
+    assert not torch.allclose(o, run_poisoned(decode_attention_fwd_triton, shorter, **splits), atol=1e-3)
+    assert not torch.allclose(o, run_poisoned(decode_attention_fwd_triton, with_alibi, **splits), atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_padded_batch_equals_the_batch(device):
+    """By default the split count follows the batch size's next power of two, so a batch padded
+    up to it (as a CUDA graph's bucket pads it) gives its requests bitwise the same outputs."""
+    padded = make_inputs(5, 8, 8, 32, [90, 300, 7, 1], False, torch.float32, device)
+    batch = dict(padded, q=padded["q"][:3], b_req_idx=padded["b_req_idx"][:3], b_seq_len=padded["b_seq_len"][:3])
+    assert decode_num_splits(3, 8) == decode_num_splits(4, 8) != decode_num_splits(1, 8)
+    assert torch.equal(run_poisoned(decode_attention_fwd_triton, padded)[:3], run_poisoned(decode_attention_fwd_triton, batch))
+
+
+def test_split_counts():
+    """Small batches get many splits (the GPU would idle otherwise), large ones one."""
+    assert [decode_num_splits(bs, 8) for bs in (1, 2, 3, 4, 8, 16, 32, 64, 128)] == [32, 32, 16, 16, 8, 4, 2, 1, 1]
+    assert decode_num_splits(1, 1) == 32 and decode_num_splits(1000, 1) == 1

@@ -143,7 +143,7 @@ class TpPartBaseModel:
         tp_kv_heads = num_kv_heads(cfg) // self.world_size_
         dim = head_dim(cfg)
         context = getattr(cfg, "max_position_embeddings", None)
-        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * dim, context)
+        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * dim)
         self.max_total_token_num = size
         # The CUDA graphs' padding request takes one slot and one row that nobody else sees.
         spare = 1 if self.cuda_graph_max_bs else 0
@@ -156,7 +156,7 @@ class TpPartBaseModel:
             return None
         return DecodeGraphs(self, self.cuda_graph_max_bs, capture=self.params.cuda_graph_capture)
 
-    def _auto_kv_size(self, kv_dim_per_layer: int, context: int | None) -> int:
+    def _auto_kv_size(self, kv_dim_per_layer: int) -> int:
         """KV slots that fit in what the weights left over (GPU), or a modest default (CPU).
 
         The budget is this process's share (``mem_fraction`` of the card, less what it holds
@@ -171,10 +171,7 @@ class TpPartBaseModel:
         fraction = self.params.mem_fraction
         budget = min(total * fraction - torch.cuda.memory_reserved(self.device), free - total * (1 - fraction))
         if self.cuda_graph_max_bs:
-            # the graphs' bound on sequence length is the context window, or the pool it fits in
-            bound = self.params.max_seq_len or context or int(budget // bytes_per_token)
-            budget -= DecodeGraphs.memory_estimate(self.cuda_graph_max_bs, cfg, self.data_type.itemsize, bound,
-                                                   self.world_size_)
+            budget -= DecodeGraphs.memory_estimate(self.cuda_graph_max_bs, cfg, self.data_type.itemsize, self.world_size_)
         if budget < bytes_per_token * 1024:
             raise ValueError(
                 f"not enough GPU memory left for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "

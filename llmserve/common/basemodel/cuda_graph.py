@@ -143,18 +143,18 @@ class DecodeGraphs:
         self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
 
     @staticmethod
-    def memory_estimate(max_batch_size: int, config, itemsize: int, max_seq_len: int, tp: int) -> int:
+    def memory_estimate(max_batch_size: int, config, itemsize: int, tp: int) -> int:
         """Bytes the graphs' pool will take (an upper estimate, so the KV cache can leave room):
-        the largest bucket's logits (the lm_head's output and its float32 copy), decode
-        attention's split-K scratch, and a layer's activations."""
-        from llmserve.common.basemodel.basemodel import head_dim
-        from llmserve.kernels.decode_attention import DECODE_BLOCK_SEQ
+        the largest bucket's logits (the lm_head's output and its float32 copy), a layer's
+        activations, and decode attention's split-K scratch (whose rows times splits peak at
+        whichever bucket)."""
+        from llmserve.common.basemodel.basemodel import head_dim, num_kv_heads
+        from llmserve.kernels.decode_attention import decode_num_splits
 
-        hq = config.num_attention_heads // tp
-        d = head_dim(config)
-        splits = -(-max_seq_len // DECODE_BLOCK_SEQ)
+        hq, hkv, d = config.num_attention_heads // tp, num_kv_heads(config) // tp, head_dim(config)
         intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
         per_row = (config.vocab_size * (itemsize + 4)
-                   + hq * splits * (d + 1) * 4
                    + (4 * config.hidden_size + 3 * intermediate // tp) * itemsize)
-        return int(1.5 * max_batch_size * per_row) + (64 << 20)
+        split_rows = max(bs * decode_num_splits(bs, hkv) for bs in batch_size_buckets(max_batch_size))
+        scratch = split_rows * hq * (d + 1) * 4
+        return int(1.5 * (max_batch_size * per_row + scratch)) + (64 << 20)

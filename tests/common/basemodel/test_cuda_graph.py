@@ -14,6 +14,7 @@ import torch
 from transformers import BloomConfig, LlamaConfig
 
 from llmserve.common.basemodel.cuda_graph import batch_size_buckets
+from llmserve.kernels.decode_attention import decode_num_splits
 from parity_utils import EXACT, TEST_DEVICE, build_tiny_hf_model, load_ours, random_prompts, rel_err
 
 MAX_BS = 6             # buckets 1, 2, 4, 6; a larger decode batch runs the plain forward
@@ -39,6 +40,17 @@ def test_buckets():
     assert batch_size_buckets(1) == [1]
     assert batch_size_buckets(12) == [1, 2, 4, 8, 12]
     assert batch_size_buckets(256) == [1, 2, 4, *range(8, 257, 8)]
+
+
+@pytest.mark.parametrize("max_bs", [1, 6, 100, 256])
+@pytest.mark.parametrize("kv_heads", [1, 2, 3, 8])
+def test_a_bucket_splits_decode_attention_as_its_batches_do(max_bs, kv_heads):
+    """Decode attention's split count reads the batch size; a graph runs at its bucket's size,
+    so every batch size must get the same count as its bucket or graphs would not equal eager."""
+    buckets = batch_size_buckets(max_bs)
+    for bs in range(1, max_bs + 1):
+        bucket = next(b for b in buckets if b >= bs)
+        assert decode_num_splits(bs, kv_heads) == decode_num_splits(bucket, kv_heads), (bs, bucket)
 
 
 def test_the_padding_request_is_invisible(eager_and_graphs):
