@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -270,6 +271,7 @@ class ModelRpcServer(rpyc.Service):
     worker: ModelWorker | None = None
 
     def exposed_init_model(self, args: bytes) -> bytes:
+        _IMPORTS.join()   # two threads importing the same modules at once can deadlock
         self.worker = ModelWorker(pickle.loads(args))
         return pickle.dumps(self.worker.info())
 
@@ -277,7 +279,30 @@ class ModelRpcServer(rpyc.Service):
         return pickle.dumps(self.worker.step(pickle.loads(step)))
 
 
+def _import_model_code() -> None:
+    """Import what ModelWorker's init will: the model classes (and with them Triton and the
+    kernels), the sampler, and transformers' config class of each architecture, whose first use
+    imports most of transformers (1.7 s on a 2-core CPU). A failure here is left for the init
+    to meet and report."""
+    try:
+        from transformers import AutoConfig
+
+        import llmserve.worker.sampler  # noqa: F401
+        from llmserve.models.registry import MODEL_CLASSES
+
+        for model_type in MODEL_CLASSES:
+            AutoConfig.for_model(model_type)
+    except Exception:  # noqa: BLE001
+        logger.debug("importing the model code ahead of init_model failed", exc_info=True)
+
+
+# The engine core sends init_model only once the HTTP process has loaded its tokenizer, seconds
+# after this process started: the model code is imported meanwhile, on this thread.
+_IMPORTS = threading.Thread(target=_import_model_code, name="import-model-code", daemon=True)
+
+
 def serve(address: str) -> None:
     """A worker process's life (see worker_main): serve the router until it closes us."""
     server = ThreadedServer(ModelRpcServer(), socket_path=socket_path(address), protocol_config=RPYC_CONFIG)
+    _IMPORTS.start()
     server.start()

@@ -12,15 +12,17 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.common.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "gguf_config", "ModelLoadError"]
 
@@ -334,6 +336,8 @@ def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
     architecture other than llama / qwen2, an unexpected tensor, or a tensor type gguf-py cannot
     dequantize. ``progress`` shows a progress bar on stderr while dequantizing.
     """
+    import torch  # here, not at the top: the HTTP process reads GGUF tokenizers and never needs torch
+
     reader = _open_reader(path)
     config, spec = _config_of(reader, path)
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
