@@ -9,6 +9,7 @@ from llmserve.chat_template.base import Message
 from llmserve.generation_config import load_sampling_defaults
 from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resolve_model_path
 from llmserve.engine.request import RequestDelta
+from llmserve.engine.worker_client import ModelWorkerGroup
 from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import load_tokenizer
@@ -58,8 +59,13 @@ class LLM:
         model_path = resolve_model_path(model)
         self.sampling_defaults = load_sampling_defaults(generation_config, model_path)
         config = EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options)
-        self.tokenizer = load_tokenizer(model_path)
-        self.engine = LLMEngine(config, inspect_model(config, self.tokenizer))
+        workers = ModelWorkerGroup(config.tp)  # first: they import torch and the model code while the tokenizer loads
+        try:
+            self.tokenizer = load_tokenizer(model_path)
+            self.engine = LLMEngine(config, inspect_model(config, self.tokenizer), workers)
+        except BaseException:
+            workers.close()
+            raise
         self.chat_template = choose_chat_template(loaded, self.tokenizer, self.engine.model_path)
 
     @property

@@ -89,6 +89,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: ModelSpec, workers: ModelWorkerGroup | None = None):
         """``workers``: the worker processes, if already started (the engine core starts them
         before it knows the model, so that they import torch meanwhile); else started here."""
+        if config.overlap and config.tp > 1:   # before any worker loads a model
+            raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
         self.config = config
         self.model = model
         self.model_path = model.path
@@ -110,8 +112,6 @@ class LLMEngine:
             max_running_requests=min(config.max_running_requests, self.info.max_req_num),
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
         ))
-        if config.overlap and config.tp > 1:
-            raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
         self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.tp == 1
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
