@@ -78,7 +78,10 @@ def _heads_of_both(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q's and k's heads as one ``[n, Hq + Hk, D]`` view, if k's heads continue q's in memory
     (same rows, same strides, k's first head right after q's last); else None."""
     n, hq, d = q.shape
-    if (k.shape[0] != n or k.shape[2] != d or k.dtype != q.dtype or k.stride() != q.stride()
+    # A row stride matters only with more than one row: view() of one flat row may set q's and
+    # k's differently (a batch-1 decode step's q and k, split from one projection, do).
+    same_strides = k.stride()[1:] == q.stride()[1:] and (n <= 1 or k.stride(0) == q.stride(0))
+    if (k.shape[0] != n or k.shape[2] != d or k.dtype != q.dtype or not same_strides
             or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
             or k.storage_offset() != q.storage_offset() + hq * q.stride(1)):
         return None

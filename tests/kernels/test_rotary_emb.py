@@ -77,3 +77,18 @@ def test_q_and_k_rotate_in_one_launch_only_when_k_follows_q():
     assert _heads_of_both(qkv[:, :4], qkv[:, 5:7]) is None        # a gap between them
     assert _heads_of_both(qkv[:, :4], torch.zeros(5, 2, 8)) is None  # another tensor
     assert _heads_of_both(qkv[:3, :4], qkv[:3, 4:6]) is not None
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_qkv_projections_q_and_k_rotate_in_one_launch(n):
+    """As the Llama layer splits its fused projection: flat rows viewed as heads. With one row
+    (a batch-1 decode step), view() gives q and k different strides on the size-1 dimension;
+    the stride of a dimension of size 1 is never used, so that must not cost a second launch."""
+    from llmserve.kernels.rotary_emb import _heads_of_both
+
+    qkv = torch.zeros(n, (4 + 2 * 1) * 8)        # 4 q heads, 1 kv head
+    q, kv = qkv[:, :32].view(-1, 4, 8), qkv[:, 32:].view(-1, 2, 8)
+    both = _heads_of_both(q, kv[:, :1])
+    assert both is not None and both.shape == (n, 5, 8)
+    both.fill_(1.0)
+    assert (qkv[:, :40] == 1).all() and (qkv[:, 40:] == 0).all()   # q's and k's heads, not v's
