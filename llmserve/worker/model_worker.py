@@ -270,8 +270,12 @@ class ModelRpcServer(rpyc.Service):
 
     worker: ModelWorker | None = None
 
+    def __init__(self, imports: threading.Thread):
+        super().__init__()
+        self._imports = imports   # importing the model code meanwhile (see serve)
+
     def exposed_init_model(self, args: bytes) -> bytes:
-        _IMPORTS.join()   # two threads importing the same modules at once can deadlock
+        self._imports.join()   # two threads importing the same modules at once can deadlock
         self.worker = ModelWorker(pickle.loads(args))
         return pickle.dumps(self.worker.info())
 
@@ -296,13 +300,12 @@ def _import_model_code() -> None:
         logger.debug("importing the model code ahead of init_model failed", exc_info=True)
 
 
-# The engine core sends init_model only once the HTTP process has loaded its tokenizer, seconds
-# after this process started: the model code is imported meanwhile, on this thread.
-_IMPORTS = threading.Thread(target=_import_model_code, name="import-model-code", daemon=True)
-
-
 def serve(address: str) -> None:
-    """A worker process's life (see worker_main): serve the router until it closes us."""
-    server = ThreadedServer(ModelRpcServer(), socket_path=socket_path(address), protocol_config=RPYC_CONFIG)
-    _IMPORTS.start()
+    """A worker process's life (see worker_main): serve the router until it closes us.
+
+    The engine core sends init_model only once the HTTP process has loaded its tokenizer, seconds
+    after this process started: a thread imports the model code meanwhile."""
+    imports = threading.Thread(target=_import_model_code, name="import-model-code", daemon=True)
+    imports.start()
+    server = ThreadedServer(ModelRpcServer(imports), socket_path=socket_path(address), protocol_config=RPYC_CONFIG)
     server.start()
