@@ -40,10 +40,11 @@ Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -65,6 +66,9 @@ from hf_peer import PEERS, HFPeer, build_hf_model
 remove_script_dir_from_sys_path()
 
 from llmserve.common.basemodel import ModelInitParams  # noqa: E402  (after the sys.path fix above)
+from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf  # noqa: E402
+from llmserve.kernels import QuantizedWeight  # noqa: E402
+from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
 from llmserve.models.llama.model import LlamaTpPartModel  # noqa: E402
 
 LLAMA3_8B_CONFIG: dict = {
@@ -149,23 +153,33 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
         }
 
 
-def held_weight_tensors(model: LlamaTpPartModel) -> list[torch.Tensor]:
-    """Every distinct tensor the model's weight objects hold (a tied lm_head counts once)."""
-    tensors: dict[int, torch.Tensor] = {}
-    for weights in (model.pre_post_weight, *model.trans_layers_weight):
-        for value in vars(weights).values():
-            if isinstance(value, torch.Tensor):
-                tensors.setdefault(value.data_ptr(), value)
-    return list(tensors.values())
+def held_weights(model: LlamaTpPartModel) -> list[torch.Tensor | QuantizedWeight]:
+    """Every distinct weight the model's weight objects hold (a tied lm_head counts once)."""
+    weights: dict[int, torch.Tensor | QuantizedWeight] = {}
+    for layer in (model.pre_post_weight, *model.trans_layers_weight):
+        for value in vars(layer).values():
+            if isinstance(value, (torch.Tensor, QuantizedWeight)):
+                weights.setdefault(id(value), value)
+    return list(weights.values())
+
+
+def nbytes(w: torch.Tensor | QuantizedWeight) -> int:
+    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
 
 
 def weight_bytes(model: LlamaTpPartModel) -> tuple[int, int]:
     """(bytes held, bytes a decode step reads): all weights, less the embedding table when it is
     not also the lm_head (a step looks up only the batch's rows of it)."""
-    held = sum(t.numel() * t.element_size() for t in held_weight_tensors(model))
+    held = sum(nbytes(w) for w in held_weights(model))
     wte, lm_head = model.pre_post_weight.wte_weight_, model.pre_post_weight.lm_head_weight_
-    unread = 0 if wte.data_ptr() == lm_head.data_ptr() else wte.numel() * wte.element_size()
-    return held, held - unread
+    return held, held - (0 if wte is lm_head else nbytes(wte))
+
+
+def hf_weight_bytes(hf_model) -> int:
+    """Bytes a decode step of the HF peer reads: its parameters less an untied embedding table."""
+    held = sum(p.numel() * p.element_size() for p in hf_model.parameters())   # tied ones once
+    emb, head = hf_model.get_input_embeddings().weight, hf_model.get_output_embeddings().weight
+    return held - (0 if emb is head else emb.numel() * emb.element_size())
 
 
 def kv_bytes_per_token(model: LlamaTpPartModel) -> int:
@@ -175,7 +189,8 @@ def kv_bytes_per_token(model: LlamaTpPartModel) -> int:
 
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
-                graphs: bool = False) -> LlamaTpPartModel:
+                graphs: bool = False, weights: Iterable[dict] | None = None) -> LlamaTpPartModel:
+    """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`)."""
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
         model_path="",
@@ -185,7 +200,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         max_req_num=max_batch,
         max_seq_len=max_len,
         config=cfg,
-        weights=random_llama_weights(cfg, device, dtype),
+        weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),
     )
     return LlamaTpPartModel(params)
 
@@ -353,6 +368,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer", choices=["none", *PEERS], default="none",
                    help="also time HF transformers on the same weights: hf (eager, dynamic cache, as generate "
                         "does) or hf-compiled (static cache + torch.compile reduce-overhead) (default: none)")
+    p.add_argument("--gguf", default=None, metavar="FILE|default",
+                   help="the weights and shapes of a GGUF file instead of random ones ('default': the embedded "
+                        "SmolLM2-135M-Instruct): on CPU ours runs its Q4_0/Q4_1/Q8_0 matrices in their blocks "
+                        "(as llmserve serve does), the HF peer the same weights dequantized to float32")
     add_device_arguments(p)
     return p.parse_args()
 
@@ -361,18 +380,27 @@ def main() -> int:
     args = parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    cfg = CONFIGS[args.model_size]
+    cfg, weights, peer_weights, shapes = CONFIGS[args.model_size], None, None, args.model_size
+    if args.gguf:
+        from llmserve.default_model import default_model_path
+
+        path = default_model_path() if args.gguf == "default" else args.gguf
+        quantized = device.type == "cpu" and dtype == torch.float32 and kernel_available()
+        ckpt = load_gguf(path, progress=False, quantized=quantized)
+        cfg, weights, shapes = ckpt.config, [ckpt.tensors], os.path.basename(path)
+        if args.peer != "none":
+            peer_weights = [load_gguf(path, progress=False).tensors]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     max_len = args.prompt_len + args.warmup_steps + args.steps
     torch.manual_seed(0)
 
     copy_bw = measure_copy_bandwidth(device)
-    print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; building {args.model_size} model "
-          f"({dtype_name(dtype)}, random weights) on {device} ...", file=sys.stderr)
+    print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; building {shapes} model "
+          f"({dtype_name(dtype)}, {'its' if args.gguf else 'random'} weights) on {device} ...", file=sys.stderr)
     modes = [m for m in args.modes.split(",") if m.strip() and (m != "graphs" or device.type == "cuda")]
     if not set(modes) <= {"eager", "graphs"}:
         raise SystemExit(f"--modes: eager and/or graphs, got {args.modes!r}")
-    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes)
+    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights)
     if model.decode_graphs is not None:
         print(f"CUDA graphs for batch <= {model.decode_graphs.max_batch_size}: captured in "
               f"{model.decode_graphs.capture_seconds:.1f} s, {model.decode_graphs.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
@@ -384,7 +412,9 @@ def main() -> int:
     peer = None
     if args.peer != "none":
         # the same weights: the same generator, seed and order as the model's
-        peer = HFPeer(build_hf_model(cfg, device, dtype, random_llama_weights(cfg, device, dtype)), args.peer)
+        peer = HFPeer(build_hf_model(cfg, device, dtype, peer_weights or random_llama_weights(cfg, device, dtype)),
+                      args.peer)
+        peer_read = hf_weight_bytes(peer.model)
         check_same_model(model, peer.model)
 
     results: list[BatchResult] = []
@@ -397,9 +427,9 @@ def main() -> int:
             print(f"batch {batch}, {peer.mode}", file=sys.stderr)
             prefill_s, step_ms = peer.run(batch, args.prompt_len, args.warmup_steps, args.steps)
             results.append(summarize(peer.mode, batch, args.prompt_len, prefill_s, step_ms, args.warmup_steps,
-                                     copy_bw, read, kv_bytes_per_token(model), device))
+                                     copy_bw, peer_read, kv_bytes_per_token(model), device))
 
-    print(f"\n### Decode step, {args.model_size} shapes (Llama), {dtype_name(dtype)}, "
+    print(f"\n### Decode step, {shapes} shapes (Llama), {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 

@@ -7,6 +7,7 @@ from .context_attention import context_attention_fwd
 from .decode_attention import decode_attention_fwd
 from .destindex_copy_kv import destindex_copy_kv
 from .layernorm import layernorm_forward
+from .quantized_linear import QuantizedWeight, embedding, linear
 from .rmsnorm import rmsnorm_forward
 from .rotary_emb import rotary_emb_fwd
 from .silu_and_mul import silu_and_mul_fwd
@@ -18,7 +19,10 @@ __all__ = [
     "decode_attention_fwd",
     "destindex_copy_kv",
     "get_backend",
+    "QuantizedWeight",
+    "embedding",
     "layernorm_forward",
+    "linear",
     "rmsnorm_forward",
     "rotary_emb_fwd",
     "set_backend",

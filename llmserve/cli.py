@@ -21,15 +21,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(batch sizes 1, 2, 4, then multiples of 8); 0 = none (default: 256)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly, capturing no CUDA graphs (as vLLM's flag)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="on CPU, expand a GGUF model's Q4_0/Q4_1/Q8_0 matrices to float32 at load instead of "
+                        "running them in their blocks with the quantized kernel (the same values; slower, "
+                        "4-8x the memory; GPUs always dequantize)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on one GPU, wait for each step's tokens before scheduling the next, instead of "
                         "scheduling it while the GPU runs (as SGLang's flag); same tokens, slower")
 
 
 def _step_options(args: argparse.Namespace) -> dict:
-    """The EngineConfig fields of how steps run: CUDA graphs and the overlapped loop."""
+    """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, quantized weights."""
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
-                overlap=False if args.disable_overlap_schedule else None)
+                overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

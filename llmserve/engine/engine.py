@@ -48,6 +48,7 @@ class EngineConfig:
     # Schedule step N+1 while the device runs step N (see LLMEngine.step). None: on for one GPU
     # rank, where it hides the host's work; True also on the CPU (tests: same tokens either way).
     overlap: bool | None = None
+    dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class LLMEngine:
                 dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
                 max_req_num=config.max_running_requests, dist_init_method=init_method,
                 eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
+                dequantize=config.dequantize,
             )
             for rank in range(config.tp)
         ])
@@ -128,7 +130,8 @@ class LLMEngine:
         info = self.info
         graphs = (f"CUDA graphs for decode batches up to {info.cuda_graph_max_bs} (captured in "
                   f"{info.cuda_graph_seconds:.1f} s, {info.cuda_graph_mib:.0f} MiB)" if info.cuda_graph_max_bs else "eager")
-        return (f"# {info.model_type}, {info.num_params / 1e6:.0f}M params, {info.dtype} on {info.device}, "
+        weights = f"{info.num_params / 1e6:.0f}M params" + (f" in GGUF {info.quantized} blocks" if info.quantized else "")
+        return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "
                 f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:

@@ -50,7 +50,7 @@ class ModelWorker:
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
             mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
-            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, dequantize=args.dequantize,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
@@ -73,16 +73,19 @@ class ModelWorker:
         self._last_sampled_row: dict[int, int] = {}
 
     def info(self) -> WorkerInfo:
+        from llmserve.kernels import QuantizedWeight
+
         m = self.model
         # by identity: a tied lm_head is the embedding tensor itself
         tensors = {id(t): t for w in [m.pre_post_weight, *m.trans_layers_weight] for t in vars(w).values()
-                   if isinstance(t, torch.Tensor) and t.is_floating_point()}
-        n_params = sum(t.numel() for t in tensors.values())
+                   if isinstance(t, QuantizedWeight) or isinstance(t, torch.Tensor) and t.is_floating_point()}
+        n_params = sum(t.shape.numel() for t in tensors.values())
+        qtypes = sorted({t.qtype for t in tensors.values() if isinstance(t, QuantizedWeight)})
         return WorkerInfo(
             model_type=m.network_config_.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
-            **_graph_info(m),
+            quantized="/".join(qtypes), **_graph_info(m),
         )
 
     def step(self, step: StepInput) -> list[StepOutput]:

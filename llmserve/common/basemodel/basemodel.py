@@ -39,6 +39,9 @@ class ModelInitParams:
     cuda_graph_capture: bool = True
     config: dict | None = None            # use this HF-style config instead of the checkpoint's
     weights: Iterable[dict[str, torch.Tensor]] | None = None  # use these tensors (random-weight benchmarks)
+    # A GGUF file's Q4_0 / Q4_1 / Q8_0 matrices run on the CPU in their blocks (kernels/quantized_linear);
+    # True expands them to dense float32 at load, as on a GPU (same values, torch's GEMM).
+    dequantize: bool = False
 
 
 class TpPartBaseModel:
@@ -77,11 +80,25 @@ class TpPartBaseModel:
         if p.config is not None:
             raw = dict(p.config)
         elif p.model_path.endswith(".gguf"):
-            ckpt = load_gguf(p.model_path, progress=self.tp_rank_ == 0)
+            ckpt = load_gguf(p.model_path, progress=self.tp_rank_ == 0, quantized=self._runs_quantized())
             raw, self._gguf_tensors = ckpt.config, ckpt.tensors
         else:
             raw = load_hf_config(p.model_path)
         self.network_config_: PretrainedConfig = hf_config_from_dict(raw)
+
+    def _runs_quantized(self) -> bool:
+        """Whether GGUF matrices stay in their blocks: on the CPU in float32, unless asked not to,
+        and where the quantized kernel builds (it needs a C compiler)."""
+        from llmserve.kernels.quantized_linear import kernel_available, kernel_unavailable_reason
+
+        p = self.params
+        if p.dequantize or self.device.type != "cpu" or p.dtype not in (None, torch.float32):
+            return False
+        if not kernel_available():
+            logger.warning("GGUF weights dequantized to float32: the quantized CPU kernel is unavailable (%s)",
+                           kernel_unavailable_reason())
+            return False
+        return True
 
     def _verify_must(self) -> None:
         verify_tp_split(self.network_config_, self.world_size_)

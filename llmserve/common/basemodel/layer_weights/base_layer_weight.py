@@ -8,6 +8,10 @@ from typing import Callable
 import torch
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
+from llmserve.kernels import QuantizedWeight
+
+# A checkpoint tensor: dense, or a GGUF weight kept in its quantized blocks (CPU; see load_gguf).
+Weight = torch.Tensor | QuantizedWeight
 
 # How a checkpoint tensor is cut for tensor parallelism. HF stores linear weights as [out, in]:
 # "col" keeps this rank's rows (column-parallel: outputs split), "row" its columns (row-parallel:
@@ -34,13 +38,13 @@ class BaseLayerWeight:
         self.data_type_ = data_type
         self.network_config_ = network_config
         self.device_ = device
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, Weight] = {}
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         """Our short name -> where the tensor is in an HF checkpoint and how it is split."""
         raise NotImplementedError
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_hf_weights(self, weights: dict[str, Weight]) -> None:
         for key, spec in self.weight_specs().items():
             if spec.hf_name in weights:
                 self._staged[key] = self._to_device(self._split(weights[spec.hf_name], spec.split))
@@ -53,13 +57,15 @@ class BaseLayerWeight:
         self._build(self._staged)
         self._staged = {}
 
-    def _build(self, w: dict[str, torch.Tensor]) -> None:
+    def _build(self, w: dict[str, Weight]) -> None:
         raise NotImplementedError
 
     # -- tensor-parallel cuts ------------------------------------------------------------
-    def _split(self, t: torch.Tensor, split: Split) -> torch.Tensor:
+    def _split(self, t: Weight, split: Split) -> Weight:
         if split is None:
             return t
+        if isinstance(t, QuantizedWeight) and (callable(split) or (split == "row" and not self._splits_blocks(t))):
+            t = t.dequantize()      # a cut the blocks cannot follow
         if callable(split):
             return split(t)
         if split == "col":
@@ -70,24 +76,36 @@ class BaseLayerWeight:
             return self._vocab_shard(t)
         raise ValueError(f"unknown split {split!r}")
 
-    def _shard(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+    def _splits_blocks(self, t: QuantizedWeight) -> bool:
+        """Whether a row-parallel cut of t falls on its blocks' boundaries."""
+        return (t.shape[1] // self.world_size_) % 32 == 0
+
+    def _shard(self, t: Weight, dim: int) -> Weight:
         n = t.shape[dim]
         if n % self.world_size_:
             raise ModelLoadError(f"dimension {n} of a weight is not divisible by tp={self.world_size_}")
         size = n // self.world_size_
         return t.narrow(dim, self.tp_rank_ * size, size)
 
-    def _vocab_shard(self, t: torch.Tensor) -> torch.Tensor:
+    def _vocab_shard(self, t: Weight) -> Weight:
         """This rank's rows of an embedding / lm_head, zero-padded so every rank's shard has the
         same size (all-gather needs equal parts; the padding logits are cut off afterwards)."""
         size = vocab_shard_size(t.shape[0], self.world_size_)
-        shard = t[self.tp_rank_ * size: (self.tp_rank_ + 1) * size]
+        start = self.tp_rank_ * size
+        shard = t.narrow(0, start, max(0, min(size, t.shape[0] - start)))
         if shard.shape[0] < size:
+            if isinstance(shard, QuantizedWeight):
+                return shard.pad_rows(size - shard.shape[0])
             pad = shard.new_zeros((size - shard.shape[0], *shard.shape[1:]))
             shard = torch.cat([shard, pad])
         return shard
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _to_device(self, t: Weight) -> Weight:
+        if isinstance(t, QuantizedWeight):
+            # The quantized kernel runs on the CPU in float32 only; anywhere else, dense weights.
+            if self.device_.type == "cpu" and self.data_type_ == torch.float32:
+                return t.contiguous()
+            t = t.dequantize()
         return t.to(device=self.device_, dtype=self.data_type_).contiguous()
 
 

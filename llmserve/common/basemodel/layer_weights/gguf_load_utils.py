@@ -19,6 +19,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from llmserve.common.cache import cache_root
 from llmserve.common.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ class GGUFCheckpoint:
     """A GGUF checkpoint in Hugging Face terms.
 
     ``config``: a ``config.json``-style dict. ``tensors``: HF parameter names -> float32 CPU tensors
-    in HF shapes (``[out, in]`` for linear weights). With ``config["tie_word_embeddings"]`` there
+    in HF shapes (``[out, in]`` for linear weights), or, loaded with ``quantized=True``, the 2-D
+    Q4_0 / Q4_1 / Q8_0 ones as ``QuantizedWeight`` (their blocks as stored). With ``config["tie_word_embeddings"]`` there
     is no ``lm_head.weight``: the embedding doubles as the output projection.
     """
 
@@ -329,8 +331,10 @@ def _arch_of(meta: dict[str, Any], path: str) -> tuple[str, _ArchSpec]:
     return arch, _ARCHS[arch]
 
 
-def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
-    """Read a GGUF checkpoint: its HF-style config and its tensors, dequantized to float32.
+def load_gguf(path: str, progress: bool = True, quantized: bool = False) -> GGUFCheckpoint:
+    """Read a GGUF checkpoint: its HF-style config and its tensors, dequantized to float32, or
+    with ``quantized`` the matrices in the block formats `QuantizedWeight` holds kept as they are
+    (no dequantizing: faster to load, 4-8x smaller, and run by the CPU's quantized kernel).
 
     Raises ``ModelLoadError`` (one line) for a missing file, a file that is not GGUF, an
     architecture other than llama / qwen2, an unexpected tensor, or a tensor type gguf-py cannot
@@ -338,13 +342,15 @@ def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
     """
     import torch  # here, not at the top: the HTTP process reads GGUF tokenizers and never needs torch
 
+    from llmserve.kernels.quantized_linear import QTYPES, QuantizedWeight
+
     reader = _open_reader(path)
     config, spec = _config_of(reader, path)
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(
-        reader.tensors, desc="Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=not progress
+        reader.tensors, desc="Reading GGUF" if quantized else "Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=not progress
     )
     with bar:
         for t in bar:
@@ -356,11 +362,17 @@ def load_gguf(path: str, progress: bool = True) -> GGUFCheckpoint:
             hf_name = _hf_name(t.name)
             if hf_name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name} in {config['model_type']} GGUF file {path}")
-            w = _dequantize(t)
+            keep = quantized and _type_name(t.tensor_type) in QTYPES and len(t.shape) == 2
+            # quantized, the rows of a tensor are its raw blocks, which _unpermute_qk moves alike
+            w = np.asarray(t.data) if keep else _dequantize(t)
             kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
             if spec.permuted_qk and kind in n_heads:
                 w = _unpermute_qk(w, n_heads[kind])
-            tensors[hf_name] = torch.from_numpy(w)
+            if keep:
+                shape = tuple(int(d) for d in reversed(list(t.shape)))
+                tensors[hf_name] = QuantizedWeight.from_gguf(_type_name(t.tensor_type), w, shape)
+            else:
+                tensors[hf_name] = torch.from_numpy(w)
     return GGUFCheckpoint(config=config, tensors=tensors)
 
 
@@ -394,11 +406,8 @@ def load_gguf_tokenizer(path: str) -> Any:
 
 
 def tokenizer_cache_dir() -> str:
-    """``$LLMSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/llmserve``, else ``~/.cache/llmserve``."""
-    root = os.environ.get("LLMSERVE_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
-    return os.path.join(root, "gguf-tokenizers")
+    """``gguf-tokenizers`` under the cache root (``llmserve.common.cache.cache_root``)."""
+    return os.path.join(cache_root(), "gguf-tokenizers")
 
 
 def _cached_tokenizer_dir(path: str) -> str | None:

@@ -1,10 +1,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from llmserve.common.basemodel import TransformerLayerInferTpl
-from llmserve.kernels import add_rmsnorm_forward, rmsnorm_forward, rotary_emb_fwd, silu_and_mul_fwd
+from llmserve.kernels import add_rmsnorm_forward, linear, rmsnorm_forward, rotary_emb_fwd, silu_and_mul_fwd
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 
 
@@ -31,5 +30,5 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
         return q, kv
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        act = silu_and_mul_fwd(F.linear(x, layer_weight.gate_up_weight_))
+        act = silu_and_mul_fwd(linear(x, layer_weight.gate_up_weight_))
         return self._row_parallel_linear(act, layer_weight.down_weight_, None)

@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 
 from llmserve.common.basemodel import TransformerLayerWeight, WeightSpec
+from llmserve.common.basemodel.layer_weights.base_layer_weight import Weight
+from llmserve.kernels.quantized_linear import stack_rows
 
 
 class LlamaTransformerLayerWeight(TransformerLayerWeight):
@@ -29,12 +31,12 @@ class LlamaTransformerLayerWeight(TransformerLayerWeight):
             "down": WeightSpec(p + "mlp.down_proj.weight", "row"),
         }
 
-    def _build(self, w: dict[str, torch.Tensor]) -> None:
+    def _build(self, w: dict[str, Weight]) -> None:
         self.att_norm_weight_ = w["att_norm"]
-        self.qkv_weight_ = torch.cat([w["q"], w["k"], w["v"]])
+        self.qkv_weight_ = stack_rows([w["q"], w["k"], w["v"]])
         self.qkv_bias_ = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None
         self.o_weight_ = w["o"]
         self.o_bias_ = w.get("o_bias")
         self.ffn_norm_weight_ = w["ffn_norm"]
-        self.gate_up_weight_ = torch.cat([w["gate"], w["up"]])
+        self.gate_up_weight_ = stack_rows([w["gate"], w["up"]])
         self.down_weight_ = w["down"]

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.post_layer_infer import PostLayerInfer
 from llmserve.common.distributed import all_gather_last_dim
+from llmserve.kernels import linear
 
 
 class PostLayerInferTpl(PostLayerInfer):
@@ -25,5 +25,5 @@ class PostLayerInferTpl(PostLayerInfer):
 
     def _logits(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         x = self._norm(h, infer_state, layer_weight)
-        logits = all_gather_last_dim(F.linear(x, layer_weight.lm_head_weight_))
+        logits = all_gather_last_dim(linear(x, layer_weight.lm_head_weight_))
         return logits[:, : self.network_config_.vocab_size].float()

@@ -1,12 +1,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.pre_layer_infer import PreLayerInfer
 from llmserve.common.basemodel.layer_weights.base_layer_weight import vocab_shard_size
 from llmserve.common.distributed import all_reduce
+from llmserve.kernels import embedding
 
 
 class PreLayerInferTpl(PreLayerInfer):
@@ -30,9 +30,9 @@ class PreLayerInferTpl(PreLayerInfer):
 
     def _embed(self, input_ids: torch.Tensor, layer_weight) -> torch.Tensor:
         if self.world_size_ == 1:
-            return F.embedding(input_ids, layer_weight.wte_weight_)
+            return embedding(input_ids, layer_weight.wte_weight_)
         outside = (input_ids < self.vob_start_id_) | (input_ids >= self.vob_end_id_)
         local_ids = (input_ids - self.vob_start_id_).masked_fill(outside, 0)
-        emb = F.embedding(local_ids, layer_weight.wte_weight_)
+        emb = embedding(local_ids, layer_weight.wte_weight_)
         emb.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(emb)

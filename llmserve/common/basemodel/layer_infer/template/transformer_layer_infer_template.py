@@ -3,13 +3,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from llmserve.common.basemodel.basemodel import head_dim, num_kv_heads
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
 from llmserve.common.distributed import all_reduce
-from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destindex_copy_kv
+from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destindex_copy_kv, linear
 
 
 class TransformerLayerInferTpl(TransformerLayerInfer):
@@ -51,7 +50,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _get_qkv(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[n, Hq, D]`` and kv ``[n, 2 * Hkv, D]`` (K heads then V heads): strided views of
         one fused projection, laid out like a KV-cache slot so one scatter stores both."""
-        qkv = F.linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
+        qkv = linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
         q_size = self.tp_q_head_num_ * self.head_dim_
         q = qkv[:, :q_size].view(-1, self.tp_q_head_num_, self.head_dim_)
         kv = qkv[:, q_size:].view(-1, 2 * self.tp_kv_head_num_, self.head_dim_)
@@ -103,5 +102,5 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Each rank multiplies its slice of the inputs; the sum over ranks is the full output.
         The bias is added once, after the reduction."""
-        y = all_reduce(F.linear(x, weight))
+        y = all_reduce(linear(x, weight))
         return y if bias is None else y.add_(bias)
