@@ -184,26 +184,27 @@ def _library() -> ctypes.CDLL | None:
         if _lib is not None or _lib_error is not None:
             return _lib
         try:
-            _lib = _load_or_build()
+            _lib = build_library(_CFLAGS)
         except Exception as e:   # no compiler, a failed build, an unloadable file: fall back to the twin
             _lib_error = str(e)
         return _lib
 
 
-def _load_or_build() -> ctypes.CDLL:
+def build_library(cflags: list[str]) -> ctypes.CDLL:
+    """The kernel compiled with ``cflags``, from the cache folder if built there before."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     cpu = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
     flags = next((line for line in cpu.splitlines() if line.startswith(("flags", "Features"))), "")
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), cc, version, *_CFLAGS, flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), cc, version, *cflags, flags]).encode()).hexdigest()[:16]
     target = _build_dir() / f"quantized_linear-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            proc = subprocess.run([cc, *_CFLAGS, "-o", str(out), str(_SOURCE)], capture_output=True, text=True)
+            proc = subprocess.run([cc, *cflags, "-o", str(out), str(_SOURCE)], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"building {_SOURCE.name} failed: {proc.stderr.strip()[-500:]}")
             os.replace(out, target)   # atomic: a process loading it never sees half a file
@@ -232,9 +233,10 @@ def _qargs(w: QuantizedWeight) -> tuple:
     return QTYPES.index(w.qtype), w.qs.data_ptr(), w.d.data_ptr(), 0 if w.m is None else w.m.data_ptr()
 
 
-def quantized_linear_kernel(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """``x @ w.T`` by the C kernel: x float32 on the CPU, ``[..., K]``."""
-    lib = _library()
+def quantized_linear_kernel(x: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ w.T`` by the C kernel (``lib``: a build of it, default this machine's): x float32
+    on the CPU, ``[..., K]``."""
+    lib = lib or _library()
     assert lib is not None, "the C kernel is not available here (see kernel_unavailable_reason)"
     n, k = w.shape
     x2 = x.reshape(-1, k).contiguous()

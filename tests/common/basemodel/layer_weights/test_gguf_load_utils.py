@@ -7,7 +7,6 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -23,7 +22,9 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import (
     load_gguf,
     load_gguf_tokenizer,
 )
+from gguf_utils import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, tiny_hf_tensors, write_gguf
 from llmserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+from llmserve.kernels import QuantizedWeight
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,22 @@ def test_smollm_tensors_equal_transformers(smollm: GGUFCheckpoint, transformers_
     assert smollm.tensors["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
 
 
+def test_smollm_quantized_tensors_dequantize_to_the_dense_ones(smollm_path: str, smollm: GGUFCheckpoint) -> None:
+    """Loaded with quantized=True, the matrices stay in their blocks (q/k rows un-permuted as
+    whole blocks), and dequantize to exactly what the dense load holds."""
+    q = load_gguf(smollm_path, progress=False, quantized=True)
+    assert q.config == smollm.config and set(q.tensors) == set(smollm.tensors)
+    formats: dict[str, int] = {}
+    for name, dense in smollm.tensors.items():
+        got = q.tensors[name]
+        if isinstance(got, QuantizedWeight):
+            formats[got.qtype] = formats.get(got.qtype, 0) + 1
+            assert torch.equal(got.dequantize(), dense), name
+        else:
+            assert torch.equal(got, dense), name
+    assert formats == {"Q4_1": 210, "Q8_0": 1}      # every matrix; the embedding is the Q8_0 one
+
+
 def test_smollm_tokenizer(smollm_path: str) -> None:
     tok = load_gguf_tokenizer(smollm_path)
     ids = tok("Hello world").input_ids
@@ -112,94 +129,6 @@ def test_smollm_tokenizer(smollm_path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # tiny GGUF files
-
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 64, 2, 4, 2, 40
-HEAD_DIM = HIDDEN // HEADS
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def tiny_hf_tensors(rng: np.random.Generator, biases: bool, untied: bool) -> dict[str, np.ndarray]:
-    def rand(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape).astype(np.float32)
-
-    t = {"model.embed_tokens.weight": rand(VOCAB, HIDDEN), "model.norm.weight": rand(HIDDEN)}
-    if untied:
-        t["lm_head.weight"] = rand(VOCAB, HIDDEN)
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = rand(HIDDEN)
-        t[p + "post_attention_layernorm.weight"] = rand(HIDDEN)
-        t[p + "self_attn.q_proj.weight"] = rand(HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.k_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.v_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
-        t[p + "self_attn.o_proj.weight"] = rand(HIDDEN, HEADS * HEAD_DIM)
-        t[p + "mlp.gate_proj.weight"] = rand(FFN, HIDDEN)
-        t[p + "mlp.up_proj.weight"] = rand(FFN, HIDDEN)
-        t[p + "mlp.down_proj.weight"] = rand(HIDDEN, FFN)
-        if biases:
-            for proj, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-                t[p + f"self_attn.{proj}_proj.bias"] = rand(rows * HEAD_DIM)
-    return t
-
-
-GGUF_NAMES = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def to_gguf_name(hf_name: str) -> str:
-    stem, suffix = hf_name.rsplit(".", 1)
-    if stem.startswith("model.layers."):
-        _, _, idx, rest = stem.split(".", 3)
-        return f"blk.{idx}.{GGUF_NAMES[rest]}.{suffix}"
-    return f"{GGUF_NAMES[stem]}.{suffix}"
-
-
-def write_gguf(
-    path: Path,
-    arch: str,
-    tensors: dict[str, np.ndarray],
-    quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
-    extra_kv: Callable[[gguf.GGUFWriter], None] | None = None,
-) -> None:
-    """A GGUF file as llama.cpp's converter would write it (q/k permuted for llama)."""
-    quantize = quantize or {}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
-    w.add_context_length(128)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    if extra_kv:
-        extra_kv(w)
-    for name, value in tensors.items():
-        gguf_name = to_gguf_name(name) if not name.startswith(("rope_freqs", "blk.")) else name
-        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            value = llama_cpp_permute(value, HEADS if ".attn_q." in gguf_name else KV_HEADS)
-        qtype = quantize.get(name)
-        if qtype is None:
-            w.add_tensor(gguf_name, value)
-        else:
-            w.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
 
 def test_tiny_llama_roundtrip_with_quantized_qk(tmp_path: Path) -> None:
     hf = tiny_hf_tensors(np.random.default_rng(0), biases=False, untied=True)

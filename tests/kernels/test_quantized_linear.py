@@ -1,0 +1,132 @@
+"""quantized_linear: the twin's dequantization against gguf-py's, the C kernel against F.linear on
+the dequantized weight, QuantizedWeight's cuts against the same cuts of the dense matrix."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from llmserve.kernels import QuantizedWeight, embedding, linear, set_backend
+from llmserve.kernels.quantized_linear import (
+    KERNEL_MAX_ROWS,
+    QTYPES,
+    build_library,
+    kernel_available,
+    quantized_linear_kernel,
+    stack_rows,
+)
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler: the quantized kernel cannot be built")
+
+
+def gguf_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random [n, k] matrix quantized by gguf-py, as our QuantizedWeight and as gguf-py's
+    dequantized float32 values."""
+    dense = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quantize(dense, GGMLQuantizationType[qtype])
+    ref = np.asarray(dequantize(blocks, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(n, k)
+    return QuantizedWeight.from_gguf(qtype, blocks, (n, k)), torch.from_numpy(ref)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_twin_dequantizes_exactly_as_gguf_py(qtype):
+    w, ref = gguf_weight(qtype, 7, 96)
+    assert w.shape == (7, 96)
+    assert torch.equal(w.dequantize(), ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+# rows of x: 1, a full 4-row tile plus a remainder, 8, above KERNEL_MAX_ROWS (dequantize + GEMM)
+@pytest.mark.parametrize("m", [1, 5, 8, KERNEL_MAX_ROWS + 3])
+# n not a multiple of the kernel's 4-row weight tiles, and a k of 2 and of 5 blocks
+@pytest.mark.parametrize("n,k", [(13, 64), (40, 160)])
+def test_kernel_matches_linear_on_the_dequantized_weight(qtype, m, n, k):
+    w, ref = gguf_weight(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    got = quantized_linear_kernel(x, w)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert rel_err(got, F.linear(x, ref)) < 1e-5     # only the order of the float32 sums differs
+
+
+@needs_kernel
+def test_kernel_keeps_leading_dims_and_takes_no_rows():
+    w, ref = gguf_weight("Q4_1", 8, 64)
+    x = torch.randn(2, 3, 64)
+    assert rel_err(quantized_linear_kernel(x, w), F.linear(x, ref)) < 1e-5
+    assert quantized_linear_kernel(torch.empty(0, 64), w).shape == (0, 8)
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])        # AVX2, and no vector extensions
+def test_other_instruction_sets_compute_the_same(march):
+    """The kernel is built for the machine it runs on: its AVX2 and plain-C byte conversions
+    must agree with this machine's build (AVX-512 on the project's CPUs)."""
+    lib = build_library(["-O2", f"-march={march}", "-fopenmp", "-shared", "-fPIC"])
+    x = torch.randn(5, 96)
+    for qtype in QTYPES:
+        w, ref = gguf_weight(qtype, 9, 96)
+        assert rel_err(quantized_linear_kernel(x, w, lib), F.linear(x, ref)) < 1e-5, qtype
+
+
+def test_linear_and_embedding_take_dense_or_quantized_weights():
+    w, ref = gguf_weight("Q8_0", 12, 64)
+    x = torch.randn(3, 64)
+    bias = torch.randn(12)
+    assert rel_err(linear(x, w, bias), F.linear(x, ref, bias)) < 1e-5
+    assert torch.equal(linear(x, ref, bias), F.linear(x, ref, bias))
+    ids = torch.tensor([[3, 0], [11, 3]])
+    assert torch.equal(embedding(ids, w), F.embedding(ids, ref))
+    assert torch.equal(embedding(ids, ref), F.embedding(ids, ref))
+
+
+def test_torch_backend_runs_the_twin():
+    w, ref = gguf_weight("Q4_0", 6, 64)
+    x = torch.randn(2, 64)
+    set_backend("torch")
+    try:
+        assert torch.equal(linear(x, w), F.linear(x, ref))     # the twin: dequantize, then F.linear
+    finally:
+        set_backend(None)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_cuts_match_the_dense_matrix(qtype):
+    w, ref = gguf_weight(qtype, 10, 128)
+    assert torch.equal(w.narrow(0, 2, 5).dequantize(), ref[2:7])
+    assert torch.equal(w.narrow(1, 32, 64).dequantize(), ref[:, 32:96])
+    assert torch.equal(w.index_rows(torch.tensor([9, 0, 9])).dequantize(), ref[[9, 0, 9]])
+    padded = w.pad_rows(3).dequantize()
+    assert torch.equal(padded[:10], ref) and not padded[10:].any()
+    with pytest.raises(ValueError, match="whole blocks"):
+        w.narrow(1, 16, 32)
+
+
+def test_stack_rows():
+    a, ra = gguf_weight("Q4_1", 4, 64, seed=1)
+    b, rb = gguf_weight("Q4_1", 6, 64, seed=2)
+    c, rc = gguf_weight("Q8_0", 2, 64, seed=3)
+    same = stack_rows([a, b])
+    assert isinstance(same, QuantizedWeight) and torch.equal(same.dequantize(), torch.cat([ra, rb]))
+    mixed = stack_rows([a, c, rb])      # two formats and a dense tensor: dequantized
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([ra, rc, rb]))
+    assert torch.equal(stack_rows([ra, rb]), torch.cat([ra, rb]))
+
+
+def test_rejects_inconsistent_weights():
+    w, _ = gguf_weight("Q4_1", 4, 64)
+    with pytest.raises(ValueError, match="offsets"):
+        QuantizedWeight("Q4_0", w.qs, w.d, w.m)
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantizedWeight("Q5_K", w.qs, w.d)
