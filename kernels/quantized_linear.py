@@ -35,9 +35,6 @@ from .backend import get_backend
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")      # the C kernel's qtype numbers are their indices
 BLOCK = 32                              # values per block (scale d, offset m) in all three
-# Above this many rows of x, dequantizing W once and handing it to torch's GEMM beats the kernel's
-# register tiles (prefill; measured on a 2-core EPYC: see benchmarks/README.md).
-KERNEL_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -212,8 +209,6 @@ def build_library(cflags: list[str]) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.quantized_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.quantized_linear.restype = ctypes.c_int
-    lib.dequantize.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
-    lib.dequantize.restype = None
     return lib
 
 
@@ -243,10 +238,6 @@ def quantized_linear_kernel(x: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDL
     rows = x2.shape[0]
     threads = torch.get_num_threads()
     qtype, qs, d, m = _qargs(w)
-    if rows > KERNEL_MAX_ROWS:
-        dense = torch.empty((n, k), dtype=torch.float32)
-        lib.dequantize(qtype, qs, d, m, n, k, dense.data_ptr(), threads)
-        return F.linear(x2, dense).view(*x.shape[:-1], n)
     y = torch.empty((rows, n), dtype=torch.float32)
     if rows and lib.quantized_linear(qtype, x2.data_ptr(), rows, k, qs, d, m, n, y.data_ptr(), threads):
         raise MemoryError("quantized_linear: no memory for its row buffers")
