@@ -1,4 +1,5 @@
-"""decode_attention_fwd: split-K Triton vs twin, and twin vs SDPA on dense gathered K/V."""
+"""decode_attention_fwd: split-K Triton vs twin, twin vs SDPA on dense gathered K/V, and the twin's
+batch vs each request alone through `sdpa_attention`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE_DTYPES, DEVICES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, run_poisoned, tol
 
-from llmserve.kernels.decode_attention import decode_attention_fwd_torch, decode_attention_fwd_triton, decode_num_splits
+from llmserve.kernels.backend import sdpa_attention
+from llmserve.kernels.decode_attention import (
+    _batched_sdpa_decode, decode_attention_fwd_torch, decode_attention_fwd_triton, decode_num_splits,
+)
 
 # (Hq, Hkv, D, seq_lens, (num_splits, block_n), alibi): each request's keys fall into at most
 # num_splits splits of a multiple of block_n keys; the ids name the longest request's splits.
@@ -109,3 +113,70 @@ def test_split_counts():
     """Small batches get many splits (the GPU would idle otherwise), large ones one."""
     assert [decode_num_splits(bs, 8) for bs in (1, 2, 3, 4, 8, 16, 32, 64, 128)] == [32, 32, 16, 16, 8, 4, 2, 1, 1]
     assert decode_num_splits(1, 1) == 32 and decode_num_splits(1000, 1) == 1
+
+
+def poison_unread_slots(inputs: dict) -> dict:
+    """inputs with NaN in every KV-pool slot that no request reads, slot 0 among them (the twin
+    reads slot 0 at a padded batch's padding), and req_to_token past each request's length
+    pointing at such slots: whatever is read beyond a request's own keys is NaN."""
+    kv = inputs["_kv"]
+    k, v, r2t = kv.k_cache.clone(), kv.v_cache.clone(), kv.req_to_token.clone()
+    rows = list(zip(kv.b_req_idx.tolist(), kv.kv_lens))
+    read = torch.zeros(k.shape[0], dtype=torch.bool)
+    for row, n in rows:
+        read[r2t[row, :n].long()] = True
+    if read[0]:  # move slot 0's token to an unread slot
+        spare = int((~read).nonzero()[0])
+        k[spare], v[spare] = k[0], v[0]
+        r2t[r2t == 0] = spare
+        read[spare], read[0] = True, False
+    unread = (~read).nonzero().squeeze(1)
+    k[unread] = float("nan")
+    v[unread] = float("nan")
+    g = rng(99)
+    for row, n in rows:
+        r2t[row, n:] = unread[torch.randint(0, len(unread), (r2t.shape[1] - n,), generator=g)].to(r2t.dtype)
+    return dict(inputs, k_cache=k, v_cache=v, req_to_token=r2t)
+
+
+def per_request_reference(inputs: dict) -> torch.Tensor:
+    """Each request alone through `sdpa_attention`, as the twin used to run every batch."""
+    q, r2t = inputs["q"], inputs["req_to_token"]
+    out = []
+    for i, (row, n) in enumerate(zip(inputs["b_req_idx"].tolist(), inputs["b_seq_len"].tolist())):
+        slots = r2t[row, :n].long()
+        out.append(sdpa_attention(q[i:i + 1], inputs["k_cache"][slots], inputs["v_cache"][slots], q.shape[-1] ** -0.5))
+    return torch.cat(out)
+
+
+# Very different lengths in one batch: most requests are mostly padding when the batch is padded
+# to its longest (300); SmolLM2's heads (9 query heads on 3 kv heads).
+RAGGED = [1, 300, 7, 64, 2, 129]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seq_lens", [RAGGED, [37, 37, 37]], ids=["ragged", "no-padding"])
+def test_twin_batch_is_each_request_alone(dtype, seq_lens):
+    """A batch's requests get what each would alone, though the KV pool is NaN wherever none of
+    them reads: fails on a batched twin that reads past a request's length, lets a masked NaN
+    through, or mixes up requests or kv heads. fp32 runs the batch as one (to rounding); half
+    precision per request (bitwise HF's rounding, see decode_attention_fwd_torch)."""
+    inputs = poison_unread_slots(make_inputs(6, 9, 3, 64, seq_lens, False, dtype, "cpu"))
+    got = run_poisoned(decode_attention_fwd_torch, inputs)
+    want = per_request_reference(inputs)
+    assert not want.isnan().any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_batched_path_in_half_precision(dtype):
+    """The batched path itself (the twin takes it in fp32 only) holds in half precision too,
+    within its rounding."""
+    inputs = poison_unread_slots(make_inputs(7, 9, 3, 64, RAGGED, False, dtype, "cpu"))
+    got = _batched_sdpa_decode(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["req_to_token"],
+                               inputs["b_req_idx"], inputs["b_seq_len"], 64 ** -0.5)
+    torch.testing.assert_close(got, per_request_reference(inputs), **tol(dtype))
+
