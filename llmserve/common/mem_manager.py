@@ -12,8 +12,10 @@ loop per slot. Only the results (slot indices, the table) are put on the model's
 
 from __future__ import annotations
 
+import math
 import operator
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -54,6 +56,17 @@ def _as_cpu_index(slots: torch.Tensor | list[int]) -> torch.Tensor:
     return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``, but on the CPU from calloc'd memory (numpy's zeros): the OS hands out
+    zero pages there and maps each in only when it is first written, so a KV pool sized for the
+    worst case (16384 tokens: 0.75 GB for SmolLM2) costs resident memory only as tokens fill it.
+    ``torch.zeros`` writes every byte at once."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class MemoryManager:
     """A pool of ``size`` KV slots per layer with reference-counted allocation.
 
@@ -91,7 +104,7 @@ class MemoryManager:
         # Zeroed rather than empty: a masked-out lane of a kernel may still multiply a stale
         # value by 0, and NaN garbage would survive that.
         self.kv_buffer: list[torch.Tensor] = [
-            torch.zeros((size, 2 * head_num, head_dim), dtype=dtype, device=self.device) for _ in range(layer_num)
+            _lazy_zeros((size, 2 * head_num, head_dim), dtype, self.device) for _ in range(layer_num)
         ]
         self.key_buffer: list[torch.Tensor] = [kv[:, :head_num] for kv in self.kv_buffer]
         self.value_buffer: list[torch.Tensor] = [kv[:, head_num:] for kv in self.kv_buffer]

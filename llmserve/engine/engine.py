@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -65,25 +66,39 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
     """What the front end (the HTTP process, the offline ``LLM``) learns of the model before an
     engine starts: the errors a config alone reveals (a missing path, an unknown architecture,
     heads that tp cannot split, too few GPUs) come from here in a second, instead of from every
-    worker after start-up. Imports torch and transformers, so the engine core never calls it."""
-    import torch
+    worker after start-up (which check again, on the full config).
 
-    from llmserve.common.basemodel.basemodel import hf_config_from_dict, verify_tp_split
-    from llmserve.models.registry import get_model_class, peek_model_config
+    It reads the raw config and imports torch only on a machine with a GPU driver: torch is 200 MB
+    of resident memory, which on a CPU would be a fifth of serving the embedded model."""
+    from llmserve.models.registry import check_model_type, peek_model_config
     from llmserve.tokenizer import eos_token_ids
 
     if config.tp < 1:
         raise ValueError(f"tp must be >= 1, got {config.tp}")
     path = resolve_model_path(config.model)
     raw = peek_model_config(path)
-    get_model_class(raw.get("model_type"))
-    verify_tp_split(hf_config_from_dict(raw), config.tp)
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and config.tp > torch.cuda.device_count():
-        raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {torch.cuda.device_count()}")
+    check_model_type(raw.get("model_type"))
+    # as verify_tp_split reads them, through the names' aliases (BLOOM's n_head)
+    heads = raw.get("num_attention_heads") or raw.get("n_head")
+    for what, n in (("attention heads", heads), ("key/value heads", raw.get("num_key_value_heads") or heads)):
+        if isinstance(n, int) and n % config.tp:
+            raise ValueError(f"the model's {n} {what} are not divisible by tp={config.tp}")
+    device, gpus = _resolve_device(config.device)
+    if device == "cuda" and config.tp > gpus:
+        raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {gpus}")
     return ModelSpec(path, raw["model_type"], device, frozenset(eos_token_ids(path, tokenizer)))
+
+
+def _resolve_device(device: str) -> tuple[str, int]:
+    """(cpu | cuda, GPUs torch sees). "auto" is cuda when torch sees a GPU; without a GPU driver
+    (no /dev/nvidiactl, nor ROCm's /dev/kfd) it cannot, and torch is not imported to ask."""
+    if device == "cpu" or (device == "auto" and sys.platform == "linux"
+                           and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))):
+        return "cpu", 0
+    import torch
+
+    gpus = torch.cuda.device_count()
+    return ("cuda" if gpus else "cpu") if device == "auto" else device, gpus
 
 
 class LLMEngine:

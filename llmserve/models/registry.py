@@ -2,31 +2,40 @@
 
 from __future__ import annotations
 
-from llmserve.common.basemodel import TpPartBaseModel
+import importlib
+from typing import TYPE_CHECKING
+
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_config
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, load_hf_config
-from llmserve.models.bloom.model import BloomTpPartModel
-from llmserve.models.llama.model import LlamaTpPartModel
 
-MODEL_CLASSES: dict[str, type[TpPartBaseModel]] = {
-    "llama": LlamaTpPartModel,
-    "mistral": LlamaTpPartModel,
-    "qwen2": LlamaTpPartModel,
-    "bloom": BloomTpPartModel,
+if TYPE_CHECKING:
+    from llmserve.common.basemodel import TpPartBaseModel
+
+# model_type -> "module:class", imported on first use: the HTTP process checks a model_type here
+# (check_model_type) without importing torch, which the model code needs.
+MODEL_CLASSES: dict[str, str] = {
+    "llama": "llmserve.models.llama.model:LlamaTpPartModel",
+    "mistral": "llmserve.models.llama.model:LlamaTpPartModel",
+    "qwen2": "llmserve.models.llama.model:LlamaTpPartModel",
+    "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
 }
 
 
+def check_model_type(model_type: str | None) -> None:
+    """``ModelLoadError`` unless a model class serves ``model_type``."""
+    if model_type not in MODEL_CLASSES:
+        raise ModelLoadError(f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
+
+
 def get_model_class(model_type: str | None) -> type[TpPartBaseModel]:
-    try:
-        return MODEL_CLASSES[model_type]
-    except KeyError:
-        raise ModelLoadError(
-            f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}"
-        ) from None
+    check_model_type(model_type)
+    module, name = MODEL_CLASSES[model_type].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def peek_model_config(model_path: str) -> dict:
-    """The checkpoint's HF-style config, read cheaply (no weights) before choosing the model class."""
+    """The checkpoint's HF-style config, read cheaply (no weights, no torch) before choosing the
+    model class."""
     if model_path.endswith(".gguf"):
         return gguf_config(model_path)
     return load_hf_config(model_path)

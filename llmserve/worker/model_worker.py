@@ -295,9 +295,10 @@ def _import_model_code() -> None:
         from transformers import AutoConfig
 
         import llmserve.worker.sampler  # noqa: F401
-        from llmserve.models.registry import MODEL_CLASSES
+        from llmserve.models.registry import MODEL_CLASSES, get_model_class
 
         for model_type in MODEL_CLASSES:
+            get_model_class(model_type)
             AutoConfig.for_model(model_type)
     except Exception:  # noqa: BLE001
         logger.debug("importing the model code ahead of init_model failed", exc_info=True)

@@ -8,6 +8,7 @@ and llama.cpp's rotary permutation of q/k undone.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -387,14 +388,13 @@ def load_gguf_tokenizer(path: str) -> Any:
     """
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file {path} does not exist")
-    from transformers import AutoTokenizer  # heavy import, only needed here
-
     cached = _cached_tokenizer_dir(path)
     if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return _load_saved_tokenizer(cached)
         except Exception:
             pass    # a damaged cache entry: convert again, below
+    from transformers import AutoTokenizer  # heavy import (torch with it), only needed here
     directory, name = os.path.split(os.path.abspath(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -403,6 +403,21 @@ def load_gguf_tokenizer(path: str) -> Any:
     if cached is not None:
         _save_to_cache(tokenizer, cached)
     return tokenizer
+
+
+def _load_saved_tokenizer(directory: str) -> Any:
+    """A tokenizer `_save_to_cache` wrote. transformers saves a converted GGUF vocabulary as a
+    ``TokenizersBackend``, which is what AutoTokenizer would load here; loading that class itself
+    skips AutoTokenizer's imports, which take torch with them (200 MB in the HTTP process)."""
+    with open(os.path.join(directory, "tokenizer_config.json")) as f:
+        tokenizer_class = json.load(f).get("tokenizer_class")
+    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def tokenizer_cache_dir() -> str:

@@ -10,9 +10,8 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file as _load_safetensors
 from tqdm.auto import tqdm
 
 from llmserve.common.errors import ModelLoadError
@@ -21,6 +20,9 @@ try:  # exported at the top level since safetensors 0.3; fall back to "any excep
     from safetensors import SafetensorError as _SafetensorError
 except ImportError:  # pragma: no cover - depends on the installed safetensors
     _SafetensorError = Exception  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ModelLoadError", "load_hf_config", "iter_hf_weight_files", "list_hf_weight_files"]
 
@@ -97,6 +99,10 @@ def list_hf_weight_files(model_dir: str) -> list[str]:
 
 def _load_weight_file(path: str) -> dict[str, torch.Tensor]:
     """All tensors of one weight file, on CPU; ``ModelLoadError`` naming the file if it is bad."""
+    # torch here, not at the top: the HTTP process reads config.json through this module
+    import torch
+    from safetensors.torch import load_file as _load_safetensors
+
     if path.endswith(".safetensors"):
         try:
             return _load_safetensors(path, device="cpu")
