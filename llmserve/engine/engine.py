@@ -90,10 +90,11 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
 
 
 def _resolve_device(device: str) -> tuple[str, int]:
-    """(cpu | cuda, GPUs torch sees). "auto" is cuda when torch sees a GPU; without a GPU driver
-    (no /dev/nvidiactl, nor ROCm's /dev/kfd) it cannot, and torch is not imported to ask."""
+    """(cpu | cuda, GPUs torch sees). "auto" is cuda when torch sees a GPU; on Linux without a GPU
+    driver's device (NVIDIA's /dev/nvidiactl, ROCm's /dev/kfd, WSL2's /dev/dxg) it cannot, and
+    torch is not imported to ask."""
     if device == "cpu" or (device == "auto" and sys.platform == "linux"
-                           and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))):
+                           and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))):
         return "cpu", 0
     import torch
 
