@@ -16,19 +16,37 @@
  * dequantized weights. Only the order of the dot products' additions differs from a BLAS on the
  * dequantized matrix (float32 rounding).
  *
- * The work is split over output rows. A thread dequantizes NR rows of W into a small buffer
- * (L1/L2-resident), then multiplies them with every row of x in MR x NR register tiles: one pass
- * over W's bytes per call whatever M is, which is the point at decode (M = batch size, W read
- * from DRAM once). At prefill sizes (M in the hundreds) the tiles run about as fast as torch's
- * GEMM on the dequantized matrix (2-core EPYC, fp32), so there is no second path for large M.
+ * The work is split over output rows. A thread dequantizes rows of W into a small buffer, then
+ * multiplies them with every row of x in MR x NR register tiles: one pass over W's bytes per call
+ * whatever M is, which is the point at decode (M = batch size, W read from DRAM once).
+ *  - M < BLOCK_M (decode at batch 1..7): NR rows a buffer (L1-resident), each met by all of x.
+ *  - M >= BLOCK_M (batched decode, prefill): up to NC_MAX rows a buffer (L2-resident), and each
+ *    MR-row tile of x meets all of them while it sits in L1, so x is read from L2/L3 once per
+ *    buffer rather than once per NR rows (x is 1.2 MB at M = 512, K = 576; 3 MB at K = 1536,
+ *    more than a core's L2). A full tile's 16 dot products are summed together through a
+ *    transpose (AVX-512), about a third of the cost of 16 horizontal sums. 2-core EPYC (Zen 5),
+ *    Q4_1 [3072 x 576] at M = 512: 4.8 ms (375 GFLOP/s), against 7.0 ms with NR-row buffers only
+ *    and 8.0 ms for torch's GEMM on the dequantized matrix; at M = 8, 0.105 against 0.119 ms.
+ * Every path sums each output in the same order (16 lanes, each over k = lane mod 16 in order,
+ * then the lanes 0..15 in turn), so a row of y is bit for bit the same whatever M is and
+ * whichever path ran.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 
 #define VL 16   /* floats per vector */
 #define NR 4    /* weight rows per tile */
 #define MR 4    /* x rows per tile */
+#define BLOCK_M 8                     /* rows of x from which a buffer holds up to NC_MAX rows of W */
+#define NC_MAX 64
+#define NC_BYTES (192 * 1024)         /* ... and at most this many bytes (a core's L2 is 1-2 MB) */
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));          /* unaligned loads */
@@ -103,16 +121,49 @@ static void dequant_row(int qtype, const uint8_t *qs, const float *d, const floa
     }
 }
 
+#if defined(__AVX512F__)
+/* r[i][j] -> r[j][i]: lane j of vector i to lane i of vector j */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+            t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    }
+}
+#endif
+
 static inline float hsum(vf v) {
     float s = 0.0f;
     for (int i = 0; i < VL; i++) s += v[i];
     return s;
 }
 
-/* y[r][n0 + i] = x[r] . w[i] for r < mr, i < nr; w: NR rows of K floats. Called with constant mr
- * and nr so the accumulators stay in registers. */
+/* y[r][n0 + i] = x[r] . w[i] for r < mr, i < nr; w: NR rows of K floats. Called with constant mr,
+ * nr and big so the accumulators stay in registers. big (the large-M path): each x vector is
+ * loaded into a register once rather than folded into its NR FMAs as a memory operand (GCC's
+ * choice, one load an FMA), and a full tile's 16 sums are done at once by a transpose; both give
+ * the bits hsum gives. The small-M path keeps the code it had (its speed at M = 1 and 8 is the
+ * decode step's). */
 static inline __attribute__((always_inline)) void
-tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_t N, int64_t n0) {
+tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_t N, int64_t n0, int big) {
+    (void)big;   /* read only where there is AVX-512 */
     vf acc[MR][NR];
     for (int r = 0; r < mr; r++)
         for (int i = 0; i < nr; i++) acc[r][i] = (vf){0};
@@ -120,10 +171,27 @@ tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_
         vf wv[NR];
         for (int i = 0; i < nr; i++) wv[i] = *(const vf_u *)(w + i * K + k);
         for (int r = 0; r < mr; r++) {
-            const vf xv = *(const vf_u *)(x + r * K + k);
+            vf xv = *(const vf_u *)(x + r * K + k);
+#if defined(__AVX512F__)
+            if (big) __asm__("" : "+v"(xv));
+#endif
             for (int i = 0; i < nr; i++) acc[r][i] += xv * wv[i];
         }
     }
+#if defined(__AVX512F__)
+    if (big && mr * nr == VL) {
+        /* lane l of accumulator j is lane j of t[l]: adding t[0..15] in turn to 0 is hsum of all 16 */
+        __m512 t[VL];
+        for (int j = 0; j < VL; j++) t[j] = (__m512)acc[j / nr][j % nr];
+        transpose16(t);
+        __m512 s = _mm512_setzero_ps();
+        for (int l = 0; l < VL; l++) s = _mm512_add_ps(s, t[l]);
+        float out[VL];
+        _mm512_storeu_ps(out, s);
+        for (int r = 0; r < mr; r++) memcpy(y + r * N + n0, out + r * nr, nr * sizeof(float));
+        return;
+    }
+#endif
     for (int r = 0; r < mr; r++)
         for (int i = 0; i < nr; i++) y[r * N + n0 + i] = hsum(acc[r][i]);
 }
@@ -131,20 +199,68 @@ tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_
 static void rows_times_x(int nr, const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n0) {
     int64_t r = 0;
     if (nr == NR) {
-        for (; r + MR <= M; r += MR) tile(MR, NR, x + r * K, K, w, y + r * N, N, n0);
-        for (; r < M; r++) tile(1, NR, x + r * K, K, w, y + r * N, N, n0);
+        for (; r + MR <= M; r += MR) tile(MR, NR, x + r * K, K, w, y + r * N, N, n0, 0);
+        for (; r < M; r++) tile(1, NR, x + r * K, K, w, y + r * N, N, n0, 0);
     } else {
         for (; r < M; r++)
-            for (int i = 0; i < nr; i++) tile(1, 1, x + r * K, K, w + i * K, y + r * N, N, n0 + i);
+            for (int i = 0; i < nr; i++) tile(1, 1, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 0);
     }
 }
 
 static int64_t row_bytes(int qtype, int64_t K) { return qtype == Q8_0 ? K : K / 2; }
 
+/* Rows n0 .. n0 + nr of W into w, as nr rows of K floats. */
+static void dequant_rows(int qtype, const uint8_t *qs, const float *d, const float *m, int64_t K, int64_t n0,
+                         int nr, float *w) {
+    const int64_t nb = K / 32, rb = row_bytes(qtype, K);
+    for (int i = 0; i < nr; i++)
+        dequant_row(qtype, qs + (n0 + i) * rb, d + (n0 + i) * nb, m ? m + (n0 + i) * nb : 0, nb, w + i * K);
+}
+
+/* Large M: y[:, n0 .. n0 + nr) for nr rows of W in w (nr a multiple of NR), each MR-row tile of x
+ * against all of them in turn. Not inlined: the small-M path's code (and speed) stays its own. */
+static __attribute__((noinline)) void
+block_times_x(int nr, const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n0) {
+    int64_t r = 0;
+    for (; r + MR <= M; r += MR)
+        for (int i = 0; i < nr; i += NR) tile(MR, NR, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 1);
+    for (; r < M; r++)
+        for (int i = 0; i < nr; i += NR) tile(1, NR, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 1);
+}
+
+/* M >= BLOCK_M. Each thread takes an equal share of W's NR-row groups (so 576 rows split 288 / 288,
+ * not in whole buffers) and runs through it a buffer of nc rows at a time. */
+static int quantized_linear_blocked(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                                    const float *d, const float *m, int64_t N, float *y, int nthreads) {
+    int64_t nc = NC_BYTES / (K * (int64_t)sizeof(float)) / NR * NR;
+    nc = nc < NR ? NR : nc > NC_MAX ? NC_MAX : nc;
+    const int64_t groups = (N + NR - 1) / NR;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t start = groups * t / T * NR, stop = groups * (t + 1) / T * NR, end = stop < N ? stop : N;
+        float *w = aligned_alloc(64, ((nc * K * sizeof(float)) + 63) / 64 * 64);
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            for (int64_t n0 = start; n0 < end; n0 += nc) {
+                const int rows = end - n0 < nc ? (int)(end - n0) : (int)nc, full = rows / NR * NR;
+                dequant_rows(qtype, qs, d, m, K, n0, rows, w);
+                block_times_x(full, x, M, K, w, y, N, n0);
+                if (full < rows) rows_times_x(rows - full, x, M, K, w + full * K, y, N, n0 + full);
+            }
+            free(w);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
 /* x: [M][K] float32; qs: [N][row_bytes]; d, m: [N][K/32] (m only for Q4_1); y: [M][N] float32. */
 int quantized_linear(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                      const float *m, int64_t N, float *y, int nthreads) {
-    const int64_t nb = K / 32, rb = row_bytes(qtype, K);
+    if (M >= BLOCK_M) return quantized_linear_blocked(qtype, x, M, K, qs, d, m, N, y, nthreads);
     const int64_t tiles = (N + NR - 1) / NR;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -160,8 +276,7 @@ int quantized_linear(int qtype, const float *x, int64_t M, int64_t K, const uint
             if (!w) continue;
             const int64_t n0 = t * NR;
             const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-            for (int i = 0; i < nr; i++)
-                dequant_row(qtype, qs + (n0 + i) * rb, d + (n0 + i) * nb, m ? m + (n0 + i) * nb : 0, nb, w + i * K);
+            dequant_rows(qtype, qs, d, m, K, n0, nr, w);
             rows_times_x(nr, x, M, K, w, y, N, n0);
         }
         free(w);

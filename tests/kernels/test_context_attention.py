@@ -1,4 +1,5 @@
-"""context_attention_fwd: Triton vs twin, and twin vs SDPA on dense gathered K/V."""
+"""context_attention_fwd: Triton vs twin, twin vs SDPA on dense gathered K/V, and the twin's batched
+fp32 path vs its per-request one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE_DTYPES, alibi_slopes, i32, make_paged_kv, randn, rng, run_poisoned, tol
 
+from llmserve.kernels import context_attention
 from llmserve.kernels.context_attention import context_attention_fwd_torch, context_attention_fwd_triton
 
 # (Hq, Hkv, D, cached_lens, q_lens, alibi)
@@ -106,3 +108,108 @@ def test_alibi_and_cache_change_the_result():
     o = run_poisoned(context_attention_fwd_torch, base)
     assert not torch.allclose(o, run_poisoned(context_attention_fwd_torch, with_alibi), atol=1e-3)
     assert not torch.allclose(o, run_poisoned(context_attention_fwd_torch, no_cache), atol=1e-3)
+
+
+# -- the twin's batched fp32 path (one SDPA call for several requests) -----------------------------
+def per_request(inputs: dict) -> torch.Tensor:
+    """The twin called on one request at a time (its per-request path), into one NaN-poisoned output."""
+    args = {k: v for k, v in inputs.items() if not k.startswith("_")}
+    o = torch.full_like(args["q"], float("nan"))
+    for i in range(args["b_req_idx"].shape[0]):
+        one = dict(args, **{key: args[key][i:i + 1] for key in ("b_req_idx", "b_q_start", "b_q_len", "b_cached_len")})
+        context_attention_fwd_torch(o=o, **dict(one, max_q_len=int(one["b_q_len"][0])))
+    return o
+
+
+@pytest.fixture
+def batched_calls(monkeypatch) -> list:
+    """Counts the twin's batched calls, so the tests below know which path they ran."""
+    calls = []
+    real = context_attention._batched_sdpa_context
+
+    def spy(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(context_attention, "_batched_sdpa_context", spy)
+    return calls
+
+
+# (Hq, Hkv, D, cached_lens, q_lens); make_inputs packs the requests' rows in a shuffled order
+BATCHED_CASES = [
+    pytest.param(9, 3, 64, [0] * 4, [16] * 4, id="uniform-prefill"),
+    pytest.param(4, 2, 32, [0, 0, 0], [5, 33, 1], id="uneven-prefill"),
+    pytest.param(4, 2, 64, [10, 0, 3, 40], [7, 20, 1, 2], id="cached-prefixes"),
+    pytest.param(4, 1, 64, [5, 0, 7], [0, 12, 3], id="mqa-empty-request"),
+    pytest.param(2, 2, 16, [0, 5], [10, 5], id="same-kv-len-not-uniform"),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,cached,q_lens", BATCHED_CASES)
+def test_batched_twin_matches_per_request(batched_calls, Hq, Hkv, D, cached, q_lens):
+    inputs = make_inputs(5, Hq, Hkv, D, cached, q_lens, False, torch.float32, "cpu")
+    got = run_poisoned(context_attention_fwd_torch, inputs)
+    assert len(batched_calls) == 1
+    want = per_request(inputs)
+    assert not want.isnan().any()
+    # Padding can move a float32 rounding, nothing more.
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got.double(), sdpa_reference(inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_batched_twin_with_requests_in_batch_order(batched_calls):
+    """Rows back to back in batch order (the model's prefill): q and o are used through views."""
+    inputs = make_inputs(6, 9, 3, 64, [0] * 3, [8] * 3, False, torch.float32, "cpu")
+    inputs["b_q_start"] = i32([0, 8, 16], "cpu")
+    got = run_poisoned(context_attention_fwd_torch, inputs)
+    assert len(batched_calls) == 1
+    torch.testing.assert_close(got, per_request(inputs), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cached,q_lens", [([0, 0, 0], [5, 33, 1]), ([10, 0, 3], [7, 20, 2])])
+def test_batched_twin_never_reads_unwritten_slots(batched_calls, cached, q_lens):
+    """Slots no request holds are NaN (as a never-written KV slot may be), slot 0 among them, and
+    req_to_token points at them past every request's length: the padded gather must not let them
+    through (slot 0 is what padding positions read)."""
+    inputs = make_inputs(7, 4, 2, 32, cached, q_lens, False, torch.float32, "cpu")
+    kv = inputs["_kv"]
+    k_cache, v_cache, req_to_token = kv.k_cache.clone(), kv.v_cache.clone(), kv.req_to_token.clone()
+    rows = kv.b_req_idx.long().tolist()
+    held = torch.cat([req_to_token[r, :n].long() for r, n in zip(rows, kv.kv_lens)])
+    if (held == 0).any():  # move the request holding slot 0 to an unused slot
+        free = next(s for s in range(k_cache.shape[0]) if s not in set(held.tolist()))
+        for r, n in zip(rows, kv.kv_lens):
+            req_to_token[r, :n] = torch.where(req_to_token[r, :n] == 0, free, req_to_token[r, :n])
+        k_cache[free], v_cache[free] = k_cache[0], v_cache[0]
+        held = torch.cat([req_to_token[r, :n].long() for r, n in zip(rows, kv.kv_lens)])
+    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    unused[held] = False
+    assert unused[0]
+    k_cache[unused], v_cache[unused] = float("nan"), float("nan")
+    nan_slots = unused.nonzero().squeeze(1).to(torch.int32)
+    for r, n in zip(rows, kv.kv_lens):
+        tail = req_to_token.shape[1] - n
+        req_to_token[r, n:] = nan_slots[torch.arange(tail) % nan_slots.numel()]
+    inputs.update(k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token)
+    got = run_poisoned(context_attention_fwd_torch, inputs)
+    assert len(batched_calls) == 1
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, per_request(inputs), atol=2e-6, rtol=1e-5)
+
+
+def test_one_long_request_keeps_the_batch_per_request(batched_calls):
+    """Padding seven short requests to one long one would cost more than it saves."""
+    cached, q_lens = [0, 0, 0, 0], [300, 2, 3, 1]
+    assert not context_attention._padding_pays(q_lens, cached)
+    assert context_attention._padding_pays([0] * 8, [64] * 8)
+    inputs = make_inputs(8, 4, 2, 32, cached, q_lens, False, torch.float32, "cpu")
+    got = run_poisoned(context_attention_fwd_torch, inputs)
+    assert not batched_calls
+    torch.testing.assert_close(got.double(), sdpa_reference(inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_and_alibi_stay_per_request(batched_calls):
+    for dtype, alibi in [(torch.float16, False), (torch.bfloat16, False), (torch.float32, True)]:
+        inputs = make_inputs(9, 4, 2, 32, [0, 3], [6, 4], alibi, dtype, "cpu")
+        run_poisoned(context_attention_fwd_torch, inputs)
+    assert not batched_calls

@@ -129,3 +129,17 @@ def test_rejects_inconsistent_weights():
         QuantizedWeight("Q4_0", w.qs, w.d, w.m)
     with pytest.raises(ValueError, match="unsupported"):
         QuantizedWeight("Q5_K", w.qs, w.d)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_row_gets_the_same_bits_in_any_batch(qtype):
+    """Every path sums each output in one order (the large-M path transposes 16 sums at once),
+    so a request's logits do not depend on what else is in its batch: M = 1 and 5 take the
+    small-M path, 8 and 67 the blocked one."""
+    w, _ = gguf_weight(qtype, 70, 192)
+    x = torch.randn(67, 192, generator=torch.Generator().manual_seed(5))
+    full = quantized_linear_kernel(x, w)
+    for m in (1, 5, 8):
+        for start in (0, 3, 67 - m):
+            assert torch.equal(quantized_linear_kernel(x[start:start + m], w), full[start:start + m]), (m, start)
