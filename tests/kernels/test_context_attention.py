@@ -88,6 +88,27 @@ def test_triton_matches_twin(device, dtype, Hq, Hkv, D, cached, q_lens, alibi):
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
+# The kernel's variants: query heads of a kv head packed into one tile (speculative verification,
+# chunks), 64-bit row offsets, the (heads, requests, blocks) grid order; a negative scale (its
+# sign goes into q); a head dim that is not a power of two (masked head-dim columns).
+@pytest.mark.parametrize("options", [dict(pack_gqa=True), dict(pack_gqa=True, block_m=32), dict(offsets32=False),
+                                     dict(req_major=False), dict(sm_scale=-0.1)],
+                         ids=["pack", "pack-m32", "offsets64", "blocks-last", "negative-scale"])
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_triton_variants(device, dtype, options):
+    inputs = make_inputs(5, 8, 2, 64, [37, 0, 5], [3, 40, 17], True, dtype, device)
+    want = run_poisoned(context_attention_fwd_torch, inputs, sm_scale=options.get("sm_scale"))
+    got = run_poisoned(context_attention_fwd_triton, inputs, **{"block_m": 16, "block_n": 16, **options})
+    torch.testing.assert_close(got, want, **tol(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_triton_head_dim_not_a_power_of_two(device, dtype):
+    inputs = make_inputs(6, 4, 2, 80, [9, 0], [20, 33], False, dtype, device)
+    want = run_poisoned(context_attention_fwd_torch, inputs)
+    torch.testing.assert_close(run_poisoned(context_attention_fwd_triton, inputs, block_m=16, block_n=16), want, **tol(dtype))
+
+
 # The wrapper picks 16-, 32- or 128-row query tiles from max_q_len: cover each.
 @pytest.mark.parametrize("cached,q_lens", [([70, 5], [1, 4]), ([70, 0], [3, 40]), ([70, 0], [9, 150])],
                          ids=["tile16", "tile32", "tile128"])
