@@ -20,9 +20,15 @@ from parity_utils import build_tiny_hf_model
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
+    """The embedded model's GGUF file; its tests are skipped where the wheel is not installed
+    (the GPU machine: the file is not carried there). CI installs it, so there they run."""
+    from llmserve.common.errors import ModelLoadError
     from llmserve.default_model import default_model_path
 
-    return default_model_path()
+    try:
+        return default_model_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
