@@ -107,6 +107,30 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     return out[0].transpose(0, 1)
 
 
+def gather_padded_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor, req_rows: torch.Tensor,
+    kv_lens: torch.Tensor, L: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """K and V ``[bs, L, Hkv, D]`` of each request's first ``kv_lens[i]`` positions, padded to L,
+    and the ``[bs, L]`` mask of real positions (None when no request is padded): what the
+    attention twins' batched paths hand to one SDPA call.
+
+    Padding positions may hold any slot value in req_to_token, so they read slot 0; and slot 0
+    may hold anything (a never-written slot may be NaN), which a mask does not keep out: SDPA
+    adds -inf to its score (NaN + -inf is NaN) and multiplies its probability 0 by its V row
+    (0 * NaN is NaN). So the padding rows are zeroed (those rows only, in place)."""
+    bs, Hkv, D = req_rows.shape[0], k_cache.shape[1], k_cache.shape[2]
+    valid = torch.arange(L, device=req_to_token.device)[None, :] < kv_lens[:, None]
+    slots = req_to_token[req_rows, :L].masked_fill(~valid, 0).reshape(-1)
+    k = k_cache.index_select(0, slots)  # [bs * L, Hkv, D]
+    v = v_cache.index_select(0, slots)
+    pad = (~valid).reshape(-1).nonzero().squeeze(1)
+    if pad.numel():
+        k.index_fill_(0, pad, 0)
+        v.index_fill_(0, pad, 0)
+    return k.view(bs, L, Hkv, D), v.view(bs, L, Hkv, D), valid if pad.numel() else None
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, last_dim]`` tensor whose rows are unit-stride (a view when possible),
     the layout the row-wise kernels (norms, silu_and_mul) read."""

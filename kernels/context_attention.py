@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import LOG2E, dot_precision, launcher, next_pow2, sdpa_attention, softmax_scale, use_triton
+from .backend import LOG2E, dot_precision, gather_padded_kv, launcher, next_pow2, sdpa_attention, softmax_scale, use_triton
 
 
 @triton.jit
@@ -415,33 +415,23 @@ def _batched_sdpa_context(
     kv_lens = [c + n for c, n in zip(cached_lens, q_lens)]
     L = max(kv_lens)
     dev = q.device
-    req_rows = b_req_idx.long()
+    k, v, valid = gather_padded_kv(k_cache, v_cache, req_to_token, b_req_idx.long(),
+                                   torch.tensor(kv_lens, device=dev), L)
     if not any(cached_lens) and min(q_lens) == Lq:
         # The common prefill: no cached prefix, every prompt as long. No padding, and the causal
         # mask is SDPA's own (as per request).
-        slots = req_to_token[req_rows, :L].reshape(-1)
-        mask, q_rows, pad = None, None, None
+        mask, q_rows = None, None
     else:
         pos = torch.arange(L, device=dev)
-        valid = pos[None, :] < torch.tensor(kv_lens, device=dev)[:, None]  # [bs, L]
-        # Padding positions may hold any slot value in req_to_token: read slot 0 there instead.
-        slots = req_to_token[req_rows, :L].masked_fill(~valid, 0).reshape(-1)
-        pad = (~valid).reshape(-1).nonzero().squeeze(1)
         # Query j of request i sits at position cached_i + j. A padding query row (j >= q_len_i)
         # keeps a non-empty mask row (key 0; all of them up to kv_len_i) and its output is dropped.
         q_pos = torch.tensor(cached_lens, device=dev)[:, None] + pos[None, :Lq]  # [bs, Lq]
-        mask = (pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [bs, Lq, L]
+        mask = pos[None, None, :] <= q_pos[:, :, None]  # [bs, Lq, L]
+        if valid is not None:
+            mask &= valid[:, None, :]
         mask[:, :, 0] = True
         q_valid = pos[None, :Lq] < torch.tensor(q_lens, device=dev)[:, None]  # [bs, Lq]
         q_rows = (b_q_start.long()[:, None] + pos[None, :Lq]).masked_fill(~q_valid, 0)  # into q / o
-    k = k_cache.index_select(0, slots)  # [bs * L, Hkv, D]
-    v = v_cache.index_select(0, slots)
-    if pad is not None and pad.numel():
-        # Slot 0 may hold anything (a never-written slot may be NaN), and the mask does not keep it
-        # out: SDPA adds -inf to its score (NaN + -inf is NaN) and multiplies its probability 0 by
-        # its V row (0 * NaN is NaN). So padding rows are zeroed (those rows only, in place).
-        k.index_fill_(0, pad, 0)
-        v.index_fill_(0, pad, 0)
     if mask is None and b_q_start.tolist() == list(range(0, bs * Lq, Lq)):
         # the requests' rows back to back in batch order (the model's prefill): views, no copies
         qb = q.narrow(0, 0, bs * Lq).unflatten(0, (bs, Lq))
@@ -450,7 +440,7 @@ def _batched_sdpa_context(
             q_rows = b_q_start.long()[:, None] + torch.arange(Lq, device=dev)[None, :]
         qb = q.index_select(0, q_rows.reshape(-1)).view(bs, Lq, Hq, D)
     out = F.scaled_dot_product_attention(
-        qb.transpose(1, 2), k.view(bs, L, Hkv, D).transpose(1, 2), v.view(bs, L, Hkv, D).transpose(1, 2),
+        qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=None if mask is None else mask[:, None], is_causal=mask is None and Lq > 1, scale=sm_scale,
         enable_gqa=Hq != Hkv,
     ).transpose(1, 2)  # [bs, Lq, Hq, D]

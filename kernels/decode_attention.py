@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import LOG2E, next_pow2, sdpa_attention, softmax_scale, use_triton
+from .backend import LOG2E, gather_padded_kv, next_pow2, sdpa_attention, softmax_scale, use_triton
 from .decode_attention_stage1 import decode_attention_stage1_triton
 from .decode_attention_stage2 import decode_attention_stage2_triton
 
@@ -96,26 +96,12 @@ def _batched_sdpa_decode(
     """Decode attention of the whole batch through one SDPA call: K/V gathered padded to the
     batch's longest request (not max_seq_len, which only bounds it), padding masked out. GQA as
     `sdpa_attention` does it (enable_gqa). Returns ``[bs, Hq, D]`` in q's dtype."""
-    bs, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
     L = int(b_seq_len.max())  # one read of the lengths (a sync on GPU; this twin runs on CPU)
-    valid = torch.arange(L, device=q.device)[None, :] < b_seq_len[:, None]  # [bs, L]
-    # Padding positions may hold any slot value in req_to_token: read slot 0 there instead.
-    slots = req_to_token[b_req_idx.long(), :L].masked_fill(~valid, 0).reshape(-1)
-    k = k_cache.index_select(0, slots)  # [bs * L, Hkv, D]
-    v = v_cache.index_select(0, slots)
-    mask = None
-    pad = (~valid).reshape(-1).nonzero().squeeze(1)
-    if pad.numel():
-        # Slot 0 may hold anything (a never-written slot may be NaN), and the mask does not keep
-        # it out: SDPA adds -inf to its score (NaN + -inf is NaN) and multiplies its probability 0
-        # by its V row (0 * NaN is NaN). So padding rows are zeroed (those rows only, in place).
-        k.index_fill_(0, pad, 0)
-        v.index_fill_(0, pad, 0)
-        mask = valid[:, None, None, :]  # [bs, 1, 1, L], True = attend; none without padding
+    k, v, valid = gather_padded_kv(k_cache, v_cache, req_to_token, b_req_idx.long(), b_seq_len, L)
     out = F.scaled_dot_product_attention(
-        q[:, :, None], k.view(bs, L, Hkv, D).transpose(1, 2), v.view(bs, L, Hkv, D).transpose(1, 2),
-        attn_mask=mask, scale=sm_scale, enable_gqa=Hq != Hkv,
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=None if valid is None else valid[:, None, None, :],   # [bs, 1, 1, L], True = attend
+        scale=sm_scale, enable_gqa=q.shape[1] != k.shape[2],
     )
     return out[:, :, 0]
 

@@ -103,7 +103,7 @@ class QuantizedWeight:
             return self._map(lambda t: t.narrow(0, start, length))
         if dim != 1 or start % BLOCK or length % BLOCK:
             raise ValueError(f"a {self.qtype} weight narrows along its columns by whole blocks of {BLOCK} only")
-        per_block = {"Q8_0": BLOCK, "Q4_0": BLOCK // 2, "Q4_1": BLOCK // 2}[self.qtype]
+        per_block = self.qs.shape[1] // self.d.shape[1]     # quant bytes a block
         b0, nb = start // BLOCK, length // BLOCK
         qs = self.qs.narrow(1, b0 * per_block, nb * per_block)
         return QuantizedWeight(self.qtype, qs, self.d.narrow(1, b0, nb), None if self.m is None else self.m.narrow(1, b0, nb))
@@ -177,6 +177,8 @@ def _library() -> ctypes.CDLL | None:
     why). Built once per source, compiler and CPU into the cache folder (it is compiled for this
     machine's CPU: -march=native), under a name that changes with any of them."""
     global _lib, _lib_error
+    if _lib is not None:           # the hot path: every linear layer of every step asks
+        return _lib
     with _lib_lock:
         if _lib is not None or _lib_error is not None:
             return _lib

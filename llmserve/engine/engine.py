@@ -21,6 +21,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from llmserve.common.errors import ModelLoadError
 from llmserve.default_model import default_model_path
@@ -70,6 +71,7 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
 
     It reads the raw config and imports torch only on a machine with a GPU driver: torch is 200 MB
     of resident memory, which on a CPU would be a fifth of serving the embedded model."""
+    from llmserve.common.basemodel.model_shape import verify_tp_split
     from llmserve.models.registry import check_model_type, peek_model_config
     from llmserve.tokenizer import eos_token_ids
 
@@ -78,11 +80,10 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
     path = resolve_model_path(config.model)
     raw = peek_model_config(path)
     check_model_type(raw.get("model_type"))
-    # as verify_tp_split reads them, through the names' aliases (BLOOM's n_head)
-    heads = raw.get("num_attention_heads") or raw.get("n_head")
-    for what, n in (("attention heads", heads), ("key/value heads", raw.get("num_key_value_heads") or heads)):
-        if isinstance(n, int) and n % config.tp:
-            raise ValueError(f"the model's {n} {what} are not divisible by tp={config.tp}")
+    heads = raw.get("num_attention_heads") or raw.get("n_head")     # BLOOM's name for it
+    if isinstance(heads, int):     # else the worker's config class says what is wrong
+        verify_tp_split(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads")),
+                        config.tp)
     device, gpus = _resolve_device(config.device)
     if device == "cuda" and config.tp > gpus:
         raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {gpus}")

@@ -14,6 +14,7 @@ from llmserve.common.basemodel.cuda_graph import DecodeGraphs
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
+from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
 from llmserve.common.mem_manager import MemoryManager, ReqManager
 
 logger = logging.getLogger(__name__)
@@ -325,23 +326,6 @@ def _logit_rows(q_start: torch.Tensor, q_len: torch.Tensor, all_logits: list[boo
     rows = [torch.arange(s, s + n) if flag else torch.tensor([e])
             for s, n, e, flag in zip(q_start.tolist(), lens, last.tolist(), all_logits)]
     return torch.cat(rows).to(device, non_blocking=True)
-
-
-def num_kv_heads(cfg: PretrainedConfig) -> int:
-    """Key/value heads of the whole model (as many as attention heads without GQA)."""
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-
-
-def head_dim(cfg: PretrainedConfig) -> int:
-    """Size of one attention head (explicit in the config, or hidden_size split over the heads)."""
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def verify_tp_split(cfg: PretrainedConfig, world_size: int) -> None:
-    """Tensor parallelism gives every rank whole attention heads and whole KV heads."""
-    for what, n in (("attention heads", cfg.num_attention_heads), ("key/value heads", num_kv_heads(cfg))):
-        if n % world_size:
-            raise ValueError(f"the model's {n} {what} are not divisible by tp={world_size}")
 
 
 def hf_config_from_dict(raw: dict) -> PretrainedConfig:

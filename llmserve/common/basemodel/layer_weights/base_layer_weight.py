@@ -9,6 +9,7 @@ import torch
 
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.kernels import QuantizedWeight
+from llmserve.kernels.quantized_linear import BLOCK
 
 # A checkpoint tensor: dense, or a GGUF weight kept in its quantized blocks (CPU; see load_gguf).
 Weight = torch.Tensor | QuantizedWeight
@@ -78,7 +79,7 @@ class BaseLayerWeight:
 
     def _splits_blocks(self, t: QuantizedWeight) -> bool:
         """Whether a row-parallel cut of t falls on its blocks' boundaries."""
-        return (t.shape[1] // self.world_size_) % 32 == 0
+        return (t.shape[1] // self.world_size_) % BLOCK == 0
 
     def _shard(self, t: Weight, dim: int) -> Weight:
         n = t.shape[dim]

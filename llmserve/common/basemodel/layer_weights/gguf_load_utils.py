@@ -26,6 +26,8 @@ from llmserve.common.errors import ModelLoadError
 if TYPE_CHECKING:
     import torch
 
+    from llmserve.kernels.quantized_linear import QuantizedWeight
+
 __all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "gguf_config", "ModelLoadError"]
 
 
@@ -83,7 +85,7 @@ class GGUFCheckpoint:
     """
 
     config: dict[str, Any]
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +351,7 @@ def load_gguf(path: str, progress: bool = True, quantized: bool = False) -> GGUF
     config, spec = _config_of(reader, path)
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     bar = tqdm(
         reader.tensors, desc="Reading GGUF" if quantized else "Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=not progress
     )
