@@ -39,6 +39,39 @@ class InvalidRequest(ValueError):
         return _FIELD.sub(name, self.message)
 
 
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Constrain a generation to a language: exactly one of the fields is set (vLLM's names).
+
+    ``json`` is a JSON schema serialised as text (so it pickles and hashes, and compiled
+    grammars can be cached by it); ``json_object`` asks for any JSON object; ``regex`` a
+    regular expression the whole output must match; ``choice`` one of a few strings;
+    ``grammar`` an EBNF grammar in the grammar library's dialect.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_fields = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        set_fields += ["json_object"] if self.json_object else []
+        _require(len(set_fields) == 1, "guided_decoding",
+                 f"`guided_decoding` takes exactly one of json, json_object, regex, choice, grammar; got {set_fields or 'none'}")
+        _require(self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice)),
+                 "guided_decoding", "`guided_decoding` choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return "json_object" if self.json_object else next(
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings.
@@ -47,6 +80,8 @@ class SamplingParams:
     of most likely alternatives to report beside each sampled token's own log-probability
     (``None``: report nothing, ``0``: only the sampled token's); ``prompt_logprobs`` is the
     same for every prompt token (the first one has none: nothing precedes it).
+
+    ``guided_decoding`` constrains the output to a grammar (JSON schema, regex, choice, EBNF).
 
     ``typical_p`` is locally typical sampling (HF's ``TypicalLogitsWarper``, TGI's
     ``typical_p``; 1.0: off). ``min_tokens`` is vLLM's: until that many tokens are out, EOS
@@ -68,6 +103,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
