@@ -36,7 +36,10 @@ ROUTE_ERRORS: dict[str, list[HTTPStatus]] = {
     "/generate": _BODY + _GENERATION,
     "/generate_stream": _BODY + _GENERATION,
     "/": _BODY + _GENERATION,
-    "/tokenize": _BODY,
+    "/tokenize": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY,   # TGI's body: 422; vLLM's: 400 / 404
+    "/detokenize": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    HTTPStatus.UNSUPPORTED_MEDIA_TYPE],
+    "/v1/models/{model_id}": [HTTPStatus.NOT_FOUND],
     "/v1/completions": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY + _GENERATION,
     "/v1/chat/completions": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY + _GENERATION,
     "/health": [HTTPStatus.SERVICE_UNAVAILABLE],

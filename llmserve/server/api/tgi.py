@@ -1,4 +1,4 @@
-"""Text Generation Inference's interface: /generate, /generate_stream, / and /tokenize.
+"""Text Generation Inference's interface: /generate, /generate_stream, / (and /tokenize's TGI body).
 
 Request fields, validation ranges and event shapes follow TGI (and the seed document): a
 stream is one SSE event per token, the last one carrying ``generated_text`` and ``details``;
@@ -135,6 +135,15 @@ def tokenize_with_offsets(state: ServerState, text: str) -> Any:
     return state.tokenize_fully(text, "inputs", return_offsets_mapping=True)
 
 
+async def tokenize(state: ServerState, body: TokenizeRequest) -> list[dict[str, Any]]:
+    """TGI's /tokenize (the route, shared with vLLM's body, is in tokenization.py): each token
+    with its id, its text and its character span in ``inputs``."""
+    _check(body.inputs != "", "`inputs` cannot be empty")
+    enc = await state.tokenize_in_thread(tokenize_with_offsets, state, body.inputs)
+    return [{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
+            for tid, (start, stop) in zip(enc.input_ids, enc.offset_mapping)]
+
+
 # -- response pieces ---------------------------------------------------------------------
 
 def token_json(state: ServerState, token_id: int, text: str, logprob: float | None) -> dict[str, Any]:
@@ -218,12 +227,5 @@ def build_router(state: ServerState) -> APIRouter:
         if body.stream:
             return await generate_sse(body)
         return [await generate_json(body, http_request)]
-
-    @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        _check(body.inputs != "", "`inputs` cannot be empty")
-        enc = await state.tokenize_in_thread(tokenize_with_offsets, state, body.inputs)
-        return [{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
-                for tid, (start, stop) in zip(enc.input_ids, enc.offset_mapping)]
 
     return router
