@@ -104,12 +104,19 @@ def decode(state: ServerState, token_ids: list[int]) -> str:
     return state.thread_tokenizer.decode(token_ids)
 
 
+def body_schema(model: type[APIModel]) -> dict[str, Any]:
+    """A body model's JSON schema for /openapi.json, inline; the models it refers to (TGIParameters,
+    ChatMessage, ...) are in the document's components already, through the other routes' bodies."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    return schema
+
+
 def build_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/tokenize", openapi_extra={"requestBody": {"content": {"application/json": {"schema": {"oneOf": [
-        {"$ref": "#/components/schemas/TokenizeRequest"}, {"$ref": "#/components/schemas/TokenizePromptRequest"},
-        {"$ref": "#/components/schemas/TokenizeChatRequest"}]}}}, "required": True}})
+    @router.post("/tokenize", openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"oneOf": [body_schema(m) for m in (tgi.TokenizeRequest, TokenizePromptRequest, TokenizeChatRequest)]}}}}})
     async def tokenize(body: dict[str, Any] = Body(...)):
         if "inputs" in body or not ("prompt" in body or "messages" in body):
             try:

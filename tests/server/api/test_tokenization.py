@@ -122,3 +122,13 @@ def test_docs_load_nothing_from_other_hosts(tiny_server):
     assert "/openapi.json" in urls
     paths = httpx.get(tiny_server.url + "/openapi.json", timeout=TIMEOUT).json()["paths"]
     assert {"/tokenize", "/detokenize", "/tokenizer_info", "/version", "/v1/models/{model_id}"} <= set(paths)
+
+
+def test_openapi_refers_only_to_schemas_it_has(tiny_server):
+    document = httpx.get(tiny_server.url + "/openapi.json", timeout=TIMEOUT).json()
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', str(document).replace("'", '"')))
+    assert refs and refs <= set(document["components"]["schemas"]), refs - set(document["components"]["schemas"])
+    [tgi_body, prompt_body, chat_body] = document["paths"]["/tokenize"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]["oneOf"]
+    assert "inputs" in tgi_body["properties"] and "prompt" in prompt_body["properties"]
+    assert "messages" in chat_body["properties"]
