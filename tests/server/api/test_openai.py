@@ -250,3 +250,13 @@ def test_streamed_echo_carries_the_prompts_logprobs_first(oai, smollm2_tokenizer
     first = chunks[0].choices[0]
     assert first.text.startswith(PROMPT) and len(first.logprobs.tokens) == num_prompt + 1
     assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == full.choices[0].logprobs.token_logprobs
+
+
+def test_streamed_scoring_is_one_chunk_of_the_prompt(tiny_server, smollm2_tokenizer):
+    ids = smollm2_tokenizer(PROMPT).input_ids
+    chunks = list(tiny_server.openai_client().completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, stream=True, stream_options={"include_usage": True}))
+    [scored] = [c for c in chunks if c.choices]
+    assert scored.choices[0].text == PROMPT and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.tokens == [smollm2_tokenizer.decode([t]) for t in ids]
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == len(ids)
