@@ -371,8 +371,7 @@ def build_router(state: ServerState) -> APIRouter:
                 if echo:
                     logprobs = {k: v + logprobs[k] for k, v in echo_logprobs(state, s.request).items()}
             choice = {"index": i, "text": prompt_texts[i // body.n] + text if echo else text, "logprobs": logprobs,
-                      "finish_reason": finish_reason(reason),
-                      "stop_reason": None}
+                      "finish_reason": finish_reason(reason), "stop_reason": None}
             if body.prompt_logprobs is not None and first:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(state, s.request)
             return choice
