@@ -100,8 +100,13 @@ async def vllm_tokenize(state: ServerState, body: dict[str, Any]) -> dict[str, A
 
 
 def decode(state: ServerState, token_ids: list[int]) -> str:
-    """On a tokenizer thread (``ServerState.tokenize_in_thread``): a long list stays off the event loop."""
-    return state.thread_tokenizer.decode(token_ids)
+    """On a tokenizer thread (``ServerState.tokenize_in_thread``): a long list stays off the event
+    loop. An id of the model's vocabulary that the tokenizer lacks (a padded vocabulary) is the
+    client's error, as a text the tokenizer refuses is."""
+    try:
+        return state.thread_tokenizer.decode(token_ids)
+    except Exception as e:
+        raise validation_error(f"`tokens` could not be decoded: {e}", "tokens") from None
 
 
 def body_schema(model: type[APIModel]) -> dict[str, Any]:
