@@ -135,3 +135,57 @@ def _compare_steps(driver: BatchDriver, refs, prompts: list[list[int]], steps: i
         if step < steps:
             logits = driver.decode([ref[0][step] for ref in refs])
     assert agree >= 0.9 * len(prompts) * (steps + 1)
+
+
+IMAGE_TOKEN = "<image>"
+
+
+def build_tiny_llava(path, tokenizer, seed: int = 0, old_layout: bool = False):
+    """A random-weight ``LlavaForConditionalGeneration`` saved under ``path``: a tiny CLIP tower
+    (30x30 images in 6x6 patches: 25 image tokens), a tiny Llama decoder, ``tokenizer`` with an
+    ``<image>`` token added, and a CLIP image processor, as a real LLaVA directory has them.
+    ``old_layout`` saves the tensor names of checkpoints from before transformers 4.52."""
+    from safetensors.torch import save_file
+    from transformers import (
+        AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer.save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.save_pretrained(path)
+    CLIPImageProcessorPil(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=30, patch_size=6, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_layer=-2, vision_feature_select_strategy="default",
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if old_layout:
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(path, "model.safetensors"))
+        renames = [("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                   ("model.vision_tower.", "vision_tower.vision_model."), ("model.multi_modal_projector.", "multi_modal_projector.")]
+        old = {}
+        for name, t in state.items():
+            for a, b in renames:
+                if name.startswith(a):
+                    name = b + name[len(a):]
+                    break
+            old[name] = t.contiguous()
+        save_file(old, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return model, tokenizer

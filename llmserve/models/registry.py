@@ -18,6 +18,7 @@ MODEL_CLASSES: dict[str, str] = {
     "mistral": "llmserve.models.llama.model:LlamaTpPartModel",
     "qwen2": "llmserve.models.llama.model:LlamaTpPartModel",
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
+    "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }
 
 

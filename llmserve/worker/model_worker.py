@@ -82,7 +82,7 @@ class ModelWorker:
         n_params = sum(t.shape.numel() for t in tensors.values())
         qtypes = sorted({t.qtype for t in tensors.values() if isinstance(t, QuantizedWeight)})
         return WorkerInfo(
-            model_type=m.network_config_.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
+            model_type=m.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
             quantized="/".join(qtypes), **_graph_info(m),

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 _HOME = {
     "ModelInitParams": "basemodel", "TpPartBaseModel": "basemodel",
-    "InferStateInfo": "infer_struct",
+    "InferStateInfo": "infer_struct", "InputEmbeds": "infer_struct",
     "PreLayerInfer": "layer_infer.pre_layer_infer",
     "TransformerLayerInfer": "layer_infer.transformer_layer_infer",
     "PostLayerInfer": "layer_infer.post_layer_infer",
@@ -35,7 +35,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from llmserve.common.basemodel.basemodel import ModelInitParams, TpPartBaseModel
-    from llmserve.common.basemodel.infer_struct import InferStateInfo
+    from llmserve.common.basemodel.infer_struct import InferStateInfo, InputEmbeds
     from llmserve.common.basemodel.layer_infer.post_layer_infer import PostLayerInfer
     from llmserve.common.basemodel.layer_infer.pre_layer_infer import PreLayerInfer
     from llmserve.common.basemodel.layer_infer.template import PostLayerInferTpl, PreLayerInferTpl, TransformerLayerInferTpl

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from llmserve.common.basemodel.cuda_graph import DecodeGraphs
-from llmserve.common.basemodel.infer_struct import InferStateInfo
+from llmserve.common.basemodel.infer_struct import InferStateInfo, InputEmbeds
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
 from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
@@ -131,7 +131,8 @@ class TpPartBaseModel:
         self.trans_layers_weight = [
             self.transformer_weight_class(i, *args) for i in range(self.network_config_.num_hidden_layers)
         ]
-        all_weights = [self.pre_post_weight, *self.trans_layers_weight]
+        self.extra_weights = self._init_extra_weights(*args)
+        all_weights = [self.pre_post_weight, *self.trans_layers_weight, *self.extra_weights]
         for weights in self._weight_source():
             weights = self._rename_hf_weights(weights)
             for w in all_weights:
@@ -139,6 +140,15 @@ class TpPartBaseModel:
         for w in all_weights:
             w.finalize()
         self._gguf_tensors = None
+
+    def _init_extra_weights(self, *args) -> list:
+        """Hook: weight objects beyond the decoder's (LLaVA's vision tower and projector), loaded
+        from the same checkpoint files; ``args`` are the weight classes' constructor arguments."""
+        return []
+
+    @property
+    def model_type(self) -> str:
+        return self.network_config_.model_type
 
     @property
     def cuda_graph_max_bs(self) -> int:
@@ -221,19 +231,26 @@ class TpPartBaseModel:
         b_cached_len: list[int],
         b_q_len: list[int],
         return_all_logits: bool | list[bool] = False,
+        input_embeds: InputEmbeds | None = None,
     ) -> torch.Tensor:
         """Run one batch. Request i (row ``b_req_idx[i]`` of the req->token table, which already
         maps its first ``b_cached_len[i]`` tokens) brings ``b_q_len[i]`` new tokens, packed in
         ``input_ids``. Their KV slots are allocated here. Returns float32 logits: one row per
         request (its last new token), or one per new token with ``return_all_logits``; a list of
         flags asks for all rows of the flagged requests only (prompt logprobs of one request
-        should not cost a vocab-wide row for every token of the batch), requests back to back."""
+        should not cost a vocab-wide row for every token of the batch), requests back to back.
+        ``input_embeds``: rows whose embeddings are given (image features), for models whose pre
+        layer writes them."""
         mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len, expected_lens=b_cached_len)
         all_logits = return_all_logits if isinstance(return_all_logits, list) else [return_all_logits] * len(b_q_len)
         is_decode = all(n == 1 for n in b_q_len) and not any(all_logits)
-        if is_decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(b_q_len)):
+        # A captured step has no place for given embeddings (a one-token prompt chunk may be an
+        # image's placeholder): such a step runs eagerly.
+        graphs = self.decode_graphs is not None and input_embeds is None
+        if is_decode and graphs and self.decode_graphs.can_run(len(b_q_len)):
             return self.decode_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index)
         state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, all_logits, is_decode)
+        state.input_embeds = input_embeds
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
         return self.forward_layers(input_ids, state)
 

@@ -13,6 +13,15 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class InputEmbeds:
+    """Embeddings that replace some new tokens' vocabulary rows in one forward (LLaVA writes each
+    image's features at its placeholder tokens)."""
+
+    rows: torch.Tensor     # [n] int64 on the device: indices among the step's packed new tokens
+    embeds: torch.Tensor   # [n, hidden] on the device, in the model's dtype
+
+
+@dataclass
 class InferStateInfo:
     """One forward over a batch in which request i brings ``b_q_len[i]`` new tokens on top of
     ``b_cached_len[i]`` tokens already in the KV cache.
@@ -39,6 +48,9 @@ class InferStateInfo:
     req_manager: ReqManager
     # The rows of the new tokens whose logits the post layer computes; None: all of them.
     logit_rows: torch.Tensor | None = None
+    # New tokens whose input embeddings are given rather than looked up (an image's placeholder
+    # tokens); None: every row comes from the vocabulary. Written by a model's pre layer.
+    input_embeds: InputEmbeds | None = None
 
     def init_some_extra_state(self, model: TpPartBaseModel) -> None:
         """Hook for model-specific per-forward state (e.g. rotary cos/sin for the positions)."""

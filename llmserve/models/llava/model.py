@@ -1,0 +1,110 @@
+"""LLaVA (``LlavaForConditionalGeneration``): a Llama-family decoder whose prompt carries images,
+each as a run of placeholder tokens whose input embeddings are the image's CLIP features through
+a GELU projector. The decoder is ``LlamaTpPartModel``'s, on the checkpoint's text config; the
+image side (``LlavaVisionWeight``) is replicated on every rank."""
+
+from __future__ import annotations
+
+import torch
+from transformers.activations import ACT2FN
+
+from llmserve.common.basemodel.basemodel import hf_config_from_dict
+from llmserve.models.llama.model import LlamaTpPartModel
+from llmserve.models.llava.layer_infer.pre_layer_infer import LlavaPreLayerInfer
+from llmserve.models.llava.layer_weights.vision_weight import PROJECTOR_PREFIX, VISION_PREFIX, LlavaVisionWeight
+
+# The checkpoint's names for the decoder -> the Llama model's. Current transformers saves
+# ``model.language_model.*`` / ``model.vision_tower.*`` / ``model.multi_modal_projector.*`` and a
+# bare ``lm_head``; checkpoints saved before 4.52 (llava-hf's) ``language_model.model.*`` and
+# ``language_model.lm_head``, with the image side at the top level.
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", VISION_PREFIX),
+    ("model.multi_modal_projector.", PROJECTOR_PREFIX),
+)
+# Older checkpoints also nest the CLIP tower's tensors one level deeper than transformers 5's
+# CLIPVisionModel does.
+_OLD_TOWER_PREFIX = VISION_PREFIX + "vision_model."
+
+
+class LlavaTpPartModel(LlamaTpPartModel):
+    pre_layer_infer_class = LlavaPreLayerInfer
+
+    def _init_config(self) -> None:
+        super()._init_config()
+        # The Llama layers read the text config; the LLaVA one keeps the image side's settings.
+        self.llava_config_ = self.network_config_
+        text = self.llava_config_.text_config
+        # a sub-config object shared with llava_config_: copy before adjusting it
+        self.network_config_ = hf_config_from_dict({**text.to_dict(), "model_type": text.model_type})
+        if getattr(self.llava_config_, "tie_word_embeddings", False):
+            self.network_config_.tie_word_embeddings = True
+        self.image_token_id: int = self.llava_config_.image_token_index
+        self._feature_layers = self._resolve_feature_layers()
+
+    @property
+    def model_type(self) -> str:
+        return "llava"
+
+    def _resolve_feature_layers(self) -> list[int]:
+        """``vision_feature_layer`` (one index or a list, concatenated) as non-negative indices
+        into the tower's hidden states, of which there are num_hidden_layers + 1 (the first is
+        the embeddings')."""
+        layers = self.llava_config_.vision_feature_layer
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        n = self.llava_config_.vision_config.num_hidden_layers + 1
+        resolved = [i if i >= 0 else n + i for i in layers]
+        if not all(0 <= i < n for i in resolved):
+            raise ValueError(f"llava: vision_feature_layer {layers} out of range for {n - 1} layers")
+        strategy = self.llava_config_.vision_feature_select_strategy
+        if strategy not in ("default", "full"):
+            raise ValueError(f"llava: vision_feature_select_strategy {strategy!r} is not supported")
+        return resolved
+
+    def _rename_hf_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        renamed = {}
+        for name, tensor in weights.items():
+            for old, new in _RENAMES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            if name.startswith(_OLD_TOWER_PREFIX):
+                name = VISION_PREFIX + name[len(_OLD_TOWER_PREFIX):]
+            renamed[name] = tensor
+        return renamed
+
+    def _init_extra_weights(self, tp_rank, world_size, data_type, network_config, device) -> list:
+        return [LlavaVisionWeight(tp_rank, world_size, data_type, self.llava_config_, device)]
+
+    def _init_custom(self) -> None:
+        super()._init_custom()
+        vision: LlavaVisionWeight = self.extra_weights[0]
+        self.vision_weight = vision
+        # Layers past the deepest one read are never needed: drop them (LLaVA-1.5 reads the
+        # second-to-last layer, so this saves one of the 24 layers' compute).
+        encoder = vision.vision_model.encoder
+        encoder.layers = encoder.layers[: max(self._feature_layers)]
+        self._projector_act = ACT2FN[self.llava_config_.projector_hidden_act]
+
+    @property
+    def tokens_per_image(self) -> int:
+        cfg = self.llava_config_.vision_config
+        num = (cfg.image_size // cfg.patch_size) ** 2 + 1
+        return num - 1 if self.llava_config_.vision_feature_select_strategy == "default" else num
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[n_images, 3, H, W] (the image processor's output) -> [n_images, tokens_per_image,
+        hidden]: the embeddings each image's placeholder tokens take, in the model's dtype."""
+        w = self.vision_weight
+        pixels = pixel_values.to(self.device, self.data_type)
+        hidden = w.tower_(pixel_values=pixels, output_hidden_states=True).hidden_states
+        features = [hidden[i] for i in self._feature_layers]
+        if self.llava_config_.vision_feature_select_strategy == "default":
+            features = [f[:, 1:] for f in features]   # drop the CLS token
+        x = torch.cat(features, dim=-1)
+        x = torch.nn.functional.linear(x, w.proj_1_weight_, w.proj_1_bias_)
+        x = self._projector_act(x)
+        return torch.nn.functional.linear(x, w.proj_2_weight_, w.proj_2_bias_)
