@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict, Union
 
 from llmserve.chat_template import ChosenTemplate, StopWords, choose_chat_template, load_chat_template
 from llmserve.chat_template.base import Message
@@ -11,8 +12,24 @@ from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resol
 from llmserve.engine.request import RequestDelta
 from llmserve.engine.worker_client import ModelWorkerGroup
 from llmserve.output import ClientRequest
-from llmserve.sampling_params import SamplingParams
+from llmserve.multimodal import ImageLimits, ImageProcessor, decode_image, expand_image_tokens
+from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
+    from PIL import Image
+
+
+class MultimodalPrompt(TypedDict):
+    """A prompt with images: ``prompt`` marks each image's place with ``<image>`` (text), or holds
+    each image's placeholder tokens already expanded (token ids); ``images`` are in that order,
+    PIL images or encoded bytes (jpg, png, webp...)."""
+    prompt: str | list[int]
+    images: list[Image.Image | bytes]
+
+
+Prompt = Union[str, list[int], MultimodalPrompt]
 
 
 @dataclass
@@ -67,6 +84,8 @@ class LLM:
             workers.close()
             raise
         self.chat_template = choose_chat_template(loaded, self.tokenizer, self.engine.model_path)
+        # the model's own image preprocessing (LLaVA); None for a text-only model
+        self.image_processor = ImageProcessor(model_path) if self.engine.info.image_token_id is not None else None
 
     @property
     def chat_template(self) -> ChosenTemplate | None:
@@ -78,9 +97,11 @@ class LLM:
         self._chat_template = chosen
         self._chat_stop = chosen.stop_words(self.tokenizer) if chosen else StopWords()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """``prompts``: text, token ids, or ``{"prompt": ..., "images": [...]}`` for a model that
+        takes images (see ``MultimodalPrompt``); one or a list."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:
             params = self.default_sampling_params()
@@ -88,9 +109,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        token_lists = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
+        inputs = [self._model_input(p) for p in prompts]
         # all validated before any is queued
-        requests = [self.engine.new_request(ids, p) for ids, p in zip(token_lists, params)]
+        requests = [self.engine.new_request(ids, p, pixels) for (ids, pixels), p in zip(inputs, params)]
         outputs = {r.req_id: ClientRequest.start(r.req_id, r.prompt_token_ids, r.params, self.tokenizer) for r in requests}
         for r in requests:
             self.engine.enqueue(r)
@@ -106,6 +127,29 @@ class LLM:
             raise
         self.engine.flush()
         return [RequestOutput.from_request(outputs[r.req_id]) for r in requests]
+
+    def _model_input(self, prompt: Prompt) -> tuple[list[int], list[np.ndarray] | None]:
+        """The token ids the model runs (a text prompt's image placeholders expanded) and the
+        images' pixel values."""
+        if not isinstance(prompt, dict):
+            return (self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)), None
+        text, images = prompt["prompt"], prompt.get("images") or []
+        if images and self.image_processor is None:
+            raise InvalidRequest("image", "this model takes text only: images are not supported")
+        if not isinstance(text, str):
+            return list(text), self._pixel_values(images)
+        info = self.engine.info
+        ids = self.tokenizer(text).input_ids
+        if info.image_token_id is not None:
+            ids = expand_image_tokens(ids, info.image_token_id, info.tokens_per_image)
+        return ids, self._pixel_values(images)
+
+    def _pixel_values(self, images: list) -> list[np.ndarray] | None:
+        if not images:
+            return None
+        limits = ImageLimits(max_images=len(images))
+        return self.image_processor([decode_image(im, limits) if isinstance(im, bytes) else im.convert("RGB")
+                                     for im in images])
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams' defaults with the model's recommended sampling (see generation_config.py)."""

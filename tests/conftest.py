@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest
 from transformers import BloomConfig, LlamaConfig
 
-from parity_utils import build_tiny_hf_model
+from parity_utils import build_tiny_hf_model, build_tiny_llava
 
 
 @pytest.fixture(scope="session")
@@ -65,3 +65,12 @@ def tiny_bloom_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     build_tiny_hf_model(cfg, path)
     smollm2_tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random LLaVA directory (CLIP tower, Llama decoder, the SmolLM2 tokenizer with an
+    ``<image>`` token, a CLIP image processor) and the HF model it was saved from: (path, model)."""
+    path = tmp_path_factory.mktemp("tiny-llava")
+    hf, _ = build_tiny_llava(path, smollm2_tokenizer)
+    return str(path), hf

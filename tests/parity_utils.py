@@ -189,3 +189,16 @@ def build_tiny_llava(path, tokenizer, seed: int = 0, old_layout: bool = False):
             old[name] = t.contiguous()
         save_file(old, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return model, tokenizer
+
+
+def hf_llava_greedy(hf, prompt: list[int], pixels: torch.Tensor | None, steps: int):
+    """HF's greedy tokens and last-row logits for a LLaVA prompt, recomputing the whole sequence
+    each step (HF's generate cannot take a text-only prompt on a LLaVA model)."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            kwargs = {} if pixels is None else {"pixel_values": pixels}
+            out = hf(input_ids=torch.tensor([prompt + tokens]), **kwargs)
+            logits.append(out.logits[0, -1].float())
+            tokens.append(int(logits[-1].argmax()))
+    return tokens, logits

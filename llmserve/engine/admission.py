@@ -22,25 +22,31 @@ class RequestLimits:
     vocab_size: int
     max_input_tokens: int      # prompt tokens
     max_total_tokens: int      # prompt + max_new_tokens
+    image_token_id: int | None = None   # None: a text-only model
+    tokens_per_image: int = 0
+    max_images: int = 0                 # per request
 
     @classmethod
     def of_model(cls, info: WorkerInfo, max_total_tokens: int | None = None,
-                 max_input_tokens: int | None = None) -> RequestLimits:
+                 max_input_tokens: int | None = None, max_images: int | None = None) -> RequestLimits:
         """The model's limits (its context and the KV pool), tightened by an operator's if given."""
         model_limit = min(info.max_seq_len, info.max_total_token_num)
         max_total = min(max_total_tokens or model_limit, model_limit)
         max_input = min(max_input_tokens or max_total - 1, max_total - 1)
         if max_input < 1:
             raise ValueError(f"max_input_tokens must be >= 1 (max_total_tokens is {max_total})")
-        return cls(info.vocab_size, max_input, max_total)
+        images = 0 if info.image_token_id is None else max_images if max_images is not None else 1 << 30
+        return cls(info.vocab_size, max_input, max_total, info.image_token_id, info.tokens_per_image, images)
 
     def room_for(self, num_prompt_tokens: int) -> int:
         """The most tokens a request with this prompt may generate."""
         return max(1, self.max_total_tokens - num_prompt_tokens)
 
 
-def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
-    """``InvalidRequest`` if the engine cannot run this request within ``limits``."""
+def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits,
+                  num_images: int = 0) -> None:
+    """``InvalidRequest`` if the engine cannot run this request within ``limits``. The prompt is
+    the one the model runs: each image's placeholder already expanded to its token count."""
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequest("prompt", "`prompt` has no tokens")
@@ -54,3 +60,19 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     if n + params.max_new_tokens > limits.max_total_tokens:
         raise InvalidRequest("max_new_tokens", f"`prompt` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
                                                f"Given: {n} `prompt` tokens and {params.max_new_tokens} `max_new_tokens`")
+    check_images(prompt_token_ids, num_images, limits)
+
+
+def check_images(prompt_token_ids: list[int], num_images: int, limits: RequestLimits) -> None:
+    """The request's images fit the model and the limit, and its prompt has exactly one run of
+    placeholders for each (a stray placeholder would take features no image gave)."""
+    if limits.image_token_id is None:
+        if num_images:
+            raise InvalidRequest("image", "this model takes text only: images are not supported")
+        return
+    if num_images > limits.max_images:
+        raise InvalidRequest("image", f"at most {limits.max_images} image(s) per request; got {num_images}")
+    placeholders = prompt_token_ids.count(limits.image_token_id)
+    if placeholders != num_images * limits.tokens_per_image:
+        raise InvalidRequest("prompt", f"the prompt must have one image placeholder per image: {num_images} image(s), "
+                                       f"{placeholders / limits.tokens_per_image:g} placeholder(s)")

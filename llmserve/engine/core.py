@@ -101,7 +101,7 @@ class EngineCore:
     def _add(self, message: AddRequest) -> None:
         # Admitted by check_request at the API edge; the engine only asserts, and a failed
         # assertion here is a bug of ours that costs this request only.
-        req = Request(message.req_id, message.prompt_token_ids, message.params)
+        req = Request(message.req_id, message.prompt_token_ids, message.params, pixel_values=message.pixel_values)
         try:
             self.engine.enqueue(req)
         except Exception as e:

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from llmserve.common.errors import ModelLoadError
 from llmserve.default_model import default_model_path
@@ -31,6 +32,9 @@ from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConf
 from llmserve.engine.worker_client import ModelWorkerGroup, free_tcp_port
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.protocol import BatchEntry, StepInput, StepOutput, WorkerInitArgs, error_line
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +155,20 @@ class LLMEngine:
         return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "
                 f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    pixel_values: list[np.ndarray] | None = None) -> Request:
         """Queue a request; ``InvalidRequest`` (a ``ValueError``) if it can never run."""
-        req = self.new_request(prompt_token_ids, params)
+        req = self.new_request(prompt_token_ids, params, pixel_values)
         self.enqueue(req)
         return req
 
-    def new_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    pixel_values: list[np.ndarray] | None = None) -> Request:
         """A validated request, not queued yet (``LLM.generate`` checks all its prompts before it
-        queues any)."""
-        check_request(prompt_token_ids, params, self.limits)
-        return Request(next(self._ids), list(prompt_token_ids), params)
+        queues any). ``pixel_values``: its images, preprocessed; the prompt has their placeholders
+        expanded already (``llmserve.multimodal.expand_image_tokens``)."""
+        check_request(prompt_token_ids, params, self.limits, num_images=len(pixel_values or ()))
+        return Request(next(self._ids), list(prompt_token_ids), params, pixel_values=pixel_values or None)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request that passed ``check_request`` (here, or at the server's API edge)."""
@@ -302,6 +309,7 @@ class LLMEngine:
             params=req.params if first else None, prompt_token_ids=req.prompt_token_ids if first else None,
             want_prompt_logprobs=first and req.needs_prompt_logprobs, sample=s.samples,
             pending_token=end > req.num_tokens,   # its last token is the one in flight
+            pixel_values=req.pixel_values if first else None,
         )
 
     def _release(self, req: Request) -> None:

@@ -20,11 +20,15 @@ from __future__ import annotations
 import pickle
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.request import RequestDelta
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.protocol import WorkerInfo
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _HEADER = struct.Struct("!Q")
 
@@ -44,6 +48,7 @@ class AddRequest:
     req_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    pixel_values: list[np.ndarray] | None = None   # the images of a multimodal prompt (Request.pixel_values)
 
 
 @dataclass

@@ -13,8 +13,12 @@ import enum
 import time
 from collections.abc import Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class RequestStatus(enum.Enum):
@@ -39,6 +43,10 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    # The images of the prompt, preprocessed ([3, H, W] float32 each, in prompt order); the
+    # prompt holds their placeholder tokens. Kept until the request finishes: a re-prefill after
+    # a preemption sends them again (the workers still have their features and do not re-encode).
+    pixel_values: list[np.ndarray] | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # Filled only when params.logprobs is not None, one entry per output token.

@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
@@ -35,6 +36,9 @@ from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import ServerMetrics
 from llmserve.worker.protocol import ABSTRACT_SOCKETS, WorkerInfo, socket_path
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -228,14 +232,15 @@ class EngineClient:
             metrics.healthy.set(1)
 
     # -- handler side ------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 pixel_values: list[np.ndarray] | None = None) -> RequestStream:
         """Queue a request that passed ``check_request`` (``ServerState.start_all``: the core trusts
-        it); ``EngineError`` if the engine is down."""
+        it); ``EngineError`` if the engine is down. ``pixel_values``: its images, preprocessed."""
         if self.error is not None:
             raise EngineError(f"the engine has stopped: {self.error}")
         stream = RequestStream(self, ClientRequest.start(next(self._ids), prompt_token_ids, params, self.tokenizer))
         self._streams[stream.req_id] = stream
-        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params))
+        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values))
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(stream.request.num_prompt_tokens)
         return stream

@@ -23,7 +23,10 @@ from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
 )
 
+from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
+
 if TYPE_CHECKING:
+    from llmserve.common.basemodel import InputEmbeds
     from llmserve.worker.sampler import PendingSample, SampleResult
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ class ModelWorker:
         # pending token of the next step comes from.
         self._last_sampled: torch.Tensor | None = None
         self._last_sampled_row: dict[int, int] = {}
+        # req_id -> its image features, from its first prefill until it finishes (see images.py)
+        self.req_images: dict[int, RequestImages] = {}
 
     def info(self) -> WorkerInfo:
         from llmserve.kernels import QuantizedWeight
@@ -85,7 +90,7 @@ class ModelWorker:
             model_type=m.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
-            quantized="/".join(qtypes), **_graph_info(m),
+            quantized="/".join(qtypes), **_graph_info(m), **_image_info(m),
         )
 
     def step(self, step: StepInput) -> list[StepOutput]:
@@ -97,6 +102,7 @@ class ModelWorker:
             self._free_kv(req_id)
         for req_id in step.finished_req_ids:
             self._free_kv(req_id)
+            self.req_images.pop(req_id, None)
             if self.sampler is not None:
                 self.sampler.remove_request(req_id)
         owed, self._owed = self._owed, None
@@ -111,8 +117,9 @@ class ModelWorker:
         # The same flag on every rank: the lm_head's all-gather is a collective.
         all_logits = [e.want_prompt_logprobs for e in step.entries]
         try:
+            input_embeds = self._input_embeds(step.entries)
             logits = self.model.forward(self._input_ids(step.entries), rows, [e.num_cached for e in step.entries],
-                                        q_lens, return_all_logits=all_logits)
+                                        q_lens, return_all_logits=all_logits, input_embeds=input_embeds)
         except Exception as e:
             failed = self._forward_failed(step.entries, rows, e)
             return [*_outputs_of(owed), failed]
@@ -167,6 +174,32 @@ class ModelWorker:
         input_ids = input_ids.to(self.device, non_blocking=True)
         input_ids[torch.tensor(pending_at).to(self.device, non_blocking=True)] = drawn
         return input_ids
+
+    def _input_embeds(self, entries: list[BatchEntry]) -> InputEmbeds | None:
+        """The image features this step writes at placeholder rows. The images of requests new to
+        the worker are encoded first, all of the step's in one batch of the vision tower (in
+        slices of at most ``model.max_images_per_encode``, the batch its activations were
+        budgeted for); features are kept per request until it finishes."""
+        new = [e for e in entries if e.pixel_values and e.req_id not in self.req_images]
+        if new:
+            pixels = stack_pixel_values([px for e in new for px in e.pixel_values])
+            step = self.model.max_images_per_encode
+            features = torch.cat([self.model.encode_images(pixels[i : i + step]) for i in range(0, len(pixels), step)])
+            start = 0
+            for e in new:
+                n = len(e.pixel_values)
+                # Positions from the whole prompt (sent with a prefill from position 0), not from
+                # this chunk of it: later chunks hold the rest of the placeholders.
+                self.req_images[e.req_id] = RequestImages.of_prompt(e.prompt_token_ids, self.model.image_token_id,
+                                                                    features[start : start + n])
+                start += n
+        parts, q_start = [], 0
+        for e in entries:
+            images = self.req_images.get(e.req_id)
+            if images is not None:
+                parts.append((q_start, images, e.num_cached, e.num_new_tokens))
+            q_start += e.num_new_tokens
+        return step_input_embeds(parts, self.device) if parts else None
 
     def _row(self, req_id: int) -> int:
         """The request's row of the req -> token table, taken on its first step."""
@@ -224,6 +257,12 @@ class ModelWorker:
         row = self.req_rows.pop(req_id, None)
         if row is not None:
             self.model.req_manager.free_req(row)
+
+
+def _image_info(model) -> dict:
+    if getattr(model, "image_token_id", None) is None:
+        return {}
+    return dict(image_token_id=model.image_token_id, tokens_per_image=model.tokens_per_image)
 
 
 def _graph_info(model) -> dict:

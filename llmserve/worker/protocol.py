@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 RPYC_CONFIG = {
     "allow_pickle": False,
@@ -76,6 +80,10 @@ class WorkerInfo:
     cuda_graph_seconds: float = 0.0  # capture time at start-up
     cuda_graph_mib: float = 0.0      # GPU memory the graphs took
     quantized: str = ""              # GGUF block formats the weights run in ("Q4_1/Q8_0"); "": dense
+    # Image input (LLaVA): the placeholder token id, and how many of them one image fills; None
+    # for a text-only model.
+    image_token_id: int | None = None
+    tokens_per_image: int = 0
 
 
 @dataclass
@@ -94,6 +102,10 @@ class BatchEntry:
     # One more new token after token_ids: the one this worker sampled for the request in the
     # step before, which the engine has not read yet (overlapped steps only).
     pending_token: bool = False
+    # The request's images' pixel values ([3, H, W] float32 each, in prompt order), sent with
+    # every prefill from position 0; a worker encodes them the first time only and keeps the
+    # features until the request finishes (preemption keeps them too).
+    pixel_values: list[np.ndarray] | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -200,12 +200,18 @@ class TpPartBaseModel:
         budget = min(total * fraction - torch.cuda.memory_reserved(self.device), free - total * (1 - fraction))
         if self.cuda_graph_max_bs:
             budget -= DecodeGraphs.memory_estimate(self.cuda_graph_max_bs, cfg, self.data_type.itemsize, self.world_size_)
+        budget -= self._activation_reserve_bytes()
         if budget < bytes_per_token * 1024:
             raise ValueError(
                 f"not enough GPU memory left for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
                 f"(mem_fraction={fraction}); free memory, raise mem_fraction or set max_total_token_num"
             )
         return int(budget // bytes_per_token)
+
+    def _activation_reserve_bytes(self) -> int:
+        """Hook: GPU memory a model needs beyond the decoder's forward (LLaVA's vision tower),
+        kept out of the KV cache."""
+        return 0
 
     def _init_infer_layer(self) -> None:
         args = (self.tp_rank_, self.world_size_, self.network_config_)

@@ -32,6 +32,10 @@ _OLD_TOWER_PREFIX = VISION_PREFIX + "vision_model."
 class LlavaTpPartModel(LlamaTpPartModel):
     pre_layer_infer_class = LlavaPreLayerInfer
 
+    # The worker runs the vision tower on at most this many images at once (a step's new images
+    # in slices): the activations the KV cache leaves room for are those of such a batch.
+    max_images_per_encode: int = 16
+
     def _init_config(self) -> None:
         super()._init_config()
         # The Llama layers read the text config; the LLaVA one keeps the image side's settings.
@@ -87,6 +91,26 @@ class LlavaTpPartModel(LlamaTpPartModel):
         encoder = vision.vision_model.encoder
         encoder.layers = encoder.layers[: max(self._feature_layers)]
         self._projector_act = ACT2FN[self.llava_config_.projector_hidden_act]
+
+    def _activation_reserve_bytes(self) -> int:
+        """The vision tower's peak on a batch of ``max_images_per_encode`` images, kept out of the
+        KV cache (the decoder's own activations come out of ``mem_fraction``'s headroom, as for
+        text models). It holds every layer's hidden states (``output_hidden_states``: the
+        feature layer is read from them), and within one layer the MLP's intermediate, q/k/v and
+        the attention's score matrix (eager attention's worst case; SDPA's kernels need less),
+        with the projector's output on top. An estimate from shapes, not a measurement: 2x it
+        for the allocator's slack. For LLaVA-1.5-7B in fp16 (ViT-L/14-336: 577 tokens, 23 layers
+        used) it is ~1.5 GiB."""
+        v = self.llava_config_.vision_config
+        n = self.max_images_per_encode
+        seq = (v.image_size // v.patch_size) ** 2 + 1
+        per_image = (
+            (v.num_hidden_layers + 1) * seq * v.hidden_size                  # the hidden states kept
+            + seq * (4 * v.hidden_size + v.intermediate_size)                 # q, k, v, out; MLP intermediate
+            + v.num_attention_heads * seq * seq                               # attention scores
+            + 2 * seq * self.network_config_.hidden_size                      # projector
+        )
+        return 2 * n * per_image * self.data_type.itemsize
 
     @property
     def tokens_per_image(self) -> int:

@@ -9,15 +9,14 @@ import torch
 import torch.multiprocessing as mp
 
 from llmserve.worker.images import RequestImages, step_input_embeds
-from parity_utils import LOGITS_TOL, EXACT, build_tiny_llava, load_ours, rel_err
+from parity_utils import EXACT, LOGITS_TOL, build_tiny_llava, hf_llava_greedy, load_ours, rel_err
 
 STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory, smollm2_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-llava")
-    hf, tokenizer = build_tiny_llava(path, smollm2_tokenizer)
+def llava(tiny_llava):
+    path, hf = tiny_llava
     return path, hf, load_ours(path)
 
 
@@ -31,17 +30,6 @@ def _prompt(ours, parts: list) -> list[int]:
 
 def _pixels(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 3, 30, 30, generator=torch.Generator().manual_seed(seed))
-
-
-def _hf_greedy(hf, prompt: list[int], pixels: torch.Tensor | None, steps: int):
-    """HF's greedy tokens and last-row logits, recomputing the whole sequence each step."""
-    tokens, logits = [], []
-    with torch.no_grad():
-        for _ in range(steps):
-            out = hf(input_ids=torch.tensor([prompt + tokens]), pixel_values=pixels)
-            logits.append(out.logits[0, -1].float())
-            tokens.append(int(logits[-1].argmax()))
-    return tokens, logits
 
 
 class Driver:
@@ -78,7 +66,7 @@ def test_images_beside_text_match_hf_greedy(llava):
                _prompt(ours, [[1, 7], "img", [900], "img", [5, 6]]),
                _prompt(ours, [[1, 2, 3, 4, 5]])]
     pixels = [_pixels(1, 1), _pixels(2, 2), None]
-    refs = [_hf_greedy(hf, p, px, STEPS + 1) for p, px in zip(prompts, pixels)]
+    refs = [hf_llava_greedy(hf, p, px, STEPS + 1) for p, px in zip(prompts, pixels)]
     driver = Driver(ours, prompts, pixels)
     try:
         logits = driver.extend(prompts)
