@@ -70,6 +70,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload-limit", type=int, default=None, metavar="BYTES",
                    help="largest request body; larger ones get HTTP 413 before they are parsed (default: 25 MiB, "
                         "room for a 4 MiB-character prompt however its client escapes it)")
+    p.add_argument("--max-images-per-request", type=int, default=1,
+                   help="images one request may bring, for a model that takes images (default: 1)")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 2**20, metavar="BYTES",
+                   help="largest encoded image a request may bring or name (default: 20 MiB)")
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                   help="largest image, width x height once decoded (default: 4096 x 4096)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let requests name image files (file:// URLs or absolute paths) under DIR; without "
+                        "it a request can never read the server's disk (default: off)")
     p.add_argument("--generation-config", default="auto", metavar="auto|none|vllm|PATH",
                    help="defaults for the sampling fields a request leaves unset (temperature, top_p, top_k, "
                         "typical_p, repetition_penalty): 'auto' takes the model's generation_config.json (for a "
@@ -133,6 +142,8 @@ def serve(args: argparse.Namespace) -> int:
         max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
         max_best_of=args.max_best_of, full_text_enabled=args.full_text_enabled,
+        max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
     )
     return run_server(engine_config, config, log_level=args.log_level)
 

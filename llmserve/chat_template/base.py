@@ -101,6 +101,7 @@ class RoleTemplate(BaseTemplate):
     eoa: str = ""                  # end of an answer: normally the stop word the model emits
     separator: str = ""            # after an answer, before the next turn
     system_in_first_user: bool = False   # Llama 2 and Mistral put the system text inside the first user turn
+    image: str = "<image>"         # what an image part of a message renders as (the model's placeholder)
 
     def decorate_prompt(self, prompt: str, sequence_start: bool = True) -> str:
         return self.messages2prompt([{"role": "user", "content": prompt}], sequence_start)
@@ -139,6 +140,8 @@ class RoleTemplate(BaseTemplate):
         content = message.get("content")
         if content is None:
             content = ""
+        if isinstance(content, list):   # parts: text, and images (see server/api/openai.message_content)
+            content = "".join(self.image if p.get("type") == "image" else p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise ChatTemplateError(f"the content of a {role} message must be text")
         return role, content

@@ -161,7 +161,8 @@ class Vicuna(RoleTemplate):
 @dataclass
 class Llava(Vicuna):
     """LLaVA v1.5 (its conv_llava_v1 / vicuna_v1 conversation), Vicuna's format with its own system text:
-    ``{system} USER: <image>\\n{U1} ASSISTANT:``; image parts are not rendered yet."""
+    ``{system} USER: <image>\\n{U1} ASSISTANT:``: an image part renders as its placeholder and a newline."""
+    image: str = "<image>\n"
     meta_instruction: str | None = ("A chat between a curious human and an artificial intelligence assistant. "
                                     "The assistant gives helpful, detailed, and polite answers to the human's questions.")
     session_len: int = 4096

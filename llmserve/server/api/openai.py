@@ -11,7 +11,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request as HTTPRequest
 from pydantic import ConfigDict, Field
@@ -26,6 +26,9 @@ from llmserve.detokenize import IncrementalDetokenizer
 from llmserve.engine.request import FinishReason
 from llmserve.output import ClientRequest
 from llmserve.server.engine_client import RequestStream, TokenEvent
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_N = 128
 MAX_LOGPROBS = 20      # vLLM's limit for both completions' logprobs and chat's top_logprobs
@@ -77,12 +80,19 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None       # vLLM's: each prompt token's logprob and its top alternatives
 
 
+class ImageURL(APIModel):
+    model_config = ConfigDict(extra="ignore")   # OpenAI's `detail` has no meaning here
+
+    url: str
+
+
 class ContentPart(APIModel):
-    """One part of a message's content; only text parts are served (images: not yet)."""
+    """One part of a message's content: text, or an image (``image_url``, for a model that takes images)."""
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(APIModel):
@@ -267,27 +277,41 @@ def vllm_prompt_logprobs(state: ServerState, request: ClientRequest) -> list[dic
 
 # -- chat --------------------------------------------------------------------------------
 
-def message_text(message: ChatMessage) -> str:
+def message_content(message: ChatMessage, image_urls: list[str]) -> str | list[dict[str, str]]:
+    """What the chat template gets as a message's content: its text, or, when it has image parts,
+    its parts with each image as ``{"type": "image"}`` (what HF processors' templates expect;
+    registry templates render their placeholder there). The images' URLs go to ``image_urls``."""
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
-    parts = []
+    parts: list[dict[str, str]] = []
     for part in message.content:
-        if part.type != "text":
+        if part.type == "image_url":
+            if part.image_url is None:
+                raise validation_error("a content part of type 'image_url' needs `image_url.url`", "messages")
+            image_urls.append(part.image_url.url)
+            parts.append({"type": "image"})
+        elif part.type != "text":
             raise validation_error(f"content part of type {part.type!r} is not supported by this model", "messages")
-        if part.text is None:
+        elif part.text is None:
             raise validation_error("a content part of type 'text' needs a `text` string", "messages")
-        parts.append(part.text)
-    return "".join(parts)
+        else:
+            parts.append({"type": "text", "text": part.text})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation for the chat template, and the URLs of its images in order."""
     _check(not body.tools, "tools are not supported", "tools")
     _check(body.response_format in (None, {"type": "text"}), "response_format other than text is not supported",
            "response_format")
     for m in body.messages:
         if m.role not in OPENAI_ROLES:
             raise template_error(f"unknown role {m.role!r}: a message's role is one of {', '.join(sorted(OPENAI_ROLES))}")
-    return [m.model_dump(exclude_none=True) | {"content": message_text(m)} for m in body.messages]
+    image_urls: list[str] = []
+    messages = [m.model_dump(exclude_none=True) | {"content": message_content(m, image_urls)} for m in body.messages]
+    return messages, image_urls
 
 
 def chat_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int | None:
@@ -390,7 +414,10 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
-        prompt = await state.tokenize_in_thread(state.encode_chat, chat_messages(body))
+        messages, image_urls = chat_messages(body)
+        fields = openai_fields("messages", "max_tokens", "top_logprobs")
+        pixel_values = await state.load_images(image_urls, fields)
+        prompt = state.expand_images(await state.tokenize_in_thread(state.encode_chat, messages))
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -414,7 +441,7 @@ def build_router(state: ServerState) -> APIRouter:
         return await run_openai(
             state, body, http_request, [(prompt, p) for p in params], fields, object_name="chat.completion",
             chunk_object_name="chat.completion.chunk", id_prefix="chatcmpl",
-            full_choice=full_choice, chunk_choice=chunk_choice, num_prompt_tokens=len(prompt),
+            full_choice=full_choice, chunk_choice=chunk_choice, num_prompt_tokens=len(prompt), pixel_values=pixel_values,
         )
 
     return router
@@ -425,17 +452,17 @@ async def run_openai(
     jobs: list[tuple[list[int], SamplingParams]], fields: APIFields, *, object_name: str, chunk_object_name: str, id_prefix: str,
     full_choice: Callable[[int, RequestStream, list[TokenEvent]], dict[str, Any]],
     chunk_choice: Callable[[int, RequestStream, TokenEvent, bool], dict[str, Any]],
-    num_prompt_tokens: int, count_output: bool = True,
+    num_prompt_tokens: int, count_output: bool = True, pixel_values: list[np.ndarray] | None = None,
 ):
     """Start one engine request per choice, then answer in one JSON body or as a stream."""
     header = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if not body.stream:
-        streams, all_events = await state.complete(jobs, fields, http_request)
+        streams, all_events = await state.complete(jobs, fields, http_request, pixel_values)
         return header | {"object": object_name,
                          "choices": [full_choice(i, s, ev) for i, (s, ev) in enumerate(zip(streams, all_events))],
                          "usage": usage(num_prompt_tokens, streams, count_output)}
 
-    streams, slot = state.start_all(jobs, fields)
+    streams, slot = state.start_all(jobs, fields, pixel_values)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     chunk_header = header | {"object": chunk_object_name}
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request as HTTPRequest
 
@@ -21,13 +21,18 @@ from llmserve.chat_template import ChatTemplateError, ChosenTemplate, StopWords,
 from llmserve.chat_template.base import Message
 from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.generation_config import SamplingDefaults, load_sampling_defaults
+from llmserve.multimodal import ImageLimits, ImageProcessor, decode_image, expand_image_tokens
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import (
     APIError, APIFields, generation_error, overloaded_error, template_error, validation_error,
 )
+from llmserve.server.api.media import MediaConfig, load_image_bytes
 from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
 from llmserve.server.engine_client import EngineClient, EngineError, RequestStream, TokenEvent
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # A text longer than this many characters per allowed token is first tokenized by its head
 # (see ServerState.encode); real text averages 3-5 characters per token.
@@ -53,6 +58,11 @@ class ServerConfig:
     chat_template: str | None = None       # a registry name, .json or .jinja file; None: the model's own or a match
     generation_config: str = "auto"        # sampling defaults: auto (the model's), none/vllm, or a folder
     payload_limit: int | None = None       # request body bytes; None: middleware.DEFAULT_PAYLOAD_LIMIT
+    # Image input (models that take images): see server/api/media.py
+    max_images_per_request: int = 1
+    max_image_bytes: int = ImageLimits.max_bytes
+    max_image_pixels: int = ImageLimits.max_pixels
+    allowed_local_media_path: str | None = None   # None: requests may not name local files
 
 
 @dataclass
@@ -99,8 +109,13 @@ class ServerState:
                                   else load_sampling_defaults(config.generation_config, self.model_path))
         info = engine.info
         self.info = info
-        self.limits = Limits(RequestLimits.of_model(info, config.max_total_tokens, config.max_input_tokens),
+        self.limits = Limits(RequestLimits.of_model(info, config.max_total_tokens, config.max_input_tokens,
+                                                    config.max_images_per_request),
                              config.max_concurrent_requests, config.max_top_n_tokens, config.max_best_of)
+        self.media = MediaConfig(ImageLimits(config.max_images_per_request, config.max_image_bytes, config.max_image_pixels),
+                                 config.allowed_local_media_path)
+        # the model's own image preprocessing; None for a text-only model
+        self.image_processor = ImageProcessor(self.model_path) if info.image_token_id is not None else None
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self._in_flight = 0
         metrics.in_flight.set_function(lambda: self._in_flight)
@@ -186,6 +201,40 @@ class ServerState:
             raise template_error(str(e)) from None
         return self.encode(text, "messages", self.chat_template.template.add_special_tokens)
 
+    # -- images ----------------------------------------------------------------------
+    @property
+    def takes_images(self) -> bool:
+        return self.image_processor is not None
+
+    async def load_images(self, urls: list[str], fields: APIFields) -> list[np.ndarray] | None:
+        """The pixel values of a request's images (fetched or decoded, then the model's own
+        preprocessing, off the event loop); None when it has none. Any bad image is the request's
+        4xx, before it costs the engine anything."""
+        if not urls:
+            return None
+        try:
+            if self.image_processor is None:
+                raise InvalidRequest("image", "this model takes text only: images are not supported")
+            limits = self.media.limits
+            if len(urls) > limits.max_images:
+                raise InvalidRequest("image", f"at most {limits.max_images} image(s) per request "
+                                              f"(--max-images-per-request); got {len(urls)}")
+            data = [await load_image_bytes(url, self.media) for url in urls]
+            return await asyncio.get_running_loop().run_in_executor(None, self._preprocess, data)
+        except InvalidRequest as e:
+            raise fields.error(e) from None
+
+    def _preprocess(self, data: list[bytes]) -> list[np.ndarray]:
+        return self.image_processor([decode_image(d, self.media.limits) for d in data])
+
+    def expand_images(self, prompt_token_ids: list[int]) -> list[int]:
+        """A tokenized prompt with each image placeholder expanded to its image's token count (the
+        prompt the model runs, which the limits are checked against); unchanged for a text-only model."""
+        info = self.info
+        if info.image_token_id is None:
+            return prompt_token_ids
+        return expand_image_tokens(prompt_token_ids, info.image_token_id, info.tokens_per_image)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -193,21 +242,23 @@ class ServerState:
         """The most tokens a request with this prompt may generate."""
         return self.limits.request.room_for(num_prompt_tokens)
 
-    def start_all(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields) -> tuple[list[RequestStream], Slot]:
+    def start_all(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
+                  pixel_values: list[np.ndarray] | None = None) -> tuple[list[RequestStream], Slot]:
         """Admit one client request and queue its generations (one per prompt and choice).
 
         This is where a request is checked against the engine's rules, once (check_request);
-        the engine core trusts what it is sent. ``fields`` names the API's fields in the errors."""
+        the engine core trusts what it is sent. ``fields`` names the API's fields in the errors.
+        ``pixel_values``: the request's images (``load_images``), shared by its generations."""
         for prompt, params in jobs:
             try:
-                check_request(prompt, params, self.limits.request)
+                check_request(prompt, params, self.limits.request, num_images=len(pixel_values or ()))
             except InvalidRequest as e:
                 raise fields.error(e) from None
         slot = self.admit(len(jobs))
         streams: list[RequestStream] = []
         try:
             for prompt, params in jobs:
-                streams.append(self._start(prompt, params))
+                streams.append(self._start(prompt, params, pixel_values))
         except APIError:
             for s in streams:
                 s.abort()
@@ -215,17 +266,19 @@ class ServerState:
             raise
         return streams, slot
 
-    def _start(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def _start(self, prompt_token_ids: list[int], params: SamplingParams,
+               pixel_values: list[np.ndarray] | None) -> RequestStream:
         """Queue an admitted generation; a dead engine is a 424."""
         try:
-            return self.engine.generate(prompt_token_ids, params)
+            return self.engine.generate(prompt_token_ids, params, pixel_values)
         except EngineError as e:
             raise generation_error(str(e)) from None
 
     async def complete(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
-                       http_request: HTTPRequest) -> tuple[list[RequestStream], list[list[TokenEvent]]]:
+                       http_request: HTTPRequest, pixel_values: list[np.ndarray] | None = None,
+                       ) -> tuple[list[RequestStream], list[list[TokenEvent]]]:
         """A non-streaming request, run to the end: its streams and each one's events."""
-        streams, slot = self.start_all(jobs, fields)
+        streams, slot = self.start_all(jobs, fields, pixel_values)
         try:
             events = await collect(streams, http_request, self)
         except EngineError as e:

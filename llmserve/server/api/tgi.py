@@ -8,18 +8,23 @@ an error (a failed engine) is an event ``{"error": ..., "error_type": ...}``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request as HTTPRequest
 from pydantic import ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
+from llmserve.multimodal import IMAGE_PLACEHOLDER
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, validation_error
 from llmserve.server.api.schema import MAX_SEED, MAX_STOP_SEQUENCES, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
 from llmserve.server.engine_client import RequestStream, TokenEvent
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
 MAX_INT32 = 2**31 - 1         # seed 004's upper bound of top_k, truncate and max_new_tokens
@@ -50,10 +55,47 @@ class TGIParameters(APIModel):
     watermark: bool = False   # accepted and ignored: no watermarking here
 
 
+class ImageURL(APIModel):
+    url: str
+
+
+class InputPart(APIModel):
+    """One part of a multimodal ``inputs`` list (seed 004): ``{"type": "text", "text": ...}`` or
+    ``{"type": "image_url", "image_url": {"url": ...}}``."""
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+
 class TGIRequest(APIModel):
-    inputs: str
+    inputs: str | list[InputPart]
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
+
+
+# TGI's inline image in a string input: a markdown image whose target is the URL.
+_MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]*)\)")
+
+
+def split_images(inputs: str | list[InputPart], takes_images: bool) -> tuple[str, list[str]]:
+    """The prompt text, each image standing as ``<image>`` where it was, and the images' URLs in
+    order. A list's parts are joined with nothing between them; in a string, a markdown image
+    ``![](URL)`` is an image for a model that takes images (for a text-only one it is text)."""
+    if isinstance(inputs, str):
+        if not takes_images:
+            return inputs, []
+        urls = _MARKDOWN_IMAGE.findall(inputs)
+        return _MARKDOWN_IMAGE.sub(IMAGE_PLACEHOLDER, inputs), urls
+    text, urls = [], []
+    for part in inputs:
+        if part.type == "text":
+            _check(part.text is not None, "an `inputs` part of type 'text' needs a `text` string")
+            text.append(part.text)
+        else:
+            _check(part.image_url is not None, "an `inputs` part of type 'image_url' needs `image_url.url`")
+            text.append(IMAGE_PLACEHOLDER)
+            urls.append(part.image_url.url)
+    return "".join(text), urls
 
 
 class TokenizeRequest(APIModel):
@@ -138,17 +180,28 @@ def best_of_params(p: TGIParameters, params: SamplingParams, state: ServerState,
     return [params] + [dataclasses.replace(params, seed=fresh_seed()) for _ in range(best_of - 1)]
 
 
-async def prepare(body: TGIRequest, state: ServerState, stream: bool) -> tuple[list[int], list[SamplingParams]]:
-    """The prompt's tokens, and the SamplingParams of each of its generations (``best_of`` of them)."""
-    _check(body.inputs != "", "`inputs` cannot be empty")
+@dataclasses.dataclass
+class Prepared:
+    """A request ready to start: its prompt's tokens, the SamplingParams of each of its
+    generations (``best_of`` of them) and its images' pixel values."""
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]
+    pixel_values: list[np.ndarray] | None = None
+
+
+async def prepare(body: TGIRequest, state: ServerState, stream: bool) -> Prepared:
+    _check(body.inputs not in ("", []), "`inputs` cannot be empty")
     p = body.parameters
     # Seed 004: any truncate in (0, 2^31-1]; one of the prompt's length or more cuts nothing.
     _check(p.truncate is None or 0 < p.truncate <= MAX_INT32, f"`truncate` must be in (0, {MAX_INT32}]. Given: {p.truncate}")
+    text, urls = split_images(body.inputs, state.takes_images)
     # With truncate, a long input is cut to its last tokens rather than refused.
-    ids = await state.tokenize_in_thread(state.encode, body.inputs, "inputs", True, p.truncate is None)
+    ids = await state.tokenize_in_thread(state.encode, text, "inputs", True, p.truncate is None)
+    ids = state.expand_images(ids)
     if p.truncate is not None:
         ids = ids[-p.truncate:]
-    return ids, best_of_params(p, sampling_params(p, state, len(ids)), state, stream)
+    pixel_values = await state.load_images(urls, TGI_FIELDS)
+    return Prepared(ids, best_of_params(p, sampling_params(p, state, len(ids)), state, stream), pixel_values)
 
 
 def tokenize_with_offsets(state: ServerState, text: str) -> Any:
@@ -209,7 +262,9 @@ def stream_details(stream: RequestStream) -> dict[str, Any]:
 
 
 def generated_text(body: TGIRequest, stream: RequestStream) -> str:
-    prefix = body.inputs if body.parameters.return_full_text else ""
+    inputs = body.inputs if isinstance(body.inputs, str) else "".join(
+        part.text if part.type == "text" else IMAGE_PLACEHOLDER for part in body.inputs)
+    prefix = inputs if body.parameters.return_full_text else ""
     return prefix + stream.request.output_text
 
 
@@ -219,8 +274,9 @@ def build_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     async def generate_json(body: TGIRequest, http_request: HTTPRequest) -> dict[str, Any]:
-        ids, params = await prepare(body, state, stream=False)
-        streams, all_events = await state.complete([(ids, sp) for sp in params], TGI_FIELDS, http_request)
+        job = await prepare(body, state, stream=False)
+        streams, all_events = await state.complete([(job.prompt_token_ids, sp) for sp in job.params], TGI_FIELDS,
+                                                   http_request, job.pixel_values)
         best = max(range(len(streams)), key=lambda i: logprob_sum(all_events[i]))
         response: dict[str, Any] = {"generated_text": generated_text(body, streams[best])}
         p = body.parameters
@@ -234,8 +290,8 @@ def build_router(state: ServerState) -> APIRouter:
     async def generate_sse(body: TGIRequest) -> EventSourceResponse:
         _check(not body.parameters.decoder_input_details,
                "`decoder_input_details` == true is not supported when streaming tokens")
-        ids, params = await prepare(body, state, stream=True)
-        [stream], slot = state.start_all([(ids, params[0])], TGI_FIELDS)
+        job = await prepare(body, state, stream=True)
+        [stream], slot = state.start_all([(job.prompt_token_ids, job.params[0])], TGI_FIELDS, job.pixel_values)
         full_text = state.config.full_text_enabled
 
         async def events():

@@ -1,0 +1,196 @@
+"""Image input end to end on a real server over the tiny LLaVA: TGI's list ``inputs`` (seed 004),
+TGI's markdown image in a string, OpenAI chat ``image_url`` parts through the openai SDK, images
+from data: URLs, a local http.server and local files under --allowed-local-media-path, each
+giving HF's greedy tokens; and every bad image a 4xx in its API's shape, the server serving on."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import http.server
+import io
+import os
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from llmserve.chat_template import load_chat_template
+from llmserve.multimodal import ImageProcessor, expand_image_tokens
+from llmserve.sampling_params import InvalidRequest
+from llmserve.server.api.media import MediaConfig, load_image_bytes
+from parity_utils import hf_llava_greedy
+from serving_utils import ServerProcess
+
+NEW_TOKENS = 6
+MAX_PIXELS = 200 * 200
+
+
+def png(seed: int, size: tuple[int, int] = (48, 40), fmt: str = "PNG") -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "cat.png").write_bytes(png(7))
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.png").write_bytes(png(8))
+    os.symlink(outside / "secret.png", d / "link.png")
+    return d, outside
+
+
+@pytest.fixture(scope="module")
+def http_images(media_dir):
+    """A local http.server (127.0.0.1 only) serving the media directory."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media_dir[0]))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llava_server(tiny_llava, media_dir):
+    path, _ = tiny_llava
+    with ServerProcess(path, "--served-model-name", "llava", "--chat-template", "llava", "--max-images-per-request", "2",
+                       "--max-image-pixels", str(MAX_PIXELS), "--allowed-local-media-path", str(media_dir[0])) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llava):
+    """HF's greedy tokens for a prompt text with <image> placeholders and its images' bytes."""
+    from transformers import AutoTokenizer
+
+    path, hf = tiny_llava
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = ImageProcessor(path)
+    image_id = hf.config.image_token_index
+
+    def greedy(text: str, images: list[bytes], add_special_tokens: bool = True) -> list[int]:
+        ids = expand_image_tokens(tokenizer(text, add_special_tokens=add_special_tokens).input_ids, image_id, 25)
+        pixels = torch.from_numpy(np.stack(processor([Image.open(io.BytesIO(b)).convert("RGB") for b in images])))
+        return hf_llava_greedy(hf, ids, pixels, NEW_TOKENS)[0]
+
+    return greedy
+
+
+def generate(server, inputs, **parameters) -> httpx.Response:
+    return httpx.post(server.url + "/generate", timeout=60, json={
+        "inputs": inputs, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True, **parameters}})
+
+
+def assert_hf_tokens(response: httpx.Response, expected: list[int]) -> None:
+    assert response.status_code == 200, response.text
+    details = response.json()["details"]
+    ids = [t["id"] for t in details["tokens"]]
+    # a random model may draw its EOS early: then HF's next token is that EOS
+    assert ids == expected[: len(ids)] and (len(ids) == NEW_TOKENS or details["finish_reason"] == "eos_token")
+
+
+def test_tgi_list_inputs_give_hf_greedy_tokens(llava_server, reference, http_images):
+    """Seed 004's request: text and image_url parts joined in order; one image from a data: URL
+    (webp), one from a local http.server."""
+    webp = png(1, fmt="WEBP")
+    inputs = [{"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": data_url(webp, "image/webp")}},
+              {"type": "text", "text": " and "}, {"type": "image_url", "image_url": {"url": http_images + "/cat.png"}},
+              {"type": "text", "text": "?"}]
+    expected = reference("What is in <image> and <image>?", [webp, png(7)])
+    assert_hf_tokens(generate(llava_server, inputs), expected)
+
+
+def test_tgi_markdown_image_in_a_string(llava_server, reference):
+    image = png(2, fmt="JPEG")
+    r = generate(llava_server, f"Describe ![]({data_url(image, 'image/jpeg')}) briefly.")
+    assert_hf_tokens(r, reference("Describe <image> briefly.", [image]))
+
+
+def test_openai_chat_image_url_part(llava_server, reference, tiny_llava):
+    image = png(3)
+    client = llava_server.openai_client()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    r = client.chat.completions.create(model="llava", messages=messages, temperature=0, max_tokens=NEW_TOKENS,
+                                       extra_body={"ignore_eos": True})
+    template = load_chat_template("llava")
+    text = template.render([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}])
+    assert "USER: <image>\nWhat is this?" in text
+    expected = reference(text, [image], add_special_tokens=template.template.add_special_tokens)
+    assert r.usage.completion_tokens == NEW_TOKENS
+    # the same tokens, as text (the SDK gives no ids)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava[0])
+    assert r.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_local_files_only_under_the_allowed_directory(llava_server, reference, media_dir):
+    inside, outside = media_dir
+    assert_hf_tokens(generate(llava_server, [{"type": "image_url", "image_url": {"url": str(inside / "cat.png")}}]),
+                     reference("<image>", [png(7)]))
+    for url in (str(outside / "secret.png"), f"{inside}/../{outside.name}/secret.png", str(inside / "link.png"),
+                f"file://{outside}/secret.png"):
+        r = generate(llava_server, [{"type": "image_url", "image_url": {"url": url}}])
+        assert r.status_code == 422 and "outside the allowed" in r.json()["error"], (url, r.text)
+
+
+@pytest.mark.parametrize("case", ["bad base64", "not an image", "truncated png", "too many pixels", "too many images",
+                                  "unreachable", "not found", "unknown scheme", "stray placeholder"])
+def test_bad_images_are_4xx_and_the_server_keeps_serving(llava_server, http_images, case):
+    def part(url: str) -> dict:
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    inputs = {
+        "bad base64": [part("data:image/png;base64,@@@not-base64@@@")],
+        "not an image": [part(data_url(b"hello, world"))],
+        "truncated png": [part(data_url(png(4)[:60]))],
+        "too many pixels": [part(data_url(png(5, (250, 250))))],
+        "too many images": [part(data_url(png(1))), part(data_url(png(2))), part(data_url(png(3)))],
+        "unreachable": [part(f"http://127.0.0.1:{_closed_port()}/x.png")],
+        "not found": [part(http_images + "/missing.png")],
+        "unknown scheme": [part("ftp://example.com/x.png")],
+        "stray placeholder": "a literal <image> with no image",
+    }[case]
+    r = generate(llava_server, inputs)
+    assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
+    # OpenAI's shape for the same image
+    if isinstance(inputs, list):
+        oai = httpx.post(llava_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "llava", "max_tokens": 2, "messages": [{"role": "user", "content": [*inputs, {"type": "text", "text": "hi"}]}]})
+        assert oai.status_code == 400 and oai.json()["error"]["message"], oai.text
+    assert generate(llava_server, "text only").status_code == 200
+
+
+def _closed_port() -> int:
+    from serving_utils import free_port
+
+    return free_port()
+
+
+def test_an_image_for_a_text_only_model_is_refused(tiny_server):
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(png(1))}}, {"type": "text", "text": "hi"}]}]})
+    assert r.status_code == 400 and "text only" in r.json()["error"]["message"], r.text
+    r = httpx.post(tiny_server.url + "/generate", timeout=60, json={
+        "inputs": [{"type": "image_url", "image_url": {"url": data_url(png(1))}}], "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 422 and "text only" in r.json()["error"], r.text
+
+
+def test_local_paths_are_refused_without_the_flag(media_dir):
+    for url in (str(media_dir[0] / "cat.png"), f"file://{media_dir[0]}/cat.png"):
+        with pytest.raises(InvalidRequest, match="--allowed-local-media-path"):
+            asyncio.run(load_image_bytes(url, MediaConfig()))
