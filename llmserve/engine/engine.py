@@ -167,7 +167,7 @@ class LLMEngine:
         """A validated request, not queued yet (``LLM.generate`` checks all its prompts before it
         queues any). ``pixel_values``: its images, preprocessed; the prompt has their placeholders
         expanded already (``llmserve.multimodal.expand_image_tokens``)."""
-        check_request(prompt_token_ids, params, self.limits, num_images=len(pixel_values or ()))
+        check_request(prompt_token_ids, params, self.limits, len(pixel_values or ()))
         return Request(next(self._ids), list(prompt_token_ids), params, pixel_values=pixel_values or None)
 
     def enqueue(self, req: Request) -> None:

@@ -251,7 +251,7 @@ class ServerState:
         ``pixel_values``: the request's images (``load_images``), shared by its generations."""
         for prompt, params in jobs:
             try:
-                check_request(prompt, params, self.limits.request, num_images=len(pixel_values or ()))
+                check_request(prompt, params, self.limits.request, len(pixel_values or ()))
             except InvalidRequest as e:
                 raise fields.error(e) from None
         slot = self.admit(len(jobs))

@@ -194,3 +194,23 @@ def test_local_paths_are_refused_without_the_flag(media_dir):
     for url in (str(media_dir[0] / "cat.png"), f"file://{media_dir[0]}/cat.png"):
         with pytest.raises(InvalidRequest, match="--allowed-local-media-path"):
             asyncio.run(load_image_bytes(url, MediaConfig()))
+
+
+def test_a_jinja_template_gets_image_parts_as_hf_processors_do(tiny_llava):
+    """A model's own Jinja template receives the parts, each image as {"type": "image"}, in order."""
+    from transformers import AutoTokenizer
+
+    from llmserve.chat_template.jinja import JinjaTemplate
+    from llmserve.server.api.openai import ChatCompletionRequest, chat_messages
+
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "A: "}, {"type": "image_url", "image_url": {"url": "u1"}},
+                                     {"type": "text", "text": " B: "}, {"type": "image_url", "image_url": {"url": "u2"}}]}]})
+    messages, urls = chat_messages(body)
+    assert urls == ["u1", "u2"]
+    source = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+              "{% for p in m['content'] %}{% if p['type'] == 'image' %}<IMG>{% else %}{{ p['text'] }}{% endif %}"
+              "{% endfor %}{% endif %}{% endfor %}")
+    template = JinjaTemplate(source=source, tokenizer=AutoTokenizer.from_pretrained(tiny_llava[0]))
+    assert template.messages2prompt(messages) == "[system]Be brief.[user]A: <IMG> B: <IMG>"
