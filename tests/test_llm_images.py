@@ -14,13 +14,14 @@ import torch
 from PIL import Image
 
 from llmserve import LLM, SamplingParams
-from llmserve.multimodal import ImageProcessor, expand_image_tokens
+from llmserve.engine.engine import EngineConfig, LLMEngine
+from llmserve.multimodal import expand_image_tokens
 from llmserve.sampling_params import InvalidRequest
 from llmserve.worker.model_worker import ModelWorker
 from llmserve.worker.protocol import StepInput, StepOutput, WorkerInitArgs
 from parity_utils import hf_llava_greedy
 
-NEW_TOKENS = 10
+NEW_TOKENS = 6
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
@@ -56,7 +57,7 @@ def hf_greedy(tiny_llava, llm: LLM, prompt) -> list[int]:
         ids, pixels = llm.tokenizer(prompt).input_ids, None
     else:
         images = [Image.open(io.BytesIO(im)) if isinstance(im, bytes) else im for im in prompt["images"]]
-        pixels = torch.from_numpy(np.stack(ImageProcessor(path)([im.convert("RGB") for im in images])))
+        pixels = torch.from_numpy(np.stack(llm.image_processor([im.convert("RGB") for im in images])))
         info = llm.engine.info
         ids = expand_image_tokens(llm.tokenizer(prompt["prompt"]).input_ids, info.image_token_id, info.tokens_per_image)
     return hf_llava_greedy(hf, ids, pixels, NEW_TOKENS)[0]
@@ -69,18 +70,26 @@ def test_image_prompts_beside_text_give_hf_greedy_tokens(tiny_llava, llava_llm):
 
 
 class CountingWorkers:
-    """An in-process worker behind the engine (pickling each message, as rpyc does), counting the
+    """An in-process worker behind an engine (pickling each message, as rpyc does), counting the
     images its model encodes."""
 
-    def __init__(self, worker: ModelWorker):
-        self.worker, self.info, self.encoded = worker, worker.info(), 0
-        encode = worker.model.encode_images
+    worker: ModelWorker
+    encoded = 0
+
+    def init_model(self, args: list[WorkerInitArgs]):
+        [rank0] = args
+        self.worker = ModelWorker(rank0)
+        encode = self.worker.model.encode_images
 
         def counting(pixels):
             self.encoded += len(pixels)
             return encode(pixels)
 
-        worker.model.encode_images = counting
+        self.worker.model.encode_images = counting
+        return self.worker.info()
+
+    def close(self) -> None:
+        pass
 
     def step(self, step: StepInput) -> list[StepOutput]:
         return pickle.loads(pickle.dumps(self.worker.step(pickle.loads(pickle.dumps(step)))))
@@ -94,28 +103,26 @@ def test_features_are_encoded_once_across_chunks_and_preemption(tiny_llava, llav
     preempts; each image is still encoded once, the tokens are unchanged, and every request's
     features are freed at the end."""
     path, _ = tiny_llava
-    prompts = [{"prompt": f"Story {i}: <image> once upon a time", "images": [image(10 + i)]} for i in range(4)]
-    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    prompts = [{"prompt": f"Story {i}: <image> once upon a time", "images": [image(10 + i)]} for i in range(3)]
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
     expected = llava_llm.generate(prompts, params)
-    kv = len(expected[0].prompt_token_ids) + 30 + 20
-    with LLM(path, max_total_token_num=kv, max_prefill_tokens=16) as small:
-        worker = ModelWorker(WorkerInitArgs(model_path=path, model_type="llava", tp_rank=0, world_size=1, device="cpu",
-                                            max_total_token_num=kv, max_req_num=small.engine.config.max_running_requests))
-        counting = CountingWorkers(worker)
-        real, small.engine.workers = small.engine.workers, counting
-        preempted: list[int] = []
-        scheduler = small.engine.scheduler
-        preempt = scheduler._preempt
-        monkeypatch.setattr(scheduler, "_preempt", lambda req: (preempted.append(req.req_id), preempt(req)))
-        try:
-            got = small.generate(prompts, params)
-        finally:
-            small.engine.workers = real
-        assert preempted
-        assert small.engine.workers is real
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    kv = len(expected[0].prompt_token_ids) + 20 + 20
+    counting = CountingWorkers()
+    config = EngineConfig(model=path, max_total_token_num=kv, max_prefill_tokens=16, device="cpu")
+    engine = LLMEngine(config, llava_llm.engine.model, counting)
+    preempted: list[int] = []
+    preempt = engine.scheduler._preempt
+    monkeypatch.setattr(engine.scheduler, "_preempt", lambda req: (preempted.append(req.req_id), preempt(req)))
+    inputs = [llava_llm._model_input(p) for p in prompts]
+    reqs = [engine.add_request(ids, params, pixels) for ids, pixels in inputs]
+    got = {r.req_id: r for r in reqs}
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush()
+    assert preempted
+    assert [got[r.req_id].output_token_ids for r in reqs] == [o.token_ids for o in expected]
     assert counting.encoded == len(prompts)
-    assert worker.req_images == {}
+    assert counting.worker.req_images == {}
 
 
 def test_image_limits_offline(llava_llm, tiny_llama_dir):

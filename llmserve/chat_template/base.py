@@ -141,7 +141,15 @@ class RoleTemplate(BaseTemplate):
         if content is None:
             content = ""
         if isinstance(content, list):   # parts: text, and images (see server/api/openai.message_content)
-            content = "".join(self.image if p.get("type") == "image" else p.get("text", "") for p in content)
+            content = "".join(self._part_text(part, role) for part in content)
         if not isinstance(content, str):
             raise ChatTemplateError(f"the content of a {role} message must be text")
         return role, content
+
+    def _part_text(self, part: Any, role: str) -> str:
+        """A content part as text: a text part's text, an image part's placeholder."""
+        if isinstance(part, Mapping) and part.get("type") == "image":
+            return self.image
+        if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            return part["text"]
+        raise ChatTemplateError(f"the content of a {role} message must be text, or text and image parts")

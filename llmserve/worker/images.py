@@ -17,7 +17,9 @@ class RequestImages:
     """One request's image features, placeholder by placeholder."""
 
     positions: torch.Tensor   # [n] int64 on the CPU: the prompt positions of the placeholder tokens, ascending
-    embeds: torch.Tensor      # [n, hidden] on the device: the features written there, in the same order
+    # [n, hidden]: the features written there, in the same order; on the device until the prompt
+    # is cached past its last placeholder, then in pinned host memory (see offload)
+    embeds: torch.Tensor
 
     @classmethod
     def of_prompt(cls, prompt_token_ids: list[int], image_token_id: int, features: torch.Tensor) -> RequestImages:
@@ -28,6 +30,17 @@ class RequestImages:
         if positions.numel() != embeds.shape[0]:
             raise ValueError(f"{positions.numel()} image placeholder tokens for {embeds.shape[0]} image features")
         return cls(positions, embeds)
+
+    def offload_if_done(self, cached_end: int) -> None:
+        """Once the KV cache holds the prompt past its last placeholder, only a re-prefill after a
+        preemption needs the features again: they wait in pinned host memory (a copy queued on
+        the stream, so the host does not wait, and stream order keeps the copy valid), not in
+        GPU memory the KV cache was sized without (576 x 4096 x 2 bytes = 4.5 MiB a LLaVA-1.5
+        image, per running request)."""
+        if self.embeds.device.type != "cuda" or not self.positions.numel() or cached_end <= int(self.positions[-1]):
+            return
+        host = torch.empty(self.embeds.shape, dtype=self.embeds.dtype, pin_memory=True)
+        self.embeds = host.copy_(self.embeds, non_blocking=True)
 
     def within(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The placeholders among prompt positions [start, end): their offsets from start, and
@@ -48,7 +61,7 @@ def step_input_embeds(parts: list[tuple[int, RequestImages, int, int]], device: 
             embeds.append(feats)
     if not rows:
         return None
-    return InputEmbeds(torch.cat(rows).to(device, non_blocking=True), torch.cat(embeds))
+    return InputEmbeds(torch.cat(rows).to(device, non_blocking=True), torch.cat(embeds).to(device, non_blocking=True))
 
 
 def stack_pixel_values(images: list[np.ndarray]) -> torch.Tensor:

@@ -199,7 +199,10 @@ class ModelWorker:
             if images is not None:
                 parts.append((q_start, images, e.num_cached, e.num_new_tokens))
             q_start += e.num_new_tokens
-        return step_input_embeds(parts, self.device) if parts else None
+        given = step_input_embeds(parts, self.device) if parts else None
+        for _, images, num_cached, num_new in parts:
+            images.offload_if_done(num_cached + num_new)
+        return given
 
     def _row(self, req_id: int) -> int:
         """The request's row of the req -> token table, taken on its first step."""

@@ -170,9 +170,16 @@ def test_developer_is_a_system_message():
     assert as_developer == as_system
 
 
-def test_content_must_be_text():
-    with pytest.raises(ChatTemplateError, match="text"):
-        CHAT_TEMPLATES.get("chatml")().messages2prompt([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+def test_content_must_be_text_or_text_and_image_parts():
+    chatml = CHAT_TEMPLATES.get("chatml")()
+    for content in ({"text": "x"}, [{"type": "audio"}], [{"type": "text"}]):
+        with pytest.raises(ChatTemplateError, match="text"):
+            chatml.messages2prompt([{"role": "user", "content": content}])
+    # parts: text as it is, an image as the template's placeholder (LLaVA's with its newline)
+    parts = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+    assert "<|im_start|>user\n<image>What is this?<|im_end|>" in chatml.messages2prompt([{"role": "user", "content": parts}])
+    assert "USER: <image>\nWhat is this? ASSISTANT:" in CHAT_TEMPLATES.get("llava")().messages2prompt(
+        [{"role": "user", "content": parts}])
     # an assistant turn without content (a tool call) renders as empty
     assert "assistant\n<|im_end|>" in CHAT_TEMPLATES.get("chatml")().messages2prompt(
         [{"role": "user", "content": "U"}, {"role": "assistant", "content": None}, {"role": "user", "content": "V"}])

@@ -100,7 +100,7 @@ class LlavaTpPartModel(LlamaTpPartModel):
         the attention's score matrix (eager attention's worst case; SDPA's kernels need less),
         with the projector's output on top. An estimate from shapes, not a measurement: 2x it
         for the allocator's slack. For LLaVA-1.5-7B in fp16 (ViT-L/14-336: 577 tokens, 23 layers
-        used) it is ~1.5 GiB."""
+        used) it is ~1.8 GiB."""
         v = self.llava_config_.vision_config
         n = self.max_images_per_encode
         seq = (v.image_size // v.patch_size) ** 2 + 1
