@@ -10,6 +10,7 @@ import base64
 import functools
 import http.server
 import io
+import json
 import os
 import threading
 
@@ -28,12 +29,15 @@ from serving_utils import ServerProcess
 
 NEW_TOKENS = 6
 MAX_PIXELS = 200 * 200
+MAX_BYTES = 150_000
 
 
-def png(seed: int, size: tuple[int, int] = (48, 40), fmt: str = "PNG") -> bytes:
+def png(seed: int, size: tuple[int, int] = (48, 40), fmt: str = "PNG", solid: bool = False) -> bytes:
+    """Random pixels (which do not compress: ~3 bytes a pixel), or one colour (a few hundred bytes)."""
     rng = np.random.default_rng(seed)
+    pixels = np.full((size[1], size[0], 3), 90, np.uint8) if solid else rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format=fmt)
+    Image.fromarray(pixels).save(buf, format=fmt)
     return buf.getvalue()
 
 
@@ -45,6 +49,7 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 def media_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("media")
     (d / "cat.png").write_bytes(png(7))
+    (d / "big.png").write_bytes(png(9, (300, 300)))
     outside = tmp_path_factory.mktemp("outside")
     (outside / "secret.png").write_bytes(png(8))
     os.symlink(outside / "secret.png", d / "link.png")
@@ -53,10 +58,21 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http_images(media_dir):
-    """A local http.server (127.0.0.1 only) serving the media directory."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media_dir[0]))
-    handler.log_message = lambda *a: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    """A local http.server (127.0.0.1 only) serving the media directory; /loop redirects to itself."""
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/loop":
+                self.send_response(302)
+                self.send_header("Location", "/loop")
+                self.end_headers()
+                return
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(media_dir[0])))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -66,7 +82,7 @@ def http_images(media_dir):
 def llava_server(tiny_llava, media_dir):
     path, _ = tiny_llava
     with ServerProcess(path, "--served-model-name", "llava", "--chat-template", "llava", "--max-images-per-request", "2",
-                       "--max-image-pixels", str(MAX_PIXELS), "--allowed-local-media-path", str(media_dir[0])) as server:
+                       "--max-image-pixels", str(MAX_PIXELS), "--max-image-bytes", str(MAX_BYTES), "--allowed-local-media-path", str(media_dir[0])) as server:
         yield server
 
 
@@ -147,8 +163,9 @@ def test_local_files_only_under_the_allowed_directory(llava_server, reference, m
         assert r.status_code == 422 and "outside the allowed" in r.json()["error"], (url, r.text)
 
 
-@pytest.mark.parametrize("case", ["bad base64", "not an image", "truncated png", "too many pixels", "too many images",
-                                  "unreachable", "not found", "unknown scheme", "stray placeholder"])
+@pytest.mark.parametrize("case", ["bad base64", "not an image", "truncated png", "too many pixels", "too many bytes",
+                                  "too many bytes fetched", "redirect loop", "too many images", "unreachable",
+                                  "not found", "unknown scheme", "stray placeholder"])
 def test_bad_images_are_4xx_and_the_server_keeps_serving(llava_server, http_images, case):
     def part(url: str) -> dict:
         return {"type": "image_url", "image_url": {"url": url}}
@@ -157,7 +174,10 @@ def test_bad_images_are_4xx_and_the_server_keeps_serving(llava_server, http_imag
         "bad base64": [part("data:image/png;base64,@@@not-base64@@@")],
         "not an image": [part(data_url(b"hello, world"))],
         "truncated png": [part(data_url(png(4)[:60]))],
-        "too many pixels": [part(data_url(png(5, (250, 250))))],
+        "too many pixels": [part(data_url(png(5, (250, 250), solid=True)))],
+        "too many bytes": [part(data_url(png(6, (300, 300))))],
+        "too many bytes fetched": [part(http_images + "/big.png")],
+        "redirect loop": [part(http_images + "/loop")],
         "too many images": [part(data_url(png(1))), part(data_url(png(2))), part(data_url(png(3)))],
         "unreachable": [part(f"http://127.0.0.1:{_closed_port()}/x.png")],
         "not found": [part(http_images + "/missing.png")],
@@ -214,3 +234,19 @@ def test_a_jinja_template_gets_image_parts_as_hf_processors_do(tiny_llava):
               "{% endfor %}{% endif %}{% endfor %}")
     template = JinjaTemplate(source=source, tokenizer=AutoTokenizer.from_pretrained(tiny_llava[0]))
     assert template.messages2prompt(messages) == "[system]Be brief.[user]A: <IMG> B: <IMG>"
+
+
+def test_streams_with_images(llava_server, reference):
+    """TGI's /generate_stream and a streamed OpenAI chat carry the images too."""
+    image = png(11)
+    expected = reference("Look: <image>", [image])
+    with httpx.stream("POST", llava_server.url + "/generate_stream", timeout=60, json={
+            "inputs": [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": data_url(image)}}],
+            "parameters": {"max_new_tokens": NEW_TOKENS}}) as r:
+        assert r.status_code == 200
+        ids = [json.loads(line[5:])["token"]["id"] for line in r.iter_lines() if line.startswith("data:")]
+    assert ids == expected[: len(ids)] and ids
+    chunks = llava_server.openai_client().chat.completions.create(
+        model="llava", stream=True, temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}]}])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
