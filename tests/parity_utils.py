@@ -177,16 +177,12 @@ def build_tiny_llava(path, tokenizer, seed: int = 0, old_layout: bool = False):
     if old_layout:
         from safetensors.torch import load_file
 
+        from llmserve.models.llava.model import replace_prefix
+
         state = load_file(os.path.join(path, "model.safetensors"))
         renames = [("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
                    ("model.vision_tower.", "vision_tower.vision_model."), ("model.multi_modal_projector.", "multi_modal_projector.")]
-        old = {}
-        for name, t in state.items():
-            for a, b in renames:
-                if name.startswith(a):
-                    name = b + name[len(a):]
-                    break
-            old[name] = t.contiguous()
+        old = {replace_prefix(name, renames): t.contiguous() for name, t in state.items()}
         save_file(old, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return model, tokenizer
 

@@ -5,6 +5,8 @@ image side (``LlavaVisionWeight``) is replicated on every rank."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.activations import ACT2FN
 
@@ -70,12 +72,7 @@ class LlavaTpPartModel(LlamaTpPartModel):
     def _rename_hf_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         renamed = {}
         for name, tensor in weights.items():
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            if name.startswith(_OLD_TOWER_PREFIX):
-                name = VISION_PREFIX + name[len(_OLD_TOWER_PREFIX):]
+            name = replace_prefix(replace_prefix(name, _RENAMES), [(_OLD_TOWER_PREFIX, VISION_PREFIX)])
             renamed[name] = tensor
         return renamed
 
@@ -132,3 +129,11 @@ class LlavaTpPartModel(LlamaTpPartModel):
         x = torch.nn.functional.linear(x, w.proj_1_weight_, w.proj_1_bias_)
         x = self._projector_act(x)
         return torch.nn.functional.linear(x, w.proj_2_weight_, w.proj_2_bias_)
+
+
+def replace_prefix(name: str, renames: Sequence[tuple[str, str]]) -> str:
+    """``name`` with the first matching ``old`` prefix of ``renames`` replaced by its ``new``."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
