@@ -31,13 +31,18 @@ class RequestImages:
             raise ValueError(f"{positions.numel()} image placeholder tokens for {embeds.shape[0]} image features")
         return cls(positions, embeds)
 
+    @property
+    def end(self) -> int:
+        """One past the last placeholder's position: a chunk from here on has none (decode steps)."""
+        return int(self.positions[-1]) + 1 if self.positions.numel() else 0
+
     def offload_if_done(self, cached_end: int) -> None:
         """Once the KV cache holds the prompt past its last placeholder, only a re-prefill after a
         preemption needs the features again: they wait in pinned host memory (a copy queued on
         the stream, so the host does not wait, and stream order keeps the copy valid), not in
         GPU memory the KV cache was sized without (576 x 4096 x 2 bytes = 4.5 MiB a LLaVA-1.5
         image, per running request)."""
-        if self.embeds.device.type != "cuda" or not self.positions.numel() or cached_end <= int(self.positions[-1]):
+        if self.embeds.device.type != "cuda" or cached_end < self.end:
             return
         host = torch.empty(self.embeds.shape, dtype=self.embeds.dtype, pin_memory=True)
         self.embeds = host.copy_(self.embeds, non_blocking=True)

@@ -19,11 +19,10 @@ import torch
 from rpyc.utils.server import ThreadedServer
 
 
+from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
 )
-
-from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 
 if TYPE_CHECKING:
     from llmserve.common.basemodel import InputEmbeds
@@ -196,7 +195,7 @@ class ModelWorker:
         parts, q_start = [], 0
         for e in entries:
             images = self.req_images.get(e.req_id)
-            if images is not None:
+            if images is not None and e.num_cached < images.end:   # decodes skip this
                 parts.append((q_start, images, e.num_cached, e.num_new_tokens))
             q_start += e.num_new_tokens
         given = step_input_embeds(parts, self.device) if parts else None
