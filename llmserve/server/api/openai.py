@@ -125,7 +125,9 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def openai_fields(prompt_param: str, max_tokens_param: str, logprobs_param: str) -> APIFields:
-    return APIFields({"prompt": prompt_param, "max_new_tokens": max_tokens_param, "logprobs": logprobs_param})
+    # an image's faults are its message's (OpenAI's `param` names a top-level field)
+    return APIFields({"prompt": prompt_param, "image": prompt_param, "max_new_tokens": max_tokens_param,
+                      "logprobs": logprobs_param})
 
 
 def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
@@ -415,6 +417,8 @@ def build_router(state: ServerState) -> APIRouter:
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
         messages, image_urls = chat_messages(body)
+        _check(not image_urls or state.takes_images,
+               "content part of type 'image_url' is not supported by this model: it takes text only", "messages")
         fields = openai_fields("messages", "max_tokens", "top_logprobs")
         pixel_values = await state.load_images(image_urls, fields)
         prompt = state.expand_images(await state.tokenize_in_thread(state.encode_chat, messages))
