@@ -30,7 +30,7 @@ from llmserve.engine.messages import (
     AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
     StartEngine, StartupFailed, StepFailed, encode, frame_size,
 )
-from llmserve.engine.request import FinishReason
+from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import ServerMetrics
@@ -70,7 +70,10 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[TokenEvent | EngineError] = asyncio.Queue()
         self.finished = False
-        self.last_token_time: float | None = None   # for the inter-token latency metric
+        # for /metrics: when its first and latest tokens came, and the engine's prefill time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.prefill_time: float | None = None
 
     @property
     def req_id(self) -> int:
@@ -241,8 +244,10 @@ class EngineClient:
         return stream
 
     def abort(self, req_id: int) -> None:
-        if self._streams.pop(req_id, None) is not None:
+        stream = self._streams.pop(req_id, None)
+        if stream is not None:       # else it ended already (and was counted then)
             self._send(AbortRequests([req_id]))
+            self.observe_end(stream, FinishReason.ABORT)
 
     @property
     def is_healthy(self) -> bool:
@@ -258,6 +263,7 @@ class EngineClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._put(EngineError(message))
+            self.observe_end(stream, FinishReason.ERROR)
         if streams:
             self._send(AbortRequests(list(streams)))
 
@@ -326,6 +332,8 @@ class EngineClient:
 
     def _publish(self, outputs: EngineOutputs) -> None:
         self.stats = outputs.stats
+        if self.metrics is not None:
+            self.metrics.observe_engine(outputs)
         now = time.monotonic()
         for delta in outputs.deltas:
             stream = self._streams.get(delta.req_id)
@@ -337,8 +345,9 @@ class EngineClient:
             if req.error is not None:
                 del self._streams[delta.req_id]
                 stream._put(RequestError(f"the request failed: {req.error}"))
+                self.observe_end(stream, FinishReason.ERROR)
                 continue
-            self._observe_latency(stream, now)
+            self._observe_latency(stream, delta, now)
             stream._put(TokenEvent(delta.token_id, req.take_stream_delta(), delta.logprob, delta.top_logprobs, req.finish_reason))
             if req.is_finished:
                 del self._streams[delta.req_id]
@@ -348,6 +357,7 @@ class EngineClient:
             stream = self._streams.pop(req_id, None)
             if stream is not None:
                 stream._put(EngineError(error))
+                self.observe_end(stream, FinishReason.ERROR)
 
     def _die(self, error: BaseException) -> None:
         """The engine cannot go on (a worker or the core died): fail everything, stop the server."""
@@ -359,15 +369,29 @@ class EngineClient:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
-    def _observe_latency(self, stream: RequestStream, now: float) -> None:
+    def _observe_latency(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
         if self.metrics is None:
             return
         req = stream.request
         self.metrics.generated_tokens.inc()
         if stream.last_token_time is None:
             self.metrics.ttft.observe(now - req.arrival_time)
+            self.metrics.observe_first_token(delta.queue_time, delta.prefill_time)
+            stream.first_token_time, stream.prefill_time = now, delta.prefill_time
         else:
             self.metrics.itl.observe(now - stream.last_token_time)
         stream.last_token_time = now
         if req.is_finished:
             self.metrics.e2e.observe(now - req.arrival_time)
+            self.observe_end(stream, req.finish_reason)
+
+    def observe_end(self, stream: RequestStream, reason: FinishReason) -> None:
+        """A request's last word for /metrics: how it ended, its lengths, and (when it ran to
+        its end) how long it decoded."""
+        if self.metrics is None:
+            return
+        req = stream.request
+        ran_out = reason not in (FinishReason.ABORT, FinishReason.ERROR) and stream.first_token_time is not None
+        decode_time = stream.last_token_time - stream.first_token_time if ran_out else None
+        self.metrics.observe_finished(reason, req.num_prompt_tokens, req.num_output_tokens, stream.prefill_time,
+                                      decode_time)

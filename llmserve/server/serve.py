@@ -19,7 +19,7 @@ import uvicorn
 from llmserve.chat_template import load_chat_template
 from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
-from llmserve.server.api.state import ServerConfig, ServerState
+from llmserve.server.api.state import ServerConfig, ServerState, default_model_name
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.engine_client import EngineClient, EngineCoreProcess
 from llmserve.engine.engine import EngineConfig, inspect_model, resolve_model_path
@@ -93,7 +93,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
         core.start_model(inspect_model(engine_config, tokenizer))
         ready = core.wait_ready()
-        metrics = ServerMetrics()
+        metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),
+                                max_tokens=ready.info.max_total_token_num)
         server: _Server | None = None
 
         def on_fatal(error: BaseException) -> None:
