@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shlex
 import sys
 
 from llmserve import __version__
+from llmserve.common.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from llmserve.sampling_params import SamplingParams
 
 # Every canonical flag ``--some-flag`` may also come from ``LLMSERVE_SOME_FLAG`` (the command line
@@ -143,9 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_args(p)
         _add_sampling_args(p)
     for p in (serve, gen, chat):
-        p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                       help="how much to log; info adds the HTTP access log when serving (default: warning)")
+        _add_log_args(p)
+    serve.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                       help="while the engine is busy, log its throughput, running and waiting requests and KV "
+                            "cache use every SECONDS (0: never; default: 5)")
+    serve.add_argument("--disable-log-stats", dest="log_stats_interval", action="store_const", const=0.0,
+                       help="the same as --log-stats-interval 0 (vLLM's flag)")
     return parser
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                   help="how much to log; info adds the HTTP access log when serving (default: warning)")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="log lines of every process (HTTP, engine core, workers) as text, or as one JSON object "
+                        "per line (default: text)")
+    p.add_argument("--json-output", dest="log_format", action="store_const", const="json",
+                   help="the same as --log-format json (TGI's flag)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
         max_best_of=args.max_best_of, full_text_enabled=args.full_text_enabled,
     )
-    return run_server(engine_config, config, log_level=args.log_level)
+    return run_server(engine_config, config, log_level=args.log_level, log_stats_interval=args.log_stats_interval)
 
 
 EXAMPLE_CONVERSATION = [
@@ -262,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"llmserve: error: {e}", file=sys.stderr)
             return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, role="http" if args.command == "serve" else "cli")
     from llmserve.llm import LLM
     from llmserve.server.engine_client import EngineError
     from llmserve.worker.protocol import WorkerError

@@ -190,6 +190,7 @@ def serve(address: str) -> int:
         assert isinstance(model, ModelSpec), model
         engine = LLMEngine(start.config, model, workers)
         first = EngineReady(engine.info, engine.config, engine.model, engine.summary())
+        logger.info("engine ready: %s", first.summary)
     except EOFError:
         pass                # the HTTP process gave up on the model (it failed its checks) or died
     except Exception as e:

@@ -33,7 +33,9 @@ from llmserve.engine.messages import (
 from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
+from llmserve.common.logs import status_logger
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.stats_log import StatsLog
 from llmserve.worker.protocol import ABSTRACT_SOCKETS, WorkerInfo, socket_path
 
 logger = logging.getLogger(__name__)
@@ -208,7 +210,9 @@ class EngineClient:
     ``ready``; ``proc`` is its process (None: a core on a thread of this process, in tests)."""
 
     def __init__(self, sock: socket.socket, ready: EngineReady, tokenizer, metrics: ServerMetrics | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None,
+                 log_stats_interval: float = 0.0):
+        """``log_stats_interval``: seconds between the status lines of a busy engine (0: none)."""
         self.info: WorkerInfo = ready.info
         self.config: EngineConfig = ready.config
         self.model_path: str = ready.model.path
@@ -218,6 +222,8 @@ class EngineClient:
         self.on_fatal = on_fatal                # the server exits when the engine cannot go on
         self.error: BaseException | None = None
         self.stats = EngineStats()              # the core's latest snapshot, for /metrics
+        self.num_generated_tokens = 0           # handed to the requests since start
+        self.log_stats_interval = log_stats_interval
         self._sock = sock
         self._proc = proc
         self._streams: dict[int, RequestStream] = {}
@@ -225,6 +231,7 @@ class EngineClient:
         self._writer: asyncio.StreamWriter | None = None
         self._outbox: list[object] = []         # messages of this turn of the loop (see _send)
         self._task: asyncio.Task | None = None
+        self._stats_task: asyncio.Task | None = None
         if metrics is not None:
             metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
                                  lambda: self.stats.num_used_slots, self.info.max_total_token_num)
@@ -256,7 +263,18 @@ class EngineClient:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
-        self._task = asyncio.get_running_loop().create_task(self._read(reader), name="llmserve-engine-client")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._read(reader), name="llmserve-engine-client")
+        if self.log_stats_interval > 0:
+            self._stats_task = loop.create_task(self._log_stats(), name="llmserve-stats-log")
+
+    async def _log_stats(self) -> None:
+        log = StatsLog(self.info.max_total_token_num, time.monotonic())
+        while True:
+            await asyncio.sleep(self.log_stats_interval)
+            line = log.line(self.stats, self.num_generated_tokens, time.monotonic())
+            if line is not None:
+                status_logger().info(line.message, extra=line.fields)
 
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown): each stream gets ``EngineError``."""
@@ -268,6 +286,8 @@ class EngineClient:
             self._send(AbortRequests(list(streams)))
 
     async def close(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -347,6 +367,7 @@ class EngineClient:
                 stream._put(RequestError(f"the request failed: {req.error}"))
                 self.observe_end(stream, FinishReason.ERROR)
                 continue
+            self.num_generated_tokens += 1
             self._observe_latency(stream, delta, now)
             stream._put(TokenEvent(delta.token_id, req.take_stream_delta(), delta.logprob, delta.top_logprobs, req.finish_reason))
             if req.is_finished:

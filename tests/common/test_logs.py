@@ -1,0 +1,65 @@
+"""How every process logs: timestamps, text or JSON, status lines at the default level."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+
+from llmserve.common.logs import configure_logging, status_logger
+
+
+@pytest.fixture
+def restore_logging(monkeypatch):
+    """configure_logging changes the root logger and the environment: put both back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    for var in ("LLMSERVE_LOG_LEVEL", "LLMSERVE_LOG_FORMAT"):
+        monkeypatch.setenv(var, "")
+    yield
+    root.handlers[:], root.level = handlers, level
+    logging.captureWarnings(False)
+
+
+def test_text_lines_have_a_utc_timestamp_and_the_process(restore_logging, capsys):
+    configure_logging("warning", "text", role="core")
+    logging.getLogger("llmserve.x").warning("something %s", "odd")
+    logging.getLogger("llmserve.x").info("not at warning")
+    [line] = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z WARNING core\[\d+\] llmserve\.x: something odd", line), line
+
+
+def test_json_lines_parse_and_carry_extra_fields(restore_logging, capsys):
+    configure_logging("warning", "json", role="http")
+    status_logger().info("busy", extra={"num_running": 3})
+    try:
+        raise ValueError("bad")
+    except ValueError:
+        logging.getLogger("llmserve.y").exception("it failed")
+    first, second = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert first["message"] == "busy" and first["num_running"] == 3 and first["level"] == "INFO"
+    assert first["role"] == "http" and first["logger"] == "llmserve.status" and "timestamp" in first
+    assert second["level"] == "ERROR" and "ValueError: bad" in second["exc_info"]
+
+
+def test_status_lines_show_at_the_default_level_but_not_at_error(restore_logging, capsys):
+    configure_logging("warning", "text")
+    status_logger().info("serving")
+    assert "serving" in capsys.readouterr().err
+    configure_logging("error", "text")
+    status_logger().info("serving")
+    assert capsys.readouterr().err == ""
+
+
+def test_the_processes_it_starts_log_the_same_way(restore_logging):
+    """The engine core and the workers read the choice from the environment they inherit."""
+    configure_logging("info", "json", role="http")
+    code = ("import logging; from llmserve.common.logs import configure_child_logging; "
+            "configure_child_logging('worker'); logging.getLogger('w').info('loaded')")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    record = json.loads(err)
+    assert (record["role"], record["message"], record["level"]) == ("worker", "loaded", "INFO")
