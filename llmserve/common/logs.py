@@ -37,6 +37,22 @@ class _Role(logging.Filter):
         return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record comes (a test's capture, say), not as it
+    was when logging was set up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 class _TextFormatter(logging.Formatter):
     converter = time.gmtime      # UTC, whatever the machine's zone: lines of several hosts compare
     default_time_format = "%Y-%m-%dT%H:%M:%S"
@@ -62,11 +78,13 @@ def configure_logging(level: str = "warning", log_format: str = "text", role: st
     log the same way."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(_json_formatter() if log_format == "json" else _TextFormatter())
     handler.addFilter(_Role(role))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:   # set up again: replace ours only
+        root.removeHandler(old)
+    root.addHandler(handler)
     root.setLevel(level.upper())
     status_level = logging.INFO if root.level <= logging.WARNING else root.level
     logging.getLogger(STATUS_LOGGER).setLevel(status_level)

@@ -22,14 +22,16 @@ def restore_logging(monkeypatch):
         monkeypatch.setenv(var, "")
     yield
     root.handlers[:], root.level = handlers, level
+    logging.getLogger("llmserve.status").setLevel(logging.NOTSET)
     logging.captureWarnings(False)
 
 
 def test_text_lines_have_a_utc_timestamp_and_the_process(restore_logging, capsys):
+    configure_logging("warning", "json", role="core")
     configure_logging("warning", "text", role="core")
     logging.getLogger("llmserve.x").warning("something %s", "odd")
     logging.getLogger("llmserve.x").info("not at warning")
-    [line] = capsys.readouterr().err.splitlines()
+    [line] = capsys.readouterr().err.splitlines()      # once, though set up twice
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z WARNING core\[\d+\] llmserve\.x: something odd", line), line
 
 
