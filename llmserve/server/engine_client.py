@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from llmserve.common.logs import status_logger
 from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
@@ -33,7 +34,6 @@ from llmserve.engine.messages import (
 from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
-from llmserve.common.logs import status_logger
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.stats_log import StatsLog
 from llmserve.worker.protocol import ABSTRACT_SOCKETS, WorkerInfo, socket_path
