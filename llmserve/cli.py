@@ -91,6 +91,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "do not stall running streams; --no-chunked-prefill runs each prompt whole (default: on)")
     p.add_argument("--max-running-requests", "--max-num-seqs", "--max-batch-size", type=int, default=256, metavar="N",
                    help="requests decoded together in one batch (default: 256)")
+    p.add_argument("--max-top-n-tokens", type=int, default=5, metavar="N",
+                   help="most alternatives per token a TGI request may ask for (top_n_tokens) (default: 5)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send to the OpenAI endpoints (default: the model file or directory name)")
     p.add_argument("--payload-limit", type=int, default=None, metavar="BYTES",
@@ -233,7 +235,8 @@ def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
         max_concurrent_requests=args.max_concurrent_requests, max_total_tokens=args.max_total_tokens,
-        max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
+        max_input_tokens=args.max_input_tokens, max_top_n_tokens=args.max_top_n_tokens,
+        served_model_name=args.served_model_name,
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
         max_best_of=args.max_best_of, full_text_enabled=args.full_text_enabled,
     )

@@ -88,6 +88,8 @@ ALIASES = [   # (their flag, its value, our dest, what we store)
     (["--dtype", "half"], "dtype", "float16"),                   # vLLM's value names
     (["--dtype", "float"], "dtype", "float32"),
     (["/models/llama"], "model", "/models/llama"),               # `vllm serve MODEL`
+    (["--json-output"], "log_format", "json"),                   # TGI
+    (["--disable-log-stats"], "log_stats_interval", 0.0),        # vLLM
 ]
 
 
@@ -121,6 +123,9 @@ ENV_FORMS = [   # (variable, value, dest, parsed): one per kind of flag
     ("LLMSERVE_ENFORCE_EAGER", "0", "enforce_eager", False),
     ("LLMSERVE_CHUNKED_PREFILL", "off", "chunked_prefill", False),       # a --[no-]switch
     ("LLMSERVE_API_KEY", "secret", "api_key", "secret"),
+    ("LLMSERVE_MAX_TOP_N_TOKENS", "7", "max_top_n_tokens", 7),
+    ("LLMSERVE_LOG_FORMAT", "json", "log_format", "json"),
+    ("LLMSERVE_LOG_STATS_INTERVAL", "0.5", "log_stats_interval", 0.5),
 ]
 
 
@@ -146,6 +151,8 @@ def test_each_flag_has_one_variable_named_after_its_own_name():
     assert env_var(actions["--max-total-tokens"]) == "LLMSERVE_MAX_TOTAL_TOKENS"
     assert env_var(actions["--chunked-prefill"]) == "LLMSERVE_CHUNKED_PREFILL"
     assert env_var(actions["-h"]) is None
+    # TGI's --json-output and vLLM's --disable-log-stats set another flag's value: no variable of their own
+    assert env_var(actions["--json-output"]) is None and env_var(actions["--disable-log-stats"]) is None
     canonical = [a for a in actions.values() if env_var(a)]
     assert len(canonical) == len({a.dest for a in canonical}) >= 20    # one variable per setting
 
