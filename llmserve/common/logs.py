@@ -92,6 +92,17 @@ def configure_logging(level: str = "warning", log_format: str = "text", role: st
     os.environ[_LEVEL_VAR], os.environ[_FORMAT_VAR] = level, log_format
 
 
+def adopt_library_logging() -> None:
+    """transformers writes its records through a handler of its own (plain text) and keeps them
+    from reaching ours: once it is imported, send them through ours instead, so that a JSON log
+    stays JSON. Called where the process has imported it (it is not imported here: the HTTP
+    process may never need it)."""
+    transformers_logging = sys.modules.get("transformers.utils.logging")
+    if transformers_logging is not None:
+        transformers_logging.disable_default_handler()
+        transformers_logging.enable_propagation()
+
+
 def configure_child_logging(role: str, level: str | None = None) -> None:
     """In the engine core or a worker: log as the process that started it chose."""
     configure_logging(level or os.environ.get(_LEVEL_VAR, "warning"), os.environ.get(_FORMAT_VAR, "text"), role)

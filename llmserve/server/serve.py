@@ -17,7 +17,7 @@ import sys
 import uvicorn
 
 from llmserve.chat_template import load_chat_template
-from llmserve.common.logs import status_logger
+from llmserve.common.logs import adopt_library_logging, status_logger
 from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState, default_model_name
@@ -95,6 +95,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     core = EngineCoreProcess(engine_config, log_level)   # its workers start (importing torch) meanwhile
     try:
         tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
+        adopt_library_logging()                     # loading it may have imported transformers
         core.start_model(inspect_model(engine_config, tokenizer))
         ready = core.wait_ready()
         metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),

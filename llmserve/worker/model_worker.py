@@ -20,6 +20,7 @@ import torch
 from rpyc.utils.server import ThreadedServer
 
 
+from llmserve.common.logs import adopt_library_logging
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
 )
@@ -280,6 +281,7 @@ class ModelRpcServer(rpyc.Service):
 
     def exposed_init_model(self, args: bytes) -> bytes:
         self._imports.join()   # two threads importing the same modules at once can deadlock
+        adopt_library_logging()   # the imports brought transformers, which logs on its own
         started = time.monotonic()
         init_args = pickle.loads(args)
         self.worker = ModelWorker(init_args)

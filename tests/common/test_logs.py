@@ -65,3 +65,20 @@ def test_the_processes_it_starts_log_the_same_way(restore_logging):
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
     record = json.loads(err)
     assert (record["role"], record["message"], record["level"]) == ("worker", "loaded", "INFO")
+
+
+def test_transformers_records_go_through_ours(restore_logging, capsys):
+    """transformers has a plain-text handler of its own; a JSON log must stay JSON."""
+    from transformers.utils import logging as transformers_logging
+
+    from llmserve.common.logs import adopt_library_logging
+
+    configure_logging("warning", "json", role="worker")
+    adopt_library_logging()
+    try:
+        transformers_logging.get_logger("transformers.some_module").warning("deprecated thing")
+        [record] = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+        assert (record["logger"], record["message"]) == ("transformers.some_module", "deprecated thing")
+    finally:
+        transformers_logging.disable_propagation()
+        transformers_logging.enable_default_handler()
