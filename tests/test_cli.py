@@ -180,6 +180,8 @@ def test_python_dash_m_llmserve():
     import subprocess
     import sys
 
+    top = subprocess.run([sys.executable, "-m", "llmserve", "--help"], capture_output=True, text=True, check=True).stdout
+    assert top.startswith("usage: llmserve") and "serve" in top and "--version" in top
     out = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--help"], capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage: llmserve serve") and "--tensor-parallel-size" in out and "--model-id" in out
 
