@@ -3,8 +3,10 @@ configured only through its environment (one server for all three: it starts onc
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -97,3 +99,19 @@ def test_every_process_logs_json_with_a_periodic_status_line(server, before_and_
     busy = [r for r in records if "generation_throughput" in r]
     assert busy and max(r["num_running"] for r in busy) >= 1
     assert sum(r["generation_throughput"] for r in busy) > 0
+
+
+def test_a_client_that_hangs_up_counts_as_an_abort(server, before_and_after):
+    before = server.metrics()
+    body = {"inputs": "a long story", "parameters": {"max_new_tokens": 100}}
+    with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=60) as r:
+        events = list(itertools.islice((line for line in r.iter_lines() if line.startswith("data:")), 2))
+    assert len(events) == 2
+    key = 'llmserve_request_finished_total{finish_reason="abort"}'
+    deadline = time.monotonic() + 30
+    while (after := server.metrics())[key] == before[key] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after[key] == before[key] + 1
+    assert after["llmserve_request_generation_tokens_count"] == before["llmserve_request_generation_tokens_count"] + 1
+    # a cut request's decode time is not a decode time
+    assert after["llmserve_request_decode_time_seconds_count"] == before["llmserve_request_decode_time_seconds_count"]
