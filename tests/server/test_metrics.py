@@ -22,9 +22,10 @@ REQUESTS, NEW_TOKENS = 4, 60
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    env = {"LLMSERVE_SERVED_MODEL_NAME": "observed", "LLMSERVE_MAX_TOTAL_TOKEN_NUM": str(KV_POOL),
-           "LLMSERVE_LOG_FORMAT": "json", "LLMSERVE_LOG_LEVEL": "info", "LLMSERVE_LOG_STATS_INTERVAL": "0.2"}
-    with ServerProcess(tiny_llama_dir, env=env) as server:
+    env = {"LLMSERVE_SERVED_MODEL_NAME": "observed", "LLMSERVE_LOG_FORMAT": "json", "LLMSERVE_LOG_LEVEL": "info",
+           "LLMSERVE_LOG_STATS_INTERVAL": "0.2"}
+    # the pool on the command line: it must win over LLMSERVE_TEST_SERVER_ARGS (the GPU suite sets one)
+    with ServerProcess(tiny_llama_dir, "--max-total-token-num", str(KV_POOL), env=env) as server:
         yield server
 
 
@@ -57,7 +58,7 @@ def test_the_new_metrics_move_as_the_requests_ran(before_and_after):
     def moved(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
-    assert after["llmserve_kv_cache_slots_total"] == KV_POOL                   # LLMSERVE_MAX_TOTAL_TOKEN_NUM
+    assert after["llmserve_kv_cache_slots_total"] == KV_POOL
     assert moved('llmserve_request_finished_total{finish_reason="length"}') == REQUESTS
     assert moved('llmserve_request_finished_total{finish_reason="abort"}') == 0
     for phase in ("queue", "prefill", "decode", "inference"):
