@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from llmserve import __version__
-from llmserve.common.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
+from llmserve.common.logs import LOG_FORMATS, LOG_LEVELS, configure_logging, report_error
 from llmserve.sampling_params import SamplingParams
 
 # Every canonical flag ``--some-flag`` may also come from ``LLMSERVE_SOME_FLAG`` (the command line
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
                     print(prompt + out.text)   # a raw continuation reads best after its prompt
     except (ValueError, WorkerError, EngineError) as e:   # bad model, bad flags, bad prompt: one line, no traceback
-        print(f"llmserve: error: {e}", file=sys.stderr)
+        report_error(str(e))
         return 2
     except KeyboardInterrupt:
         return 130

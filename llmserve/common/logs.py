@@ -92,6 +92,16 @@ def configure_logging(level: str = "warning", log_format: str = "text", role: st
     os.environ[_LEVEL_VAR], os.environ[_FORMAT_VAR] = level, log_format
 
 
+def report_error(message: str) -> None:
+    """The one line a command ends with when it fails: ``llmserve: error: ...`` on a text log
+    (what a person reads, without a timestamp), a record of its own on a JSON one (so that every
+    line still parses)."""
+    if os.environ.get(_FORMAT_VAR) == "json" and any(isinstance(h, _StderrHandler) for h in logging.getLogger().handlers):
+        logging.getLogger("llmserve").error(message)
+    else:
+        print(f"llmserve: error: {message}", file=sys.stderr, flush=True)
+
+
 def adopt_library_logging() -> None:
     """transformers writes its records through a handler of its own (plain text) and keeps them
     from reaching ours: once it is imported, send them through ours instead, so that a JSON log

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import sys
 
 import uvicorn
 
 from llmserve.chat_template import load_chat_template
-from llmserve.common.logs import adopt_library_logging, status_logger
+from llmserve.common.logs import adopt_library_logging, report_error, status_logger
 from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState, default_model_name
@@ -121,7 +120,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         server = _Server(uv_config, engine, banner)
         server.run()
         if server.exit_code:
-            print(f"llmserve: error: {engine.error}", file=sys.stderr)
+            report_error(str(engine.error))
         return server.exit_code
     finally:
         core.stop()

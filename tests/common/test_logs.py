@@ -82,3 +82,17 @@ def test_transformers_records_go_through_ours(restore_logging, capsys):
     finally:
         transformers_logging.disable_propagation()
         transformers_logging.enable_default_handler()
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_commands_last_error_line(restore_logging, capsys, log_format):
+    from llmserve.common.logs import report_error
+
+    configure_logging("warning", log_format, role="http")
+    report_error("cannot listen on 127.0.0.1:8000")
+    err = capsys.readouterr().err
+    if log_format == "text":   # what a person reads: no timestamp
+        assert err == "llmserve: error: cannot listen on 127.0.0.1:8000\n"
+    else:
+        record = json.loads(err)
+        assert (record["level"], record["message"]) == ("ERROR", "cannot listen on 127.0.0.1:8000")
