@@ -254,7 +254,7 @@ class EngineClient:
         stream = self._streams.pop(req_id, None)
         if stream is not None:       # else it ended already (and was counted then)
             self._send(AbortRequests([req_id]))
-            self.observe_end(stream, FinishReason.ABORT)
+            self._observe_end(stream, FinishReason.ABORT)
 
     @property
     def is_healthy(self) -> bool:
@@ -281,7 +281,7 @@ class EngineClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._put(EngineError(message))
-            self.observe_end(stream, FinishReason.ERROR)
+            self._observe_end(stream, FinishReason.ERROR)
         if streams:
             self._send(AbortRequests(list(streams)))
 
@@ -365,7 +365,7 @@ class EngineClient:
             if req.error is not None:
                 del self._streams[delta.req_id]
                 stream._put(RequestError(f"the request failed: {req.error}"))
-                self.observe_end(stream, FinishReason.ERROR)
+                self._observe_end(stream, FinishReason.ERROR)
                 continue
             self.num_generated_tokens += 1
             self._observe_latency(stream, delta, now)
@@ -378,7 +378,7 @@ class EngineClient:
             stream = self._streams.pop(req_id, None)
             if stream is not None:
                 stream._put(EngineError(error))
-                self.observe_end(stream, FinishReason.ERROR)
+                self._observe_end(stream, FinishReason.ERROR)
 
     def _die(self, error: BaseException) -> None:
         """The engine cannot go on (a worker or the core died): fail everything, stop the server."""
@@ -404,9 +404,9 @@ class EngineClient:
         stream.last_token_time = now
         if req.is_finished:
             self.metrics.e2e.observe(now - req.arrival_time)
-            self.observe_end(stream, req.finish_reason)
+            self._observe_end(stream, req.finish_reason)
 
-    def observe_end(self, stream: RequestStream, reason: FinishReason) -> None:
+    def _observe_end(self, stream: RequestStream, reason: FinishReason) -> None:
         """A request's last word for /metrics: how it ended, its lengths, and (when it ran to
         its end) how long it decoded."""
         if self.metrics is None:
