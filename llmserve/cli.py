@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "cache use every SECONDS (0: never; default: 5)")
     serve.add_argument("--disable-log-stats", dest="log_stats_interval", action="store_const", const=0.0,
                        help="the same as --log-stats-interval 0 (vLLM's flag)")
+    for command in _subparsers(parser).values():     # last: flags added anywhere above get theirs
+        for action in command._actions:
+            if (var := env_var(action)) is not None and action.help is not None:
+                action.help += f" [env: {var}]"
     return parser
 
 

@@ -184,6 +184,7 @@ def test_python_dash_m_llmserve():
     assert top.startswith("usage: llmserve") and "serve" in top and "--version" in top
     out = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--help"], capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage: llmserve serve") and "--tensor-parallel-size" in out and "--model-id" in out
+    assert "[env: LLMSERVE_TP]" in out and "[env: LLMSERVE_LOG_FORMAT]" in " ".join(out.split())
 
 
 def _clear_llmserve_env(monkeypatch) -> None:
