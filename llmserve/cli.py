@@ -3,19 +3,43 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+import shlex
 import sys
 
+from llmserve import __version__
+from llmserve.common.logs import LOG_FORMATS, LOG_LEVELS, configure_logging, report_error
 from llmserve.sampling_params import SamplingParams
 
+# Every canonical flag ``--some-flag`` may also come from ``LLMSERVE_SOME_FLAG`` (the command line
+# wins), so that a container or a Helm chart can configure the server through its environment.
+ENV_PREFIX = "LLMSERVE_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+# vLLM's and TGI's spellings of --dtype's values: auto (None) leaves the choice to llmserve.
+_DTYPES = {"auto": None, "float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+           "bfloat16": "bfloat16"}
 
+
+def _dtype(value: str) -> str | None:
+    try:
+        return _DTYPES[value.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(_DTYPES)})") from None
+
+
+# Aliases: the first option string of each flag is ours (and names its environment variable); the
+# others are vLLM's and TGI's names for the same setting, so their launch manifests run unchanged.
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one worker process each (default: 1)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="weights and KV cache dtype (default: float32 on CPU, the checkpoint's fp16/bf16 on GPU)")
-    p.add_argument("--max-total-token-num", type=int, default=None, help="KV cache size in tokens (default: from free memory; 16384 on CPU)")
+    p.add_argument("--model", "--model-id", default=None,
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tp", "--tensor-parallel-size", "-tp", "--num-shard", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks, one worker process each (default: 1)")
+    p.add_argument("--dtype", type=_dtype, default=None, metavar="{auto,float32,float16,bfloat16}",
+                   help="weights and KV cache dtype; vLLM's 'half' and 'float' work too (default: auto: float32 "
+                        "on CPU, the checkpoint's fp16/bf16 on GPU)")
+    p.add_argument("--max-total-token-num", "--max-batch-total-tokens", type=int, default=None, metavar="N",
+                   help="KV cache size in tokens (default: from free memory; 16384 on CPU)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="on GPU, decode steps of up to this many requests replay CUDA graphs captured at start-up "
                         "(batch sizes 1, 2, 4, then multiples of 8); 0 = none (default: 256)")
@@ -47,24 +71,28 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all interfaces)")
+    p.add_argument("--host", "--hostname", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    p.add_argument("--mem-fraction", type=float, default=0.85,
+    p.add_argument("--mem-fraction", "--gpu-memory-utilization", "--cuda-memory-fraction", type=float, default=0.85,
+                   metavar="FRACTION",
                    help="on GPU, the share of the card's memory this server may hold: weights, KV cache and "
                         "activations; the KV cache gets what the weights leave of it (default: 0.85)")
-    p.add_argument("--max-total-tokens", type=int, default=None,
+    p.add_argument("--max-total-tokens", "--max-model-len", type=int, default=None, metavar="N",
                    help="most tokens of one request, prompt + max_new_tokens; longer requests get a 422 (default: the model's context, capped by the KV cache)")
-    p.add_argument("--max-input-tokens", type=int, default=None,
+    p.add_argument("--max-input-tokens", "--max-input-length", type=int, default=None, metavar="N",
                    help="most prompt tokens of one request (default: max-total-tokens - 1)")
-    p.add_argument("--max-concurrent-requests", type=int, default=128,
+    p.add_argument("--max-concurrent-requests", type=int, default=128, metavar="N",
                    help="client requests in flight at once; more get HTTP 429 'overloaded' (default: 128)")
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=8192,
+    p.add_argument("--max-batch-prefill-tokens", "--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="prompt tokens prefilled in one step; longer prompts are split over steps (default: 8192)")
-    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--chunked-prefill", "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split prompts over steps to keep within --max-batch-prefill-tokens, so long prompts "
                         "do not stall running streams; --no-chunked-prefill runs each prompt whole (default: on)")
-    p.add_argument("--max-running-requests", type=int, default=256,
+    p.add_argument("--max-running-requests", "--max-num-seqs", "--max-batch-size", type=int, default=256, metavar="N",
                    help="requests decoded together in one batch (default: 256)")
+    p.add_argument("--max-top-n-tokens", type=int, default=5, metavar="N",
+                   help="most alternatives per token a TGI request may ask for (top_n_tokens) (default: 5)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send to the OpenAI endpoints (default: the model file or directory name)")
     p.add_argument("--payload-limit", type=int, default=None, metavar="BYTES",
@@ -86,7 +114,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "top_p 0.9); 'none' (or vLLM's 'vllm') keeps each API's own defaults; PATH: a folder "
                         "holding a generation_config.json. /info shows what applies (default: auto)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $LLMSERVE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: none)")
     p.add_argument("--max-best-of", type=int, default=2,
                    help="most samples a TGI request's best_of may ask for (TGI's flag and default: 2)")
     p.add_argument("--full-text-enabled", action="store_true",
@@ -96,11 +124,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference with a token-level KV cache and Triton kernels.")
+    parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the model over HTTP (TGI and OpenAI APIs)",
                            description="Serve a model over HTTP: TGI's /generate and /generate_stream, OpenAI's "
-                                       "/v1/completions and /v1/chat/completions, /health, /info and /metrics.")
+                                       "/v1/completions and /v1/chat/completions, /health, /info and /metrics. "
+                                       f"Every flag --some-flag may also be set as {ENV_PREFIX}SOME_FLAG in the "
+                                       "environment; the command line wins.")
+    # `vllm serve MODEL`: the model as a positional argument, the same as --model
+    serve.add_argument("positional_model", nargs="?", default=None, metavar="MODEL",
+                       help="the same as --model (as in `vllm serve MODEL`)")
     _add_model_args(serve)
     _add_serve_args(serve)
 
@@ -120,9 +154,84 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_args(p)
         _add_sampling_args(p)
     for p in (serve, gen, chat):
-        p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                       help="how much to log; info adds the HTTP access log when serving (default: warning)")
+        _add_log_args(p)
+    serve.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                       help="while the engine is busy, log its throughput, running and waiting requests and KV "
+                            "cache use every SECONDS (0: never; default: 5)")
+    serve.add_argument("--disable-log-stats", dest="log_stats_interval", action="store_const", const=0.0,
+                       help="the same as --log-stats-interval 0 (vLLM's flag)")
+    for command in _subparsers(parser).values():     # last: flags added anywhere above get theirs
+        for action in command._actions:
+            if (var := env_var(action)) is not None and action.help is not None:
+                action.help += f" [env: {var}]"
     return parser
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                   help="how much to log; info adds the HTTP access log when serving (default: warning)")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="log lines of every process (HTTP, engine core, workers) as text, or as one JSON object "
+                        "per line (default: text)")
+    p.add_argument("--json-output", dest="log_format", action="store_const", const="json",
+                   help="the same as --log-format json (TGI's flag)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line over the ``LLMSERVE_*`` environment over the defaults."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = _subparsers(parser).get(argv[0]) if argv else None
+    if command is not None:
+        apply_env_defaults(command, os.environ)
+    args = parser.parse_args(argv)
+    if getattr(args, "positional_model", None) is not None:   # as vLLM: it wins over --model
+        args.model = args.positional_model
+    return args
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def env_var(action: argparse.Action) -> str | None:
+    """``LLMSERVE_SOME_FLAG`` for the flag ``--some-flag`` (named by its first option string:
+    aliases, positionals and --help have none)."""
+    if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+        return None
+    name = action.option_strings[0]
+    if not name.startswith("--") or name[2:].replace("-", "_") != action.dest:
+        return None      # an alias stored into another flag's value (--json-output, say)
+    return ENV_PREFIX + action.dest.upper()
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+    """Make each flag's ``LLMSERVE_*`` variable its default, converted and checked as the flag
+    would be: a bad value stops the command with an error naming the variable."""
+    for action in parser._actions:
+        var = env_var(action)
+        if var is None or var not in environ:
+            continue
+        try:
+            action.default = _env_value(parser, action, environ[var])
+        except (argparse.ArgumentError, argparse.ArgumentTypeError, ValueError) as e:
+            parser.error(f"environment variable {var}={environ[var]!r}: {getattr(e, 'message', e)}")
+
+
+def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, raw: str) -> object:
+    if action.nargs == 0:     # a switch: store_true, store_false, --[no-]flag
+        value = raw.strip().lower()
+        if value not in _TRUE | _FALSE:
+            raise ValueError(f"expected one of {sorted(_TRUE)} or {sorted(_FALSE - {''})}")
+        on = value in _TRUE
+        return (not on) if isinstance(action, argparse._StoreFalseAction) else on
+    many = action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
+    values = [parser._get_value(action, item) for item in (shlex.split(raw) if many else [raw])]
+    for value in values:
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"invalid choice: {value!r} (choose from {', '.join(map(str, action.choices))})")
+    return values if many else values[0]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -137,15 +246,16 @@ def serve(args: argparse.Namespace) -> int:
         **_step_options(args),
     )
     config = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY") or None,
+        host=args.host, port=args.port, api_key=args.api_key or None,
         max_concurrent_requests=args.max_concurrent_requests, max_total_tokens=args.max_total_tokens,
-        max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
+        max_input_tokens=args.max_input_tokens, max_top_n_tokens=args.max_top_n_tokens,
+        served_model_name=args.served_model_name,
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
         max_best_of=args.max_best_of, full_text_enabled=args.full_text_enabled,
         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
     )
-    return run_server(engine_config, config, log_level=args.log_level)
+    return run_server(engine_config, config, log_level=args.log_level, log_stats_interval=args.log_stats_interval)
 
 
 EXAMPLE_CONVERSATION = [
@@ -177,14 +287,14 @@ def show_templates(name: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "templates":
         try:
             return show_templates(args.name)
         except ValueError as e:
             print(f"llmserve: error: {e}", file=sys.stderr)
             return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, role="http" if args.command == "serve" else "cli")
     from llmserve.llm import LLM
     from llmserve.server.engine_client import EngineError
     from llmserve.worker.protocol import WorkerError
@@ -207,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
                     print(prompt + out.text)   # a raw continuation reads best after its prompt
     except (ValueError, WorkerError, EngineError) as e:   # bad model, bad flags, bad prompt: one line, no traceback
-        print(f"llmserve: error: {e}", file=sys.stderr)
+        report_error(str(e))
         return 2
     except KeyboardInterrupt:
         return 130

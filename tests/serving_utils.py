@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 # A test server has as long as it needs to become healthy while it makes progress: on a loaded
 # 2-core machine starting several side by side, that can take minutes. It has failed once it has
@@ -162,13 +163,14 @@ class ServerProcess:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
 
     def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
-        """The unlabelled samples of /metrics (and labelled ones as name{labels})."""
+        """The samples of /metrics, parsed by prometheus_client, keyed ``name`` or
+        ``name{label="value",...}`` without the ``model_name`` label every series has."""
         text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
         values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items() if k != "model_name")
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return values
 
     def __enter__(self) -> ServerProcess:

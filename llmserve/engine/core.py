@@ -142,13 +142,15 @@ class EngineCore:
     # -- to the HTTP process -------------------------------------------------------------
     def _stats(self) -> EngineStats:
         s = self.engine.scheduler
-        return EngineStats(num_waiting=s.num_waiting, num_running=s.num_running, num_used_slots=s.num_used_slots)
+        return EngineStats(num_waiting=s.num_waiting, num_running=s.num_running, num_used_slots=s.num_used_slots,
+                           num_preemptions=s.num_preemptions, num_prefill_tokens=self.engine.num_prefill_tokens)
 
     def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
         """One message per step; between steps, only when the stats changed (an abort, say)."""
         stats = self._stats()
         if deltas is not None or stats != self._last_stats:
-            self._send(EngineOutputs(deltas or [], stats))
+            step_tokens = self.engine.last_step_num_tokens if deltas is not None else 0
+            self._send(EngineOutputs(deltas or [], stats, step_tokens))
             self._last_stats = stats
 
     def _send(self, message: object) -> None:
@@ -188,6 +190,7 @@ def serve(address: str) -> int:
         assert isinstance(model, ModelSpec), model
         engine = LLMEngine(start.config, model, workers)
         first = EngineReady(engine.info, engine.config, engine.model, engine.summary())
+        logger.info("engine ready: %s", first.summary)
     except EOFError:
         pass                # the HTTP process gave up on the model (it failed its checks) or died
     except Exception as e:

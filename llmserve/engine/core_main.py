@@ -7,10 +7,10 @@ it takes to import torch; its own workers, in turn, follow it. Then it serves (`
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 
+from llmserve.common.logs import configure_child_logging
 from llmserve.common.process import exit_with_parent
 
 
@@ -20,8 +20,7 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the HTTP process decides how the
     # engine stops (it ends the open streams first, then tells us to shut down).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    level = rest[0] if rest else "WARNING"
-    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_child_logging("core", rest[0] if rest else None)
     # Imported, not run as __main__, so pickled classes keep their real module path.
     from llmserve.engine import core
 

@@ -140,6 +140,10 @@ class LLMEngine:
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet
         self._ids = itertools.count()
+        # For /metrics and the periodic log line: prompt tokens computed since start (again after
+        # a preemption), and the tokens the last step fed (decodes and prompt tokens).
+        self.num_prefill_tokens = 0
+        self.last_step_num_tokens = 0
         # LLMSERVE_STEP_TRACE=FILE: one JSON line per step (times and batch shape), to see where
         # a serving run's time goes (benchmarks/step_trace.py summarizes it).
         trace = os.environ.get("LLMSERVE_STEP_TRACE")
@@ -194,17 +198,20 @@ class LLMEngine:
         and schedules the next step while the device computes, and a request that ended (an
         EOS) in the step read has run one step more, whose token is dropped."""
         plan = self.scheduler.schedule()
+        self.last_step_num_tokens = 0
         entries = [self._batch_entry(s) for s in plan.scheduled]
         step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted],
                          overlap=self.overlap)
         self._to_free = []
         if not entries and not step.finished_req_ids and not step.preempted_req_ids and not self._in_flight:
             return []
-        shape = self._step_shape(plan) if self._trace is not None else None
+        self.num_prefill_tokens += plan.num_prefill_tokens
+        self.last_step_num_tokens = plan.num_tokens
         started = time.perf_counter()
         outputs = self.workers.step(step)
-        if shape is not None:
-            self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), **shape}) + "\n")
+        if self._trace is not None:
+            self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), "decode": plan.num_decode_tokens,
+                                          "prefill": plan.num_prefill_tokens, "waiting": self.scheduler.num_waiting}) + "\n")
         if entries:
             self._in_flight.append(plan)
             self._sent(plan)
@@ -252,12 +259,6 @@ class LLMEngine:
         result = self._run_in_halves([self._batch_entry(s) for s in live.scheduled])
         self._sent(live)
         return self._take_step(live, result)
-
-    def _step_shape(self, plan: SchedulerOutput) -> dict:
-        # Before update_after_step, so the scheduler still sees each request as it was scheduled.
-        decode = sum(1 for s in plan.scheduled if self.scheduler.is_decoding(s.request))
-        return {"decode": decode, "prefill": sum(s.num_new_tokens for s in plan.scheduled) - decode,
-                "waiting": self.scheduler.num_waiting}
 
     def _run_in_halves(self, entries: list[BatchEntry]) -> StepOutput:
         """Run entries whose forward failed together again, not overlapped, in halves (and the

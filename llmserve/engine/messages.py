@@ -82,12 +82,16 @@ class EngineStats:
     num_waiting: int = 0
     num_running: int = 0
     num_used_slots: int = 0
+    # Counts since the engine started (the HTTP process turns them into counters and rates).
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0       # prompt tokens computed, again after a preemption
 
 
 @dataclass
 class EngineOutputs:
     deltas: list[RequestDelta] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
+    num_step_tokens: int = 0          # tokens the step sent in this turn fed; 0: no step was sent
 
 
 @dataclass

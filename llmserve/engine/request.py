@@ -65,6 +65,8 @@ class Request:
     # from the worker's side (BatchEntry.pending_token).
     num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # When the scheduler first let it into the running batch (time.monotonic); None until then.
+    first_scheduled_time: float | None = None
     finish_reason: FinishReason | None = None
     # Why the request failed (finish_reason ERROR): one line, fit for the client.
     error: str | None = None
@@ -178,6 +180,10 @@ class RequestDelta:
     # Sent once, with the request's first token, when it asked for them.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # Sent once, with the request's first token (for /metrics): seconds from its arrival in the
+    # engine to its first scheduling (queue time), and from then to this token (prefill time).
+    queue_time: float | None = None
+    prefill_time: float | None = None
 
     @classmethod
     def of(cls, req: Request) -> RequestDelta:
@@ -185,6 +191,8 @@ class RequestDelta:
         if req.error is not None:
             return cls(req.req_id, None, finish_reason=req.finish_reason, error=req.error)
         first = req.num_output_tokens == 1   # prompt logprobs are ready by the first token: send them once
+        scheduled = req.first_scheduled_time
+        now = time.monotonic() if first and scheduled is not None else None
         return cls(
             req.req_id, token_id=req.output_token_ids[-1],
             logprob=req.output_logprobs[-1] if req.output_logprobs else None,
@@ -192,4 +200,6 @@ class RequestDelta:
             finish_reason=req.finish_reason,
             prompt_logprobs=req.prompt_logprobs if first else None,
             prompt_top_logprobs=req.prompt_top_logprobs if first else None,
+            queue_time=scheduled - req.arrival_time if now is not None else None,
+            prefill_time=now - scheduled if now is not None else None,
         )

@@ -23,6 +23,7 @@ is retired at once (``retire``): the batches are then the plain loop's, step for
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -55,6 +56,14 @@ class SchedulerOutput:
     # Requests taken out of the running batch: the workers must free their KV cache
     # before running this step.
     preempted: list[Request]
+    # What the step feeds: one token per decoding request, and prompt tokens (for /metrics,
+    # the periodic log line and the step trace).
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
 
 
 class Scheduler:
@@ -62,6 +71,7 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0     # since start, for /metrics
 
     # ----------------------------------------------------------------------------------
     # Requests in and out
@@ -110,6 +120,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         preempted = self._preempt_until_decodes_fit()
         scheduled = [ScheduledRequest(req, 1) for req in self.running if self.is_decoding(req)]
+        num_decodes = len(scheduled)
         budget = _PrefillBudget(self.config.max_prefill_tokens)
         for req in self.running:   # prompts under way first: they are older than any waiting one
             if not self.is_decoding(req):
@@ -118,7 +129,7 @@ class Scheduler:
                     break
                 scheduled.append(self._scheduled(req, chunk))
         scheduled += self._admit_waiting(budget)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, num_decodes, budget.taken)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The step ran: everything it fed is in the KV cache now."""
@@ -134,6 +145,7 @@ class Scheduler:
         return preempted
 
     def _preempt(self, req: Request) -> None:
+        self.num_preemptions += 1
         self.running.remove(req)
         req.num_cached = 0
         req.status = RequestStatus.WAITING
@@ -159,6 +171,8 @@ class Scheduler:
             if chunk == 0:
                 break
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(self._scheduled(req, chunk))
@@ -227,9 +241,11 @@ class _PrefillBudget:
 
     def __init__(self, limit: int):
         self.left = limit
+        self.taken = 0
         self.untouched = True
 
     def take(self, n: int) -> None:
         if n:
             self.left = max(0, self.left - n)
+            self.taken += n
             self.untouched = False

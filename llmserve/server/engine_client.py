@@ -26,15 +26,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmserve.common.logs import status_logger
 from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
     StartEngine, StartupFailed, StepFailed, encode, frame_size,
 )
-from llmserve.engine.request import FinishReason
+from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.stats_log import StatsLog
 from llmserve.worker.protocol import ABSTRACT_SOCKETS, WorkerInfo, socket_path
 
 if TYPE_CHECKING:
@@ -74,7 +76,10 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[TokenEvent | EngineError] = asyncio.Queue()
         self.finished = False
-        self.last_token_time: float | None = None   # for the inter-token latency metric
+        # for /metrics: when its first and latest tokens came, and the engine's prefill time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.prefill_time: float | None = None
 
     @property
     def req_id(self) -> int:
@@ -209,7 +214,9 @@ class EngineClient:
     ``ready``; ``proc`` is its process (None: a core on a thread of this process, in tests)."""
 
     def __init__(self, sock: socket.socket, ready: EngineReady, tokenizer, metrics: ServerMetrics | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None,
+                 log_stats_interval: float = 0.0):
+        """``log_stats_interval``: seconds between the status lines of a busy engine (0: none)."""
         self.info: WorkerInfo = ready.info
         self.config: EngineConfig = ready.config
         self.model_path: str = ready.model.path
@@ -219,6 +226,8 @@ class EngineClient:
         self.on_fatal = on_fatal                # the server exits when the engine cannot go on
         self.error: BaseException | None = None
         self.stats = EngineStats()              # the core's latest snapshot, for /metrics
+        self.num_generated_tokens = 0           # handed to the requests since start
+        self.log_stats_interval = log_stats_interval
         self._sock = sock
         self._proc = proc
         self._streams: dict[int, RequestStream] = {}
@@ -226,6 +235,7 @@ class EngineClient:
         self._writer: asyncio.StreamWriter | None = None
         self._outbox: list[object] = []         # messages of this turn of the loop (see _send)
         self._task: asyncio.Task | None = None
+        self._stats_task: asyncio.Task | None = None
         if metrics is not None:
             metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
                                  lambda: self.stats.num_used_slots, self.info.max_total_token_num)
@@ -246,8 +256,10 @@ class EngineClient:
         return stream
 
     def abort(self, req_id: int) -> None:
-        if self._streams.pop(req_id, None) is not None:
+        stream = self._streams.pop(req_id, None)
+        if stream is not None:       # else it ended already (and was counted then)
             self._send(AbortRequests([req_id]))
+            self._observe_end(stream, FinishReason.ABORT)
 
     @property
     def is_healthy(self) -> bool:
@@ -256,17 +268,31 @@ class EngineClient:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
-        self._task = asyncio.get_running_loop().create_task(self._read(reader), name="llmserve-engine-client")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._read(reader), name="llmserve-engine-client")
+        if self.log_stats_interval > 0:
+            self._stats_task = loop.create_task(self._log_stats(), name="llmserve-stats-log")
+
+    async def _log_stats(self) -> None:
+        log = StatsLog(self.info.max_total_token_num, time.monotonic())
+        while True:
+            await asyncio.sleep(self.log_stats_interval)
+            line = log.line(self.stats, self.num_generated_tokens, time.monotonic())
+            if line is not None:
+                status_logger().info(line.message, extra=line.fields)
 
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown): each stream gets ``EngineError``."""
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._put(EngineError(message))
+            self._observe_end(stream, FinishReason.ERROR)
         if streams:
             self._send(AbortRequests(list(streams)))
 
     async def close(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -331,6 +357,8 @@ class EngineClient:
 
     def _publish(self, outputs: EngineOutputs) -> None:
         self.stats = outputs.stats
+        if self.metrics is not None:
+            self.metrics.observe_engine(outputs)
         now = time.monotonic()
         for delta in outputs.deltas:
             stream = self._streams.get(delta.req_id)
@@ -342,8 +370,10 @@ class EngineClient:
             if req.error is not None:
                 del self._streams[delta.req_id]
                 stream._put(RequestError(f"the request failed: {req.error}"))
+                self._observe_end(stream, FinishReason.ERROR)
                 continue
-            self._observe_latency(stream, now)
+            self.num_generated_tokens += 1
+            self._observe_latency(stream, delta, now)
             stream._put(TokenEvent(delta.token_id, req.take_stream_delta(), delta.logprob, delta.top_logprobs, req.finish_reason))
             if req.is_finished:
                 del self._streams[delta.req_id]
@@ -353,6 +383,7 @@ class EngineClient:
             stream = self._streams.pop(req_id, None)
             if stream is not None:
                 stream._put(EngineError(error))
+                self._observe_end(stream, FinishReason.ERROR)
 
     def _die(self, error: BaseException) -> None:
         """The engine cannot go on (a worker or the core died): fail everything, stop the server."""
@@ -364,15 +395,29 @@ class EngineClient:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
-    def _observe_latency(self, stream: RequestStream, now: float) -> None:
+    def _observe_latency(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
         if self.metrics is None:
             return
         req = stream.request
         self.metrics.generated_tokens.inc()
         if stream.last_token_time is None:
             self.metrics.ttft.observe(now - req.arrival_time)
+            self.metrics.observe_first_token(delta.queue_time, delta.prefill_time)
+            stream.first_token_time, stream.prefill_time = now, delta.prefill_time
         else:
             self.metrics.itl.observe(now - stream.last_token_time)
         stream.last_token_time = now
         if req.is_finished:
             self.metrics.e2e.observe(now - req.arrival_time)
+            self._observe_end(stream, req.finish_reason)
+
+    def _observe_end(self, stream: RequestStream, reason: FinishReason) -> None:
+        """A request's last word for /metrics: how it ended, its lengths, and (when it ran to
+        its end) how long it decoded."""
+        if self.metrics is None:
+            return
+        req = stream.request
+        ran_out = reason not in (FinishReason.ABORT, FinishReason.ERROR) and stream.first_token_time is not None
+        decode_time = stream.last_token_time - stream.first_token_time if ran_out else None
+        self.metrics.observe_finished(reason, req.num_prompt_tokens, req.num_output_tokens, stream.prefill_time,
+                                      decode_time)

@@ -1,17 +1,44 @@
 """Prometheus metrics of one server, in a registry of its own (several servers can live in one
-test process without their series colliding)."""
+test process without their series colliding).
+
+The set mirrors vLLM's (``vllm:X`` is ``llmserve_X``, or the older name we had for the same
+thing; the README's table maps them), and every series carries a ``model_name`` label, so
+that vLLM's and TGI's dashboards port with a change of names: ``docker/grafana/llmserve.json``
+is one ready to import. Per-request times come from the engine core with each request's first
+token (``RequestDelta.queue_time``, ``prefill_time``) and from the HTTP process's own clock.
+"""
 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llmserve.engine.messages import EngineOutputs
+from llmserve.engine.request import FinishReason
+
 # Latency buckets in seconds: TTFT spans a decode step (ms) to a long queue (tens of s).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+# Between two tokens: a decode step (ms), or a long stall (a preemption, a burst of long prompts).
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5,
+                5.0, 10.0, 20.0, 40.0, 60.0)
+# A request's phases: a queue wait or a prefill (ms to minutes), a long generation (minutes).
+_REQUEST_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+                         480.0, 960.0, 1920.0)
+
+
+def token_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the first at or beyond ``limit`` (vLLM's spacing for
+    lengths)."""
+    buckets = []
+    for scale in itertools.count():
+        for m in (1, 2, 5):
+            buckets.append(m * 10**scale)
+            if buckets[-1] >= limit:
+                return tuple(buckets)
 
 
 class RequestOutcome(str, enum.Enum):
@@ -25,29 +52,75 @@ class RequestOutcome(str, enum.Enum):
 class ServerMetrics:
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_tokens: int = 1 << 20) -> None:
+        """``max_tokens``: the most tokens a request or a step can have (the KV pool), which
+        bounds the length histograms."""
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("llmserve_requests", "Finished client requests by outcome.", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("llmserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generated_tokens = Counter("llmserve_generated_tokens", "Tokens generated.", registry=r)
-        self.ttft = Histogram("llmserve_time_to_first_token_seconds", "From arrival to the first generated token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("llmserve_inter_token_latency_seconds", "Between consecutive tokens of one request.",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("llmserve_request_latency_seconds", "From arrival to the last token.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_size = Gauge("llmserve_queue_size", "Requests waiting for admission (or re-admission after preemption).", registry=r)
-        self.batch_size = Gauge("llmserve_running_batch_size", "Requests in the running batch.", registry=r)
-        self.kv_slots_used = Gauge("llmserve_kv_cache_slots_used", "KV-cache token slots held by running requests.", registry=r)
-        self.kv_slots_total = Gauge("llmserve_kv_cache_slots_total", "KV-cache token slots in the pool.", registry=r)
-        # set_function'ed by the server to its count of admitted generations
-        self.in_flight = Gauge("llmserve_requests_in_flight",
-                               "Generations being served now (a client request with several prompts or choices "
-                               "counts each; --max-concurrent-requests bounds this).", registry=r)
-        self.healthy = Gauge("llmserve_healthy", "1 while every model worker is alive.", registry=r)
+        self.model_name = model_name
+        r, m, name = self.registry, ["model_name"], model_name
+
+        def counter(metric: str, doc: str) -> Counter:
+            return Counter(metric, doc, m, registry=r).labels(name)
+
+        def gauge(metric: str, doc: str) -> Gauge:
+            return Gauge(metric, doc, m, registry=r).labels(name)
+
+        def histogram(metric: str, doc: str, buckets) -> Histogram:
+            return Histogram(metric, doc, m, buckets=buckets, registry=r).labels(name)
+
+        # -- client requests, as the API answered them -------------------------------------
+        self._requests = Counter("llmserve_requests", "Finished client requests by outcome.", [*m, "outcome"], registry=r)
         for outcome in RequestOutcome:
-            self.requests.labels(outcome.value)   # every series exists from the start, at 0
+            self._requests.labels(name, outcome.value)   # every series exists from the start, at 0
+        # set_function'ed by the server to its count of admitted generations
+        self.in_flight = gauge("llmserve_requests_in_flight",
+                               "Generations being served now (a client request with several prompts or choices "
+                               "counts each; --max-concurrent-requests bounds this).")
+        self.healthy = gauge("llmserve_healthy", "1 while every model worker is alive.")
+
+        # -- tokens --------------------------------------------------------------------------
+        self.prompt_tokens = counter("llmserve_prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generated_tokens = counter("llmserve_generated_tokens", "Tokens generated.")
+        self.iteration_tokens = histogram("llmserve_iteration_tokens",
+                                          "Tokens fed by one engine step (decodes and prompt tokens).",
+                                          token_buckets(max_tokens))
+        self.request_prompt_tokens = histogram("llmserve_request_prompt_tokens", "Prompt length of finished generations.",
+                                               token_buckets(max_tokens))
+        self.request_generation_tokens = histogram("llmserve_request_generation_tokens",
+                                                   "Tokens generated by finished generations.", token_buckets(max_tokens))
+
+        # -- per-token and per-request times -------------------------------------------------
+        self.ttft = histogram("llmserve_time_to_first_token_seconds", "From arrival to the first generated token.",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("llmserve_inter_token_latency_seconds", "Between consecutive tokens of one request.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("llmserve_request_latency_seconds", "From arrival to the last token.", _REQUEST_TIME_BUCKETS)
+        self.queue_time = histogram("llmserve_request_queue_time_seconds",
+                                    "From arrival in the engine to the first scheduling.", _REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("llmserve_request_prefill_time_seconds",
+                                      "From the first scheduling to the first token.", _REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("llmserve_request_decode_time_seconds", "From the first token to the last.",
+                                     _REQUEST_TIME_BUCKETS)
+        self.inference_time = histogram("llmserve_request_inference_time_seconds",
+                                        "From the first scheduling to the last token (prefill + decode).",
+                                        _REQUEST_TIME_BUCKETS)
+        self.time_per_output_token = histogram("llmserve_request_time_per_output_token_seconds",
+                                               "Decode time over the tokens after the first, per generation.",
+                                               _ITL_BUCKETS)
+        self._finished = Counter("llmserve_request_finished", "Finished generations by finish reason.",
+                                 [*m, "finish_reason"], registry=r)
+        for reason in FinishReason:
+            self._finished.labels(name, reason.value)
+
+        # -- the engine's state --------------------------------------------------------------
+        self.queue_size = gauge("llmserve_queue_size", "Requests waiting for admission (or re-admission after preemption).")
+        self.batch_size = gauge("llmserve_running_batch_size", "Requests in the running batch.")
+        self.kv_slots_used = gauge("llmserve_kv_cache_slots_used", "KV-cache token slots held by running requests.")
+        self.kv_slots_total = gauge("llmserve_kv_cache_slots_total", "KV-cache token slots in the pool.")
+        self.kv_usage = gauge("llmserve_kv_cache_usage_ratio", "Share of the KV-cache token slots in use, 0 to 1.")
+        self.preemptions = counter("llmserve_num_preemptions",
+                                   "Requests taken out of the running batch to free KV cache (prefilled again later).")
+        self._num_preemptions = 0
 
     def track_engine(self, num_waiting: Callable[[], int], num_running: Callable[[], int],
                      kv_used: Callable[[], int], kv_total: int) -> None:
@@ -56,9 +129,38 @@ class ServerMetrics:
         self.batch_size.set_function(num_running)
         self.kv_slots_used.set_function(kv_used)
         self.kv_slots_total.set(kv_total)
+        self.kv_usage.set_function(lambda: kv_used() / kv_total if kv_total else 0.0)
+
+    def observe_engine(self, outputs: EngineOutputs) -> None:
+        """What one message of the engine core says beyond its requests' tokens."""
+        if outputs.num_step_tokens:
+            self.iteration_tokens.observe(outputs.num_step_tokens)
+        preemptions = outputs.stats.num_preemptions
+        if preemptions > self._num_preemptions:
+            self.preemptions.inc(preemptions - self._num_preemptions)
+            self._num_preemptions = preemptions
+
+    def observe_first_token(self, queue_time: float | None, prefill_time: float | None) -> None:
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
+        if prefill_time is not None:
+            self.prefill_time.observe(prefill_time)
+
+    def observe_finished(self, reason: FinishReason, num_prompt_tokens: int, num_output_tokens: int,
+                         prefill_time: float | None, decode_time: float | None) -> None:
+        """A generation ended (any way: its tokens ran out, the client left, it failed)."""
+        self._finished.labels(self.model_name, reason.value).inc()
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
+        if decode_time is not None:
+            self.decode_time.observe(decode_time)
+            if prefill_time is not None:
+                self.inference_time.observe(prefill_time + decode_time)
+            if num_output_tokens > 1:
+                self.time_per_output_token.observe(decode_time / (num_output_tokens - 1))
 
     def count(self, outcome: RequestOutcome) -> None:
-        self.requests.labels(outcome.value).inc()
+        self._requests.labels(self.model_name, outcome.value).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import sys
 
 import uvicorn
 
 from llmserve.chat_template import load_chat_template
+from llmserve.common.logs import adopt_library_logging, report_error, status_logger
 from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
-from llmserve.server.api.state import ServerConfig, ServerState
+from llmserve.server.api.state import ServerConfig, ServerState, default_model_name
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.engine_client import EngineClient, EngineCoreProcess
 from llmserve.engine.engine import EngineConfig, inspect_model, resolve_model_path
@@ -56,7 +56,7 @@ class _Server(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
-            print(self.banner, file=sys.stderr, flush=True)
+            status_logger().info(self.banner)
 
     def stop_with_error(self, error: BaseException) -> None:
         """The engine cannot go on (a worker or the engine core died): exit non-zero."""
@@ -82,7 +82,10 @@ def describe_template(state: ServerState) -> str:
     return chosen.name if chosen.source in ("registry", "tokenizer") else f"{chosen.name} ({chosen.source})"
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "warning") -> int:
+def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "warning",
+               log_stats_interval: float = 0.0) -> int:
+    """Serve until stopped; the exit code. Logging is the caller's to configure
+    (``llmserve.common.logs``): uvicorn's records go through it too."""
     # What can fail without the model fails before the (slow) model load.
     check_port_free(config.host, config.port)
     chat_template = load_chat_template(config.chat_template) if config.chat_template else None
@@ -91,30 +94,33 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     core = EngineCoreProcess(engine_config, log_level)   # its workers start (importing torch) meanwhile
     try:
         tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
+        adopt_library_logging()                     # loading it may have imported transformers
         core.start_model(inspect_model(engine_config, tokenizer))
         ready = core.wait_ready()
-        metrics = ServerMetrics()
+        metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),
+                                max_tokens=ready.info.max_total_token_num)
         server: _Server | None = None
 
         def on_fatal(error: BaseException) -> None:
             if server is not None:
                 server.stop_with_error(error)
 
-        engine = EngineClient(core.sock, ready, tokenizer, metrics, on_fatal=on_fatal, proc=core.proc)
+        engine = EngineClient(core.sock, ready, tokenizer, metrics, on_fatal=on_fatal, proc=core.proc,
+                              log_stats_interval=log_stats_interval)
         state = ServerState(config, engine, metrics, chat_template, sampling_defaults)
-        print(f"{engine.summary}, max {state.limits.max_total_tokens} tokens per request, "
-              f"chat template: {describe_template(state)}, sampling defaults: {sampling_defaults.summary()}",
-              file=sys.stderr, flush=True)
+        status_logger().info("%s, max %d tokens per request, chat template: %s, sampling defaults: %s", engine.summary,
+                             state.limits.max_total_tokens, describe_template(state), sampling_defaults.summary())
         banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
                   f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions)")
         uv_config = uvicorn.Config(
             create_app(state), host=config.host, port=config.port, log_level=log_level,
             access_log=log_level in ("debug", "info"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            log_config=None,     # uvicorn's records go through our handler: timestamps, --log-format
         )
         server = _Server(uv_config, engine, banner)
         server.run()
         if server.exit_code:
-            print(f"llmserve: error: {engine.error}", file=sys.stderr)
+            report_error(str(engine.error))
         return server.exit_code
     finally:
         core.stop()

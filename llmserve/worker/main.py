@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import sys
 
+from llmserve.common.logs import configure_child_logging
 from llmserve.common.process import exit_with_parent
 
 
 def main(argv: list[str]) -> None:
     address, parent_pid = argv
     exit_with_parent(int(parent_pid))
+    configure_child_logging("worker")
     # Imported, not run as __main__, so pickled classes keep their real module path on the way
     # back to the engine core.
     from llmserve.worker import model_worker

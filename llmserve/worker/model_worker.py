@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ import rpyc
 import torch
 from rpyc.utils.server import ThreadedServer
 
-
+from llmserve.common.logs import adopt_library_logging
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
@@ -320,7 +321,11 @@ class ModelRpcServer(rpyc.Service):
 
     def exposed_init_model(self, args: bytes) -> bytes:
         self._imports.join()   # two threads importing the same modules at once can deadlock
-        self.worker = ModelWorker(pickle.loads(args))
+        adopt_library_logging()   # the imports brought transformers, which logs on its own
+        started = time.monotonic()
+        init_args = pickle.loads(args)
+        self.worker = ModelWorker(init_args)
+        logger.info("rank %d: model loaded in %.1f s", init_args.tp_rank, time.monotonic() - started)
         return pickle.dumps(self.worker.info())
 
     def exposed_step(self, step: bytes) -> bytes:
@@ -352,5 +357,6 @@ def serve(address: str) -> None:
     after this process started: a thread imports the model code meanwhile."""
     imports = threading.Thread(target=_import_model_code, name="import-model-code", daemon=True)
     imports.start()
-    server = ThreadedServer(ModelRpcServer(imports), socket_path=socket_path(address), protocol_config=RPYC_CONFIG)
+    server = ThreadedServer(ModelRpcServer(imports), socket_path=socket_path(address), protocol_config=RPYC_CONFIG,
+                            logger=logging.getLogger("llmserve.worker.rpyc"))   # not one named after the socket
     server.start()

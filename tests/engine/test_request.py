@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from llmserve.engine.request import FinishReason, Request, RequestDelta, RequestStatus
@@ -127,3 +129,17 @@ def test_delta_of_a_failed_request_has_no_token():
     req.finish(FinishReason.ERROR)
     delta = RequestDelta.of(req)
     assert (delta.token_id, delta.finish_reason, delta.error) == (None, FinishReason.ERROR, "boom")
+
+
+def test_the_first_tokens_delta_carries_queue_and_prefill_times():
+    """For /metrics: the engine core's view of when the request waited and when it prefilled."""
+    req = make_request(max_new_tokens=3)
+    req.arrival_time = time.monotonic() - 2.0
+    req.first_scheduled_time = req.arrival_time + 1.5
+    req.append_token(5)
+    first = RequestDelta.of(req)
+    assert first.queue_time == pytest.approx(1.5)
+    assert 0.5 <= first.prefill_time < 1.0
+    req.append_token(6)
+    later = RequestDelta.of(req)
+    assert later.queue_time is None and later.prefill_time is None

@@ -269,6 +269,32 @@ def test_preempts_several_and_keeps_their_arrival_order():
     assert [r.req_id for r in output.preempted] == [4, 3]
     assert scheduled_ids(output) == [0, 1, 2]
     assert [r.req_id for r in scheduler.waiting] == [3, 4]
+    assert scheduler.num_preemptions == 2       # for /metrics
+
+
+def test_a_step_counts_its_decode_and_prompt_tokens():
+    """For /metrics (tokens per step) and the periodic log line (prompt throughput)."""
+    scheduler = make_scheduler(100, max_prefill_tokens=8)
+    scheduler.add_request(make_request(0, prompt_len=3))
+    first = run_step(scheduler)
+    assert (first.num_decode_tokens, first.num_prefill_tokens, first.num_tokens) == (0, 3, 3)
+    scheduler.add_request(make_request(1, prompt_len=20))     # split: 8 of it this step
+    second = run_step(scheduler)
+    assert (second.num_decode_tokens, second.num_prefill_tokens) == (1, 8)
+    assert second.num_tokens == sum(s.num_new_tokens for s in second.scheduled)
+
+
+def test_first_scheduling_is_recorded_once():
+    scheduler = make_scheduler(100)
+    req = make_request(0, prompt_len=2)
+    scheduler.add_request(req)
+    assert req.first_scheduled_time is None
+    run_step(scheduler)
+    first = req.first_scheduled_time
+    assert first is not None
+    scheduler._preempt(req)
+    run_step(scheduler)
+    assert req.first_scheduled_time == first
 
 
 # --------------------------------------------------------------------------------------

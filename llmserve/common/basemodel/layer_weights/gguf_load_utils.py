@@ -341,7 +341,7 @@ def load_gguf(path: str, progress: bool = True, quantized: bool = False) -> GGUF
 
     Raises ``ModelLoadError`` (one line) for a missing file, a file that is not GGUF, an
     architecture other than llama / qwen2, an unexpected tensor, or a tensor type gguf-py cannot
-    dequantize. ``progress`` shows a progress bar on stderr while dequantizing.
+    dequantize. ``progress`` shows a progress bar on stderr while dequantizing, if stderr is a terminal (a log file gets no carriage returns).
     """
     import torch  # here, not at the top: the HTTP process reads GGUF tokenizers and never needs torch
 
@@ -353,7 +353,7 @@ def load_gguf(path: str, progress: bool = True, quantized: bool = False) -> GGUF
 
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     bar = tqdm(
-        reader.tensors, desc="Reading GGUF" if quantized else "Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=not progress
+        reader.tensors, desc="Reading GGUF" if quantized else "Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=None if progress else True
     )
     with bar:
         for t in bar:

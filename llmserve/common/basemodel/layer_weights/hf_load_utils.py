@@ -128,13 +128,13 @@ def iter_hf_weight_files(model_dir: str, progress: bool = True) -> Iterator[dict
     Which files: the shards named by ``model.safetensors.index.json`` if it exists (all must
     exist), else every ``*.safetensors``, else every ``pytorch_model*.bin``. Problems with the
     directory or the file list raise ``ModelLoadError`` here, at call time; a corrupt file raises
-    it when its turn comes. ``progress`` shows a progress bar over files on stderr.
+    it when its turn comes. ``progress`` shows a progress bar over files on stderr, if stderr is a terminal.
     """
     files = list_hf_weight_files(model_dir)
     return _iter_files(files, progress)
 
 
 def _iter_files(files: list[str], progress: bool) -> Iterator[dict[str, torch.Tensor]]:
-    with tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, leave=False, disable=not progress) as bar:
+    with tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, leave=False, disable=None if progress else True) as bar:
         for path in bar:
             yield _load_weight_file(path)

@@ -138,3 +138,20 @@ def test_index_without_weight_map(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ModelLoadError, match="no 'weight_map'"):
         iter_hf_weight_files(str(tmp_path))
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_the_progress_bar_is_drawn_only_on_a_terminal(tmp_path: Path, tiny_model: LlamaForCausalLM, tty: bool,
+                                                      monkeypatch) -> None:
+    """A log file must not fill with a progress bar's carriage returns."""
+    import io
+    import sys
+
+    class Stderr(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    tiny_model.save_pretrained(tmp_path)
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    list(iter_hf_weight_files(str(tmp_path), progress=True))
+    assert ("Loading weights" in sys.stderr.getvalue()) == tty
