@@ -516,15 +516,17 @@ def test_guided_draws_stay_inside_the_grammar(grammar_compiler, temperature: flo
     from llmserve.sampling_params import GuidedDecodingParams
 
     regex = r"[0-9a-f]{2,5}-(x|yz)"
+    # More constrained rows than PARALLEL_MASKS: their masks come from llguidance's thread pool.
+    n = sampler_module.PARALLEL_MASKS + 1
     requests = {i: SamplingParams(temperature=temperature, seed=i, guided_decoding=GuidedDecodingParams(regex=regex))
-                for i in range(6)}
-    requests[6] = SamplingParams(temperature=temperature, seed=6, guided_decoding=GuidedDecodingParams(
+                for i in range(n)}
+    requests[n] = SamplingParams(temperature=temperature, seed=6, guided_decoding=GuidedDecodingParams(
         json='{"type":"object","properties":{"a":{"enum":["xyz","fff"]}},"required":["a"]}'))
     sampler = grammar_sampler(grammar_compiler, requests)
     texts = run_to_end(sampler, list(requests), steps=40)
-    for i in range(6):
+    for i in range(n):
         assert re.fullmatch(regex, texts[i]), texts[i]
-    assert texts[6] in ('{"a":"xyz"}', '{"a":"fff"}')
+    assert texts[n] in ('{"a":"xyz"}', '{"a":"fff"}')
 
 
 def test_guided_greedy_is_the_argmax_over_allowed_tokens(grammar_compiler):
