@@ -142,6 +142,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--schemas", choices=["distinct", "same"], default="distinct")
     p.add_argument("--loops", default=None, help="comma-separated: overlap, plain (default: the engine's choice)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timed runs of each mode, alternated; the table keeps each mode's best (for a shared host)")
     p.add_argument("--compile-schemas", type=int, default=100)
     p.add_argument("--max-total-token-num", type=int, default=None)
     p.add_argument("--json", default=None, help="also write every number here")
@@ -179,8 +181,14 @@ def main() -> int:
             engine.overlap = loop == "overlap"
             for mode in ["unconstrained", "json-schema"]:
                 run_requests(engine, prompts(c), params(mode, c), c, mode)   # warm-up
-                results.append(run_requests(engine, prompts(n), params(mode, n), c, mode))
-                print(f"{loop} {mode}: {results[-1].out_tok_per_s:.1f} tok/s", file=sys.stderr)
+            best: dict[str, Result] = {}
+            for round_ in range(args.rounds):       # alternated, so that a busy spell hits both
+                for mode in ["unconstrained", "json-schema"]:
+                    r = run_requests(engine, prompts(n), params(mode, n), c, mode)
+                    print(f"{loop} {mode} round {round_}: {r.out_tok_per_s:.1f} tok/s", file=sys.stderr)
+                    if mode not in best or r.out_tok_per_s > best[mode].out_tok_per_s:
+                        best[mode] = r
+            results += best.values()
     finally:
         engine.shutdown()
     times = compile_times(model_path, vocab, args.compile_schemas)

@@ -339,6 +339,14 @@ def test_tensor_parallel_2_matches_1_under_grammars(tiny, tiny_tp2):
     assert all(o.finish_reason == "eos_token" for o in expected)
 
 
+def test_a_grammar_that_does_not_compile_is_refused_at_admission(tiny):
+    from llmserve.sampling_params import GuidedDecodingParams
+
+    with pytest.raises(ValueError, match="guided_decoding regex cannot be compiled.*unclosed group"):
+        tiny.generate(["hi"], SamplingParams(guided_decoding=GuidedDecodingParams(regex="a(b")))
+    assert len(tiny.generate(["still alive"], GREEDY)[0].token_ids) > 0
+
+
 def test_invalid_requests_are_clear_errors_and_the_engine_keeps_serving(tiny):
     with pytest.raises(ValueError, match="max_new_tokens must be <="):
         tiny.generate(["hi"], SamplingParams(max_new_tokens=10_000))

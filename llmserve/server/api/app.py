@@ -12,6 +12,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
+from llmserve.grammar import BACKEND as GRAMMAR_BACKEND
 from llmserve.server.api import openai, tgi, tokenization
 from llmserve.server.api.errors import (
     APIError, error_response, http_error, internal_error, not_json_error, validation_error,
@@ -100,6 +101,7 @@ def create_app(state: ServerState) -> FastAPI:
             "chat_template": state.chat_template.describe() if state.chat_template else None,
             # the sampling defaults a request's unset fields take (--generation-config)
             "generation_config": state.sampling_defaults.describe(),
+            "grammar_backend": GRAMMAR_BACKEND,   # structured output (response_format, grammar)
             "router": "llmserve", "version": __version__,
         }
 

@@ -140,6 +140,7 @@ def test_tgi_grammar_schema_as_a_string(tiny_server):
         "max_new_tokens": 80, "grammar": {"type": "json", "value": json.dumps(PERSON_SCHEMA)}}})
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["generated_text"]), PERSON_SCHEMA)
+    assert httpx.get(f"{tiny_server.url}/info", timeout=60).json()["grammar_backend"] == "llguidance"
 
 
 def test_vllm_guided_fields(tiny_server):
