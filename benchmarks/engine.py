@@ -54,10 +54,23 @@ class Result:
     ttft_ms: float
 
 
-def run_requests(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> Result:
-    """Keep ``concurrency`` requests in flight until every prompt has its ``output_len`` tokens."""
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    queue = list(prompts)
+@dataclass
+class Run:
+    """The requests of one ``keep_in_flight``, and when each got its first and last token."""
+    done: list[Request]
+    first_token: dict[int, float]
+    last_token: dict[int, float]
+    start: float
+    seconds: float
+
+    def tpots_ms(self) -> list[float]:
+        return [(self.last_token[r.req_id] - self.first_token[r.req_id]) / (r.num_output_tokens - 1) * 1e3
+                for r in self.done if r.num_output_tokens > 1]
+
+
+def keep_in_flight(engine: LLMEngine, jobs: list[tuple[list[int], SamplingParams]], concurrency: int) -> Run:
+    """Keep ``concurrency`` of the (prompt, params) jobs in flight until every one has finished."""
+    queue = list(jobs)
     running: list[Request] = []
     done: list[Request] = []
     first_token: dict[int, float] = {}
@@ -65,7 +78,7 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], output_len: int, c
     start = time.perf_counter()
     while queue or running:
         while queue and len(running) < concurrency:
-            running.append(engine.add_request(queue.pop(), params))
+            running.append(engine.add_request(*queue.pop()))
         deltas = engine.step()
         now = time.perf_counter()
         for delta in deltas:
@@ -76,9 +89,16 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], output_len: int, c
         running = still
     seconds = time.perf_counter() - start
     engine.flush()
+    return Run(done, first_token, last_token, start, seconds)
+
+
+def run_requests(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> Result:
+    """Keep ``concurrency`` requests in flight until every prompt has its ``output_len`` tokens."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    run = keep_in_flight(engine, [(p, params) for p in prompts], concurrency)
+    done, first_token, start, seconds = run.done, run.first_token, run.start, run.seconds
     tokens = sum(r.num_output_tokens for r in done)
-    tpots = [(last_token[r.req_id] - first_token[r.req_id]) / (r.num_output_tokens - 1) * 1e3
-             for r in done if r.num_output_tokens > 1]
+    tpots = run.tpots_ms()
     # the first C requests are all queued at the start: their TTFT is first token - start
     first_wave = sorted(done, key=lambda r: r.req_id)[:concurrency]
     ttfts = [(first_token[r.req_id] - start) * 1e3 for r in first_wave]

@@ -26,8 +26,6 @@ import sys
 import sysconfig
 import time
 
-# Off sys.path: benchmarks/kernels.py would shadow the PyPI package transformers probes for.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 FORMATS = ["date", "date-time", "time", "email", "uuid", "ipv4"]
 FORMAT_EXAMPLES = {"date": "2024-02-29", "date-time": "2024-02-29T12:30:00Z", "time": "12:30:00Z",
@@ -172,6 +170,8 @@ def bench_xgrammar(tokenizer_json: str, cases: list[tuple[str, list[int]]]) -> d
 
 
 def main() -> None:
+    # Off sys.path: benchmarks/kernels.py would shadow the PyPI package transformers probes for.
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schemas", type=int, default=60)
     ap.add_argument("--vocab", type=int, default=128_000)

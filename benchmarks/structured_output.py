@@ -39,13 +39,13 @@ from dataclasses import asdict, dataclass
 
 from common import environment, markdown_table, remove_script_dir_from_sys_path, write_json
 from grammar_libraries import pctl, random_schema, with_ref
+from engine import keep_in_flight  # last: importing it takes this folder off sys.path
 
 remove_script_dir_from_sys_path()
 
 import torch  # noqa: E402
 
 from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resolve_model_path  # noqa: E402
-from llmserve.engine.request import Request  # noqa: E402
 from llmserve.grammar import GrammarCompiler, check_guided_decoding, tokenizer_json  # noqa: E402
 from llmserve.sampling_params import GuidedDecodingParams, SamplingParams  # noqa: E402
 from llmserve.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
@@ -78,32 +78,14 @@ class Result:
 def run_requests(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
                  mode: str) -> Result:
     """Keep ``concurrency`` requests in flight until each prompt has its tokens."""
-    queue = list(zip(prompts, params))
-    running: list[Request] = []
-    done: list[Request] = []
-    first_token: dict[int, float] = {}
-    last_token: dict[int, float] = {}
-    start = time.perf_counter()
-    while queue or running:
-        while queue and len(running) < concurrency:
-            running.append(engine.add_request(*queue.pop()))
-        deltas = engine.step()
-        now = time.perf_counter()
-        for delta in deltas:
-            first_token.setdefault(delta.req_id, now)
-            last_token[delta.req_id] = now
-        done += [r for r in running if r.is_finished]
-        running = [r for r in running if not r.is_finished]
-    seconds = time.perf_counter() - start
-    engine.flush()
-    errors = [r.error for r in done if getattr(r, "error", None)]
+    run = keep_in_flight(engine, list(zip(prompts, params)), concurrency)
+    errors = [r.error for r in run.done if r.error]
     if errors:
         raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    tokens = sum(r.num_output_tokens for r in done)
-    tpots = [(last_token[r.req_id] - first_token[r.req_id]) / (r.num_output_tokens - 1) * 1e3
-             for r in done if r.num_output_tokens > 1]
-    return Result(mode, "overlap" if engine.overlap else "plain", concurrency, len(done), tokens, seconds,
-                  tokens / seconds, statistics.fmean(tpots) if tpots else float("nan"))
+    tokens = sum(r.num_output_tokens for r in run.done)
+    tpots = run.tpots_ms()
+    return Result(mode, "overlap" if engine.overlap else "plain", concurrency, len(run.done), tokens, run.seconds,
+                  tokens / run.seconds, statistics.fmean(tpots) if tpots else float("nan"))
 
 
 def compile_times(model_path: str, vocab_size: int, n: int) -> dict[str, list[float]]:
