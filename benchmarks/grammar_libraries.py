@@ -12,6 +12,8 @@ formats), one instance of each is tokenized, and each library is walked along th
   consumed (not timed).
 
     python benchmarks/grammar_libraries.py [--schemas 60] [--vocab 128000] [--json PATH]
+
+Needs xgrammar beside llguidance (pip install xgrammar); llmserve itself depends on llguidance only.
 """
 
 from __future__ import annotations
