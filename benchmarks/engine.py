@@ -95,7 +95,11 @@ def keep_in_flight(engine: LLMEngine, jobs: list[tuple[list[int], SamplingParams
 def run_requests(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> Result:
     """Keep ``concurrency`` requests in flight until every prompt has its ``output_len`` tokens."""
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    run = keep_in_flight(engine, [(p, params) for p in prompts], concurrency)
+    return result_of(engine, keep_in_flight(engine, [(p, params) for p in prompts], concurrency), concurrency)
+
+
+def result_of(engine: LLMEngine, run: Run, concurrency: int) -> Result:
+    """A run's numbers."""
     done, first_token, start, seconds = run.done, run.first_token, run.start, run.seconds
     tokens = sum(r.num_output_tokens for r in done)
     tpots = run.tpots_ms()

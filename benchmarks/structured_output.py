@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 from common import environment, markdown_table, remove_script_dir_from_sys_path, write_json
 from grammar_libraries import pctl, random_schema, with_ref
-from engine import keep_in_flight  # last: importing it takes this folder off sys.path
+from engine import Result, keep_in_flight, result_of  # last: importing it takes this folder off sys.path
 
 remove_script_dir_from_sys_path()
 
@@ -64,28 +63,19 @@ def long_schema(tag: str) -> dict:
 
 
 @dataclass
-class Result:
+class ModeResult:
     mode: str                        # unconstrained | json-schema
-    loop: str                        # overlap | plain
-    concurrency: int
-    num_requests: int
-    output_tokens: int
-    seconds: float
-    out_tok_per_s: float
-    tpot_ms: float
+    result: Result                   # engine.py's numbers of the run
 
 
 def run_requests(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
-                 mode: str) -> Result:
+                 mode: str) -> ModeResult:
     """Keep ``concurrency`` requests in flight until each prompt has its tokens."""
     run = keep_in_flight(engine, list(zip(prompts, params)), concurrency)
     errors = [r.error for r in run.done if r.error]
     if errors:
         raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    tokens = sum(r.num_output_tokens for r in run.done)
-    tpots = run.tpots_ms()
-    return Result(mode, "overlap" if engine.overlap else "plain", concurrency, len(run.done), tokens, run.seconds,
-                  tokens / run.seconds, statistics.fmean(tpots) if tpots else float("nan"))
+    return ModeResult(mode, result_of(engine, run, concurrency))
 
 
 def compile_times(model_path: str, vocab_size: int, n: int) -> dict[str, list[float]]:
@@ -163,12 +153,12 @@ def main() -> int:
             engine.overlap = loop == "overlap"
             for mode in ["unconstrained", "json-schema"]:
                 run_requests(engine, prompts(c), params(mode, c), c, mode)   # warm-up
-            best: dict[str, Result] = {}
+            best: dict[str, ModeResult] = {}
             for round_ in range(args.rounds):       # alternated, so that a busy spell hits both
                 for mode in ["unconstrained", "json-schema"]:
                     r = run_requests(engine, prompts(n), params(mode, n), c, mode)
-                    print(f"{loop} {mode} round {round_}: {r.out_tok_per_s:.1f} tok/s", file=sys.stderr)
-                    if mode not in best or r.out_tok_per_s > best[mode].out_tok_per_s:
+                    print(f"{loop} {mode} round {round_}: {r.result.out_tok_per_s:.1f} tok/s", file=sys.stderr)
+                    if mode not in best or r.result.out_tok_per_s > best[mode].result.out_tok_per_s:
                         best[mode] = r
             results += best.values()
     finally:
@@ -177,10 +167,10 @@ def main() -> int:
 
     print(f"\n### Structured output, offline engine, in {args.input_len} / out {args.output_len}, C={c}, "
           f"{engine.info.dtype} on {engine.info.device}, vocab {vocab}, schemas {args.schemas}\n")
-    base = {r.loop: r.out_tok_per_s for r in results if r.mode == "unconstrained"}
+    base = {m.result.loop: m.result.out_tok_per_s for m in results if m.mode == "unconstrained"}
     print(markdown_table(["loop", "mode", "requests", "out tok/s", "TPOT ms", "vs unconstrained"],
-                        [[r.loop, r.mode, r.num_requests, f"{r.out_tok_per_s:.1f}", f"{r.tpot_ms:.2f}",
-                          f"{r.out_tok_per_s / base[r.loop]:.3f}x"] for r in results]))
+                        [[r.loop, m.mode, r.num_requests, f"{r.out_tok_per_s:.1f}", f"{r.tpot_ms:.2f}",
+                          f"{r.out_tok_per_s / base[r.loop]:.3f}x"] for m in results for r in [m.result]]))
     print(f"\n### Schema compile time, {args.compile_schemas} random schemas, vocab {vocab}\n")
     print(markdown_table(["step", "p50 ms", "p99 ms", "max ms"],
                         [[name, f"{pctl(v, .5) * 1e3:.2f}", f"{pctl(v, .99) * 1e3:.2f}", f"{max(v) * 1e3:.2f}"]
@@ -188,7 +178,7 @@ def main() -> int:
                                          ("compile + first mask (worker)", times["first_mask"])]]))
     if args.json:
         write_json(args.json, {"benchmark": "structured_output", "environment": environment(torch.device(engine.info.device)),
-                               "model": engine.model_path, "args": vars(args), "results": [asdict(r) for r in results],
+                               "model": engine.model_path, "args": vars(args), "results": [asdict(m) for m in results],
                                "compile_seconds": times})
     return 0
 
