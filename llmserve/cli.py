@@ -76,6 +76,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         ".gguf, one beside it, or for the embedded model its model card's temperature 0.2, "
                         "top_p 0.9); 'none' (or vLLM's 'vllm') keeps each API's own defaults; PATH: a folder "
                         "holding a generation_config.json. /info shows what applies (default: auto)")
+    from llmserve.tool_parsers import tool_parser_names
+
+    p.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="how the model writes tool calls in its answers, read for tool_choice 'auto' "
+                        "(default: the one its chat template's tool format implies, if any)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $LLMSERVE_API_KEY, else none)")
 
@@ -127,6 +132,7 @@ def serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, max_total_tokens=args.max_total_tokens,
         max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_server(engine_config, config, log_level=args.log_level)
 

@@ -22,7 +22,11 @@ from llmserve.server.api.errors import APIFields, model_not_found_error, templat
 from llmserve.server.api.schema import MAX_SEED, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
+from llmserve.server.api.tools import (
+    Tool, ToolCall, ToolChoice, ToolUse, check_tool_messages, check_tools, template_tool_calls, tool_call_json, tool_use,
+)
 from llmserve.server.engine_client import RequestStream, TokenEvent
+from llmserve.tool_parsers import ToolCallStream
 from llmserve.engine.request import FinishReason
 
 MAX_N = 128
@@ -87,6 +91,8 @@ class ChatMessage(APIModel):
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -95,7 +101,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -227,13 +235,21 @@ def message_text(message: ChatMessage) -> str:
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    _check(not body.tools, "tools are not supported", "tools")
     _check(body.response_format in (None, {"type": "text"}), "response_format other than text is not supported",
            "response_format")
     for m in body.messages:
         if m.role not in OPENAI_ROLES:
             raise template_error(f"unknown role {m.role!r}: a message's role is one of {', '.join(sorted(OPENAI_ROLES))}")
-    return [m.model_dump(exclude_none=True) | {"content": message_text(m)} for m in body.messages]
+    check_tool_messages(body.messages)
+    return [template_message(m) for m in body.messages]
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: text content (never None), calls with object arguments."""
+    fields = message.model_dump(exclude_none=True) | {"content": message_text(message)}
+    if message.tool_calls is not None:
+        fields["tool_calls"] = template_tool_calls(message.tool_calls)
+    return fields
 
 
 def chat_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int | None:
@@ -261,6 +277,30 @@ def chat_logprobs(state: ServerState, events: list[TokenEvent]) -> dict[str, Any
 
     return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or []]}
                         for e in events]}
+
+
+def answer_message(text: str, reason: str | None, tools: ToolUse | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer as OpenAI's message, and its finish_reason ("tool_calls" when it calls)."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, reason
+    content, calls = tools.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, reason
+    message = {"role": "assistant", "content": content, "tool_calls": [tool_call_json(c) for c in calls]}
+    return message, "tool_calls" if reason == "stop" else reason
+
+
+def answer_delta(stream: ToolCallStream, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """One event's text through the choice's tool-call parser: the content and calls that became
+    certain (a call is sent whole, once its JSON is complete), and the finish_reason."""
+    first_index = stream.sent_calls
+    content, calls = stream.feed(text, final=reason is not None)
+    delta: dict[str, Any] = {"content": content} if content or not calls else {}
+    if calls:
+        delta["tool_calls"] = [tool_call_json(c, first_index + k) for k, c in enumerate(calls)]
+    if reason == "stop" and stream.sent_calls:
+        reason = "tool_calls"
+    return delta, reason
 
 
 # -- routes ------------------------------------------------------------------------------
@@ -313,7 +353,9 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
-        prompt = await state.tokenize_in_thread(state.encode_chat, chat_messages(body))
+        check_tools(body.tools, body.tool_choice)
+        tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
+        prompt = await state.tokenize_in_thread(state.encode_chat, chat_messages(body), tools and tools.tools)
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -321,18 +363,28 @@ def build_router(state: ServerState) -> APIRouter:
         max_tokens = chat_max_tokens(state, len(prompt), max_tokens, param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fields = openai_fields("messages", param, "top_logprobs")
-        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, logprobs, fields,
-                                               defaults=state.chat_template.template, template_stop=state.chat_stop), body.n)
+        params = sampling_params(body, state, len(prompt), max_tokens, logprobs, fields,
+                                 defaults=state.chat_template.template, template_stop=state.chat_stop)
+        if tools is not None and tools.guided_decoding is not None:
+            params = dataclasses.replace(params, guided_decoding=tools.guided_decoding)
+        params = choice_params(params, body.n)
 
         def full_choice(i: int, s: RequestStream, events: list[TokenEvent]) -> dict[str, Any]:
-            return {"index": i, "message": {"role": "assistant", "content": s.request.output_text},
-                    "logprobs": chat_logprobs(state, events) if body.logprobs else None,
-                    "finish_reason": finish_reason(s.request.finish_reason)}
+            message, reason = answer_message(s.request.output_text, finish_reason(s.request.finish_reason), tools)
+            return {"index": i, "message": message, "logprobs": chat_logprobs(state, events) if body.logprobs else None,
+                    "finish_reason": reason}
+
+        answer_streams = [tools.stream() for _ in params] if tools is not None else None
 
         def chunk_choice(i: int, e: TokenEvent, first: bool) -> dict[str, Any]:
-            delta = {"role": "assistant", "content": e.text} if first else {"content": e.text}
+            reason = finish_reason(e.finish_reason)
+            if answer_streams is None:
+                delta = {"content": e.text}
+            else:
+                delta, reason = answer_delta(answer_streams[i], e.text, reason)
+            delta = {"role": "assistant"} | delta if first else delta
             return {"index": i, "delta": delta, "logprobs": chat_logprobs(state, [e]) if body.logprobs else None,
-                    "finish_reason": finish_reason(e.finish_reason)}
+                    "finish_reason": reason}
 
         return await run_openai(
             state, body, http_request, [(prompt, p) for p in params], fields, object_name="chat.completion",
