@@ -58,14 +58,36 @@ class HermesParser(MarkerParser):
 
 @TOOL_PARSERS.register_module(name="mistral")
 class MistralParser(MarkerParser):
+    """``[TOOL_CALLS]`` is a special token in Mistral's tokenizers, which a decoded answer normally
+    leaves out: an answer that starts with a JSON array of objects is read as calls too (and is
+    content after all if it is not)."""
     name = "mistral"
     marker = "[TOOL_CALLS]"
 
     def calls_after(self, text: str, start: int) -> list[FunctionCall]:
-        pos = skip_space(text, start + len(self.marker))
+        return self.array_calls(text, start + len(self.marker))[0]
+
+    @staticmethod
+    def array_calls(text: str, pos: int) -> tuple[list[FunctionCall], bool]:
+        """The calls of an array opening at ``pos`` (after space), and whether the text is (so far) only that."""
+        pos = skip_space(text, pos)
         if pos >= len(text) or text[pos] != "[":
-            return []
-        return scan_calls(text, pos + 1, separator=",", closing="]")[0]
+            return [], pos >= len(text)
+        after = skip_space(text, pos + 1)
+        if after < len(text) and text[after] != "{":
+            return [], False
+        return scan_calls(text, pos + 1, separator=",", closing="]")
+
+    def split(self, text: str, final: bool) -> ParsedAnswer:
+        if self.marker in text:
+            return super().split(text, final)
+        head = text.lstrip()
+        if not final and (not head or self.marker.startswith(head)):
+            return ParsedAnswer(None)              # the answer may yet turn out to be calls
+        calls, only_calls = self.array_calls(text, 0)
+        if head.startswith("[") and only_calls and (calls or not final):
+            return ParsedAnswer(None, tuple(calls))
+        return super().split(text, final)
 
 
 @TOOL_PARSERS.register_module(name="llama3_json")

@@ -36,6 +36,10 @@ CASES = [
     ("mistral", 'Checking [TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', "Checking", [TIME]),
     ("mistral", "[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
     ("mistral", "Plain [text] answer", "Plain [text] answer", []),
+    # the marker is a special token, which decoding may have left out
+    ("mistral", ' [{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', None, [TIME]),
+    ("mistral", "[1] is a footnote", "[1] is a footnote", []),
+    ("mistral", '[{"a": 1}] is JSON', '[{"a": 1}] is JSON', []),
 ]
 
 

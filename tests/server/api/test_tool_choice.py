@@ -77,3 +77,28 @@ def test_every_answer_the_required_schema_allows_parses(calls):
         content, parsed = use.parse(text)
         assert content is None
         assert [(c.name, json.loads(c.arguments)) for c in parsed] == [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_answer_message_and_deltas():
+    """A call makes finish_reason "tool_calls" (unless the answer was cut short), in a whole
+    answer and in a stream, whose deltas carry the calls' indices in order."""
+    from llmserve.server.api.openai import answer_delta, answer_message
+
+    use = tool_use(TOOLS, "auto", None, tool_parser("hermes"))
+    answer = ('Sure.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+              '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    message, reason = answer_message(answer, "stop", use)
+    assert reason == "tool_calls" and message["content"] == "Sure."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]
+    assert message["tool_calls"][0]["id"].startswith("call_") and message["tool_calls"][0]["type"] == "function"
+    assert answer_message(answer, "length", use)[1] == "length"
+    assert answer_message("Hello", "stop", use) == ({"role": "assistant", "content": "Hello"}, "stop")
+
+    stream = use.stream()
+    pieces = [answer[i:i + 5] for i in range(0, len(answer), 5)]
+    deltas = [answer_delta(stream, p, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    assert "".join(d.get("content") or "" for d, _ in deltas) == "Sure."
+    calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_time"), (1, "get_weather")]
+    assert deltas[-1][1] == "tool_calls" and all(r is None for _, r in deltas[:-1])

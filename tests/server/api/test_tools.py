@@ -126,3 +126,91 @@ def test_clients_send_tools(tools_server):
     hf = InferenceClient(base_url=tools_server.url)
     out = hf.chat_completion(QUESTION, tools=[WEATHER_TOOL], max_tokens=8, temperature=0)
     assert out.choices[0].message.role == "assistant" and not out.choices[0].message.tool_calls
+
+
+# -- constrained choices: the answer is always a call -----------------------------------------
+
+# Arguments with few possible values, so that a random model under the grammar ends its call
+# within a few tokens.
+FORECAST_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}
+FORECAST_TOOL = {"type": "function", "function": {"name": "forecast", "description": "The forecast for a city",
+                                                  "parameters": FORECAST_PARAMETERS}}
+
+
+def assert_forecast_call(call) -> None:
+    import jsonschema
+
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "forecast"
+    jsonschema.validate(json.loads(call.function.arguments), FORECAST_PARAMETERS)
+
+
+def streamed_calls(chunks) -> tuple[list[dict], str | None]:
+    """The calls a stream's deltas add up to (OpenAI clients join them by index), and its finish_reason."""
+    calls: dict[int, dict] = {}
+    reason = None
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "forecast"}}],
+                         ids=["required", "named"])
+def test_constrained_choice_always_calls(oai, tool_choice):
+    kwargs = {"tools": [TIME_TOOL, FORECAST_TOOL] if tool_choice == "named" else [FORECAST_TOOL],
+              "tool_choice": tool_choice, "parallel_tool_calls": False}
+    r = oai.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=40, temperature=0, **kwargs)
+    [call] = r.choices[0].message.tool_calls
+    assert_forecast_call(call)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    chunks = list(oai.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=40, temperature=0,
+                                              stream=True, **kwargs))
+    calls, reason = streamed_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert reason == "tool_calls" and calls[0]["id"].startswith("call_")
+
+
+def test_round_trip_with_the_servers_own_call(oai):
+    """The call the server made, the tool's result, and the final answer (text, tool_choice auto)."""
+    first = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[FORECAST_TOOL], tool_choice="required",
+                                        max_tokens=40, temperature=0)
+    message = first.choices[0].message
+    [call] = message.tool_calls
+    conversation = [*QUESTION, message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "12 degrees"}]
+    final = oai.chat.completions.create(model="tiny", messages=conversation, tools=[FORECAST_TOOL], max_tokens=8,
+                                        temperature=0)
+    assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+
+
+def test_clients_get_constrained_calls(tools_server):
+    """LangChain's bind_tools(tool_choice="any") and with_structured_output(method="function_calling"),
+    huggingface_hub's chat_completion(tools=..., tool_choice="required")."""
+    from typing import Literal
+
+    from huggingface_hub import InferenceClient
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    llm = ChatOpenAI(base_url=tools_server.url + "/v1", api_key="none", model="tiny", temperature=0, max_tokens=40)
+    reply = llm.bind_tools([FORECAST_TOOL], tool_choice="any").invoke("Forecast for Oslo?")
+    [call] = reply.tool_calls
+    assert call["name"] == "forecast" and call["args"]["city"] in ("Paris", "Oslo")
+
+    class Forecast(BaseModel):
+        city: Literal["Paris", "Oslo"]
+        unit: Literal["C", "F"]
+
+    forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Oslo?")
+    assert isinstance(forecast, Forecast)
+
+    hf = InferenceClient(base_url=tools_server.url)
+    out = hf.chat_completion(QUESTION, tools=[FORECAST_TOOL], tool_choice="required", max_tokens=40, temperature=0)
+    [hf_call] = out.choices[0].message.tool_calls
+    arguments = hf_call.function.arguments     # OpenAI's JSON string (TGI would send an object)
+    assert hf_call.function.name == "forecast" and json.loads(arguments)["city"] in ("Paris", "Oslo")
+    assert out.choices[0].finish_reason == "tool_calls"
