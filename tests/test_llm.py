@@ -324,6 +324,21 @@ def test_tensor_parallel_2_matches_1(model_dir, request):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
+def test_tensor_parallel_2_matches_1_under_grammars(tiny, tiny_tp2):
+    # Only rank 0 holds the matchers and samples; the other rank must follow the same tokens.
+    from llmserve.sampling_params import GuidedDecodingParams
+
+    guided = [GuidedDecodingParams(regex="[a-z]{2,8}( [0-9]{1,3}){1,3}"), GuidedDecodingParams(choice=("yes", "no")),
+              GuidedDecodingParams(json='{"type":"object","properties":{"n":{"type":"integer","minimum":0,'
+                                        '"maximum":99}},"required":["n"],"additionalProperties":false}')]
+    params = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=i, guided_decoding=guided[i % 3])
+              for i in range(len(PROMPTS))]
+    expected = tiny.generate(PROMPTS, params)
+    got = tiny_tp2.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(o.finish_reason == "eos_token" for o in expected)
+
+
 def test_invalid_requests_are_clear_errors_and_the_engine_keeps_serving(tiny):
     with pytest.raises(ValueError, match="max_new_tokens must be <="):
         tiny.generate(["hi"], SamplingParams(max_new_tokens=10_000))

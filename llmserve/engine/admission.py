@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.grammar import check_guided_decoding
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.worker.protocol import WorkerInfo
 
@@ -49,6 +50,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         raise InvalidRequest("prompt", f"`prompt` token ids must be in [0, {vocab})")
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise InvalidRequest("stop_token_ids", f"`stop_token_ids` must be in [0, {vocab})")
+    if params.guided_decoding is not None:
+        check_guided_decoding(params.guided_decoding)
     if n > limits.max_input_tokens:
         raise InvalidRequest("prompt", f"`prompt` must have less than {limits.max_input_tokens + 1} tokens. Given: {n}")
     if n + params.max_new_tokens > limits.max_total_tokens:

@@ -6,6 +6,7 @@ drives it through ``llmserve.engine.worker_client``. The messages are in ``proto
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -35,6 +36,7 @@ class ModelWorker:
     def __init__(self, args: WorkerInitArgs):
         from llmserve.common.basemodel import ModelInitParams
         from llmserve.common.distributed import init_distributed
+        from llmserve.grammar import GrammarCompiler
         from llmserve.models.registry import get_model_class
         from llmserve.worker.sampler import Sampler
 
@@ -64,7 +66,12 @@ class ModelWorker:
             # process were busy too: a profile of the worker under 128 streams (H200) found 37%
             # of its time in ReqManager.alloc_batch.
             torch.set_num_threads(1)
-        self.sampler = Sampler(eos_token_ids=args.eos_token_ids) if args.tp_rank == 0 else None
+        self.sampler = None
+        if args.tp_rank == 0:
+            # Its tokenizer is loaded on the first constrained request, not at start-up.
+            grammar = GrammarCompiler(functools.partial(_tokenizer_json, args.model_path), self.model.vocab_size,
+                                      args.eos_token_ids)
+            self.sampler = Sampler(eos_token_ids=args.eos_token_ids, grammar=grammar)
         self.req_rows: dict[int, int] = {}   # req_id -> row of req_to_token
         self._owed: _LaunchedStep | None = None   # an overlapped step whose output is not sent yet
         # The last step's draw, on the device, and each sampling request's row in it: where a
@@ -224,6 +231,14 @@ class ModelWorker:
         row = self.req_rows.pop(req_id, None)
         if row is not None:
             self.model.req_manager.free_req(row)
+
+
+def _tokenizer_json(model_path: str) -> str:
+    """The model's tokenizer as ``tokenizers`` JSON, for the grammar library."""
+    from llmserve.grammar import tokenizer_json
+    from llmserve.tokenizer import load_tokenizer
+
+    return tokenizer_json(load_tokenizer(model_path))
 
 
 def _graph_info(model) -> dict:

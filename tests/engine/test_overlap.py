@@ -129,3 +129,32 @@ def test_stops_that_fire_with_the_next_step_in_flight(llm, monkeypatch):
     assert_same(overlapped, plain)
     reasons = {o.finish_reason for o in plain}
     assert "stop_sequence" in reasons and sum(len(o.token_ids) < 30 for o in plain) >= len(plain) // 2
+
+
+def guided_workload(vocab: int, n: int = 16, seed: int = 2):
+    """``workload``'s prompts (chunked, preempted) under grammars that every draw completes."""
+    import json
+
+    from llmserve.sampling_params import GuidedDecodingParams
+
+    schema = {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3},
+        "name": {"type": "string", "maxLength": 8}}, "required": ["id", "tags", "name"], "additionalProperties": False}
+    guided = [GuidedDecodingParams(json=json.dumps(schema)), GuidedDecodingParams(regex="[a-z]{2,6}( [0-9]{1,3}){1,4}"),
+              GuidedDecodingParams(choice=("yes", "no", "maybe")), None]
+    prompts, _ = workload(vocab, n, seed)
+    params = [SamplingParams(max_new_tokens=90, temperature=[1.0, 0.0][i % 2], seed=i, guided_decoding=guided[i % 4])
+              for i in range(n)]
+    return prompts, params
+
+
+def test_overlap_equals_the_plain_loop_under_grammars(llm, monkeypatch):
+    # Constrained requests end at EOS once their grammar is complete, often while their next
+    # step is in flight: that step's draw (against a finished grammar) must be dropped.
+    prompts, params = guided_workload(llm.engine.info.vocab_size)
+    plain, _, plain_preemptions = run(llm, False, prompts, params, monkeypatch)
+    overlapped, _, _ = run(llm, True, prompts, params, monkeypatch)
+    assert_same(overlapped, plain)
+    assert plain_preemptions > 0, "the workload should outgrow the KV pool"
+    assert all(o.finish_reason == "eos_token" for o, p in zip(plain, params) if p.guided_decoding is not None)

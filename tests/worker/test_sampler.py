@@ -458,3 +458,115 @@ def test_prompt_logprobs_score_each_next_token(num_top: int):
 
 def test_prompt_logprobs_of_a_one_token_prompt():
     assert sampler_module.prompt_logprobs(random_logits(1, VOCAB), [5], 3) == ([None], [None])
+
+
+# --------------------------------------------------------------------------------------
+# Guided decoding (llguidance's bitmask)
+# --------------------------------------------------------------------------------------
+
+# One character per token: digits, a few letters and JSON's punctuation; the last id is EOS.
+GRAMMAR_CHARS = '0123456789abcdefxyz{}[]":,-'
+GRAMMAR_EOS = len(GRAMMAR_CHARS)
+
+
+@pytest.fixture(scope="module")
+def grammar_compiler():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from llmserve.grammar import GrammarCompiler
+
+    vocab = {c: i for i, c in enumerate(GRAMMAR_CHARS)} | {"<eos>": GRAMMAR_EOS}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    # The logits are wider than the tokenizer (a padded embedding): the extra ids are never allowed.
+    return GrammarCompiler(tok.to_str, VOCAB, [GRAMMAR_EOS])
+
+
+def grammar_sampler(grammar_compiler, requests: dict[int, SamplingParams]) -> Sampler:
+    sampler = Sampler([GRAMMAR_EOS], grammar=grammar_compiler)
+    for req_id, params in requests.items():
+        sampler.add_request(req_id, params, [0])
+    return sampler
+
+
+def run_to_end(sampler: Sampler, req_ids: list[int], steps: int, seed: int = 0) -> dict[int, str]:
+    """Sample ``steps`` tokens for each request from random logits; their text up to EOS."""
+    texts = {r: "" for r in req_ids}
+    live = list(req_ids)
+    for step in range(steps):
+        if not live:
+            break
+        result = sampler.sample(random_logits(len(live), VOCAB, seed=seed * 1000 + step), live)
+        assert result.errors == [None] * len(live)
+        for req_id, token_id in zip(list(live), result.token_ids):
+            if token_id == GRAMMAR_EOS:
+                live.remove(req_id)
+            else:
+                texts[req_id] += GRAMMAR_CHARS[token_id]
+    assert not live, "every request reaches EOS once its grammar is complete"
+    return texts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guided_draws_stay_inside_the_grammar(grammar_compiler, temperature: float):
+    import re
+
+    from llmserve.sampling_params import GuidedDecodingParams
+
+    regex = r"[0-9a-f]{2,5}-(x|yz)"
+    requests = {i: SamplingParams(temperature=temperature, seed=i, guided_decoding=GuidedDecodingParams(regex=regex))
+                for i in range(6)}
+    requests[6] = SamplingParams(temperature=temperature, seed=6, guided_decoding=GuidedDecodingParams(
+        json='{"type":"object","properties":{"a":{"enum":["xyz","fff"]}},"required":["a"]}'))
+    sampler = grammar_sampler(grammar_compiler, requests)
+    texts = run_to_end(sampler, list(requests), steps=40)
+    for i in range(6):
+        assert re.fullmatch(regex, texts[i]), texts[i]
+    assert texts[6] in ('{"a":"xyz"}', '{"a":"fff"}')
+
+
+def test_guided_greedy_is_the_argmax_over_allowed_tokens(grammar_compiler):
+    from llmserve.sampling_params import GuidedDecodingParams
+
+    params = SamplingParams(temperature=0.0, guided_decoding=GuidedDecodingParams(regex="[a-f]+"))
+    sampler = grammar_sampler(grammar_compiler, {0: params, 1: SamplingParams(temperature=0.0)})
+    logits = random_logits(2, VOCAB, seed=5)
+    allowed = [GRAMMAR_CHARS.index(c) for c in "abcdef"]
+    result = sampler.sample(logits.clone(), [0, 1])
+    assert result.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    assert result.token_ids[1] == int(logits[1].argmax()), "an unconstrained row beside it is left alone"
+
+
+def test_guided_seeded_sampling_is_reproducible_and_survives_re_adding(grammar_compiler):
+    from llmserve.sampling_params import GuidedDecodingParams
+
+    params = SamplingParams(temperature=1.0, seed=7, guided_decoding=GuidedDecodingParams(regex="[0-9]{8}"))
+    first = run_to_end(grammar_sampler(grammar_compiler, {0: params}), [0], steps=20)
+    sampler = grammar_sampler(grammar_compiler, {0: params})
+    sampler.sample(random_logits(1, VOCAB, seed=0), [0])
+    sampler.add_request(0, params, [0])   # a preempted request comes back: its matcher goes on
+    rest = run_to_end(sampler, [0], steps=20, seed=0)
+    assert len(first[0]) == 8 and len(rest[0]) == 7
+
+
+def test_unconstrained_batches_compute_no_mask(grammar_compiler, monkeypatch: pytest.MonkeyPatch):
+    def fail(*args):
+        raise AssertionError("a mask was computed")
+
+    monkeypatch.setattr(sampler_module, "_grammar_bitmask", fail)
+    sampler = grammar_sampler(grammar_compiler, {0: SamplingParams(temperature=1.0, seed=1)})
+    assert sampler.sample(random_logits(1, VOCAB), [0]).errors == [None]
+
+
+def test_a_token_the_grammar_refuses_fails_only_its_request(grammar_compiler):
+    from llmserve.sampling_params import GuidedDecodingParams
+
+    # EOS banned by min_tokens once "7" completes the grammar: nothing is left to draw.
+    params = SamplingParams(temperature=0.0, min_tokens=3, guided_decoding=GuidedDecodingParams(regex="7"))
+    sampler = grammar_sampler(grammar_compiler, {0: params, 1: SamplingParams(temperature=0.0)})
+    assert sampler.sample(random_logits(2, VOCAB), [0, 1]).token_ids[0] == GRAMMAR_CHARS.index("7")
+    result = sampler.sample(random_logits(2, VOCAB, seed=1), [0, 1])
+    assert result.errors[0] is not None and "grammar" in result.errors[0]
+    assert result.errors[1] is None

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field
 from llmserve.chat_template import BaseTemplate, StopWords
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, model_not_found_error, template_error, validation_error
+from llmserve.server.api.guided import check as check_guided, openai_guided_decoding
 from llmserve.server.api.schema import MAX_SEED, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
@@ -67,6 +68,13 @@ class SamplingFields(APIModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # Structured output (guided.py): OpenAI's response_format, or one of vLLM's extras.
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -104,7 +112,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def _check(condition: bool, message: str, param: str) -> None:
@@ -151,6 +158,7 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
         return state.sampling_defaults.get(field, fallback if template_default is None else template_default)
 
     temperature = unless_set(body.temperature, "temperature", 1.0)
+    guided_decoding, _ = openai_guided_decoding(body)
     try:
         return template_stop.add_to(SamplingParams(
             max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
@@ -161,7 +169,7 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
-            stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs,
+            stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs, guided_decoding=guided_decoding,
         ))
     except InvalidRequest as e:
         raise fields.error(e) from None
@@ -235,8 +243,6 @@ def message_text(message: ChatMessage) -> str:
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    _check(body.response_format in (None, {"type": "text"}), "response_format other than text is not supported",
-           "response_format")
     for m in body.messages:
         if m.role not in OPENAI_ROLES:
             raise template_error(f"unknown role {m.role!r}: a message's role is one of {', '.join(sorted(OPENAI_ROLES))}")
@@ -366,6 +372,9 @@ def build_router(state: ServerState) -> APIRouter:
         params = sampling_params(body, state, len(prompt), max_tokens, logprobs, fields,
                                  defaults=state.chat_template.template, template_stop=state.chat_stop)
         if tools is not None and tools.guided_decoding is not None:
+            _check(params.guided_decoding is None, "tool_choice \"required\" or a named function constrains the "
+                   "answer itself: it cannot be combined with response_format or guided_*", "tool_choice")
+            check_guided(tools.guided_decoding, "tools")
             params = dataclasses.replace(params, guided_decoding=tools.guided_decoding)
         params = choice_params(params, body.n)
 

@@ -15,6 +15,7 @@ from sse_starlette import EventSourceResponse
 
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, validation_error
+from llmserve.server.api.guided import tgi_guided_decoding
 from llmserve.server.api.schema import MAX_SEED, MAX_STOP_SEQUENCES, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
@@ -82,7 +83,6 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
     _check(p.top_n_tokens is None or 0 <= p.top_n_tokens <= lim,
            f"`top_n_tokens` must be >= 0 and <= {lim}. Given: {p.top_n_tokens}")
     _check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
-    _check(p.grammar is None, "`grammar` is not supported")
     _check(p.adapter_id in (None, "None"), f"adapter `{p.adapter_id}` is not loaded: this server serves no LoRA adapters")
     stop = stop_list(p.stop)
     check_stop(stop)
@@ -98,6 +98,7 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
     # Fields the request leaves unset take the model's recommended values (its
     # generation_config); they never turn a greedy request into a sampling one.
     model = state.sampling_defaults
+    guided_decoding = tgi_guided_decoding(p.grammar)
     try:
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -112,6 +113,7 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
             stop=stop,
             logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
             prompt_logprobs=0 if p.decoder_input_details else None,
+            guided_decoding=guided_decoding,
         )
     except InvalidRequest as e:
         raise TGI_FIELDS.error(e) from None
