@@ -81,7 +81,7 @@ def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> Non
     if tools is None:
         _check(tool_choice is None, "`tool_choice` is only allowed when `tools` are given", "tool_choice")
         return
-    _check(len(tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}", "tools")
+    _check(1 <= len(tools) <= MAX_TOOLS, f"`tools` must hold 1 to {MAX_TOOLS} functions, got {len(tools)}", "tools")
     names: set[str] = set()
     for i, tool in enumerate(tools):
         f = tool.function

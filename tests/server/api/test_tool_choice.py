@@ -102,3 +102,26 @@ def test_answer_message_and_deltas():
     calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_time"), (1, "get_weather")]
     assert deltas[-1][1] == "tool_calls" and all(r is None for _, r in deltas[:-1])
+
+
+def test_the_servers_parser_for_auto():
+    """--tool-call-parser wins; else the built-in template's tool format, or the tags a Jinja template writes."""
+    from llmserve.chat_template import CHAT_TEMPLATES, ChosenTemplate, JinjaTemplate
+    from llmserve.cli import build_parser
+    from llmserve.server.api.state import auto_tool_parser
+
+    def registry(name: str) -> ChosenTemplate:
+        return ChosenTemplate(CHAT_TEMPLATES.get(name)(), name, "registry")
+
+    def jinja(source: str) -> ChosenTemplate:
+        return ChosenTemplate(JinjaTemplate(source=source), "t.jinja", "jinja")
+
+    assert auto_tool_parser("mistral", registry("chatml")).name == "mistral"
+    assert [auto_tool_parser(None, registry(n)).name for n in ("qwen", "llama3", "mistral")] == [
+        "hermes", "llama3_json", "mistral"]
+    assert auto_tool_parser(None, registry("vicuna")) is None and auto_tool_parser(None, None) is None
+    assert auto_tool_parser(None, jinja("{{ '<|python_tag|>' }}")).name == "llama3_json"
+    assert auto_tool_parser(None, jinja("{{ messages }}")) is None
+    assert build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])

@@ -82,6 +82,7 @@ BAD_REQUESTS = [
     ({"tool_choice": "required"}, "tool_choice", "only allowed when `tools`"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "'nope', which is not among the tools"),
+    ({"tools": [], "tool_choice": "required"}, "tools", "1 to 128 functions"),
     ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "two tools are named 'get_weather'"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", "letters, digits"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
@@ -108,8 +109,10 @@ def test_bad_tool_requests_are_400(tools_server, fields, param, message):
     assert error["param"] == param and (message is None or message in error["message"]), error
 
 
-def test_auto_without_a_parser_is_400(tiny_server):
+def test_auto_without_a_parser_is_400(tiny_server, tools_server):
     """SmolLM2's own template names no tool format: auto cannot be read, and says how to fix it."""
+    assert httpx.get(tools_server.url + "/info").json()["tool_call_parser"] == "hermes"    # from the Jinja template
+    assert httpx.get(tiny_server.url + "/info").json()["tool_call_parser"] is None
     r = httpx.post(tiny_server.url + "/v1/chat/completions",
                    json={"model": "tiny", "messages": QUESTION, "tools": [WEATHER_TOOL]})
     assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
