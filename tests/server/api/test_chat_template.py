@@ -451,7 +451,9 @@ def test_jinja_template_brings_no_sampling_defaults(jinja_server):
 
 
 def test_jinja_template_errors(jinja_server):
-    tool_turn = [*SHORT, {"role": "assistant", "content": "Blue."}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tool_turn = [*SHORT, {"role": "assistant", "content": "Blue.", "tool_calls": [call]},
+                 {"role": "tool", "content": "42", "tool_call_id": "c1"}]
     assert_template_error(post_chat(jinja_server, {"messages": tool_turn, "max_tokens": 2}), "mini.jinja has no tool role")
     assert_chat_works(jinja_server)
     assert_template_error(post_chat(jinja_server, {"messages": [{"role": "wizard", "content": "Hi"}]}), "wizard")
