@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import httpx
 import openai
@@ -39,7 +40,7 @@ def oai(tools_server) -> openai.OpenAI:
 
 
 def chat(oai: openai.OpenAI, messages, **kwargs):
-    return oai.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, **kwargs)
+    return oai.chat.completions.create(model="tiny", messages=messages, **{"max_tokens": 8, "temperature": 0} | kwargs)
 
 
 def rendered_tokens(smollm2_tokenizer, messages, tools=None) -> int:
@@ -218,3 +219,29 @@ def test_clients_get_constrained_calls(tools_server):
     arguments = hf_call.function.arguments     # OpenAI's JSON string (TGI would send an object)
     assert hf_call.function.name == "forecast" and json.loads(arguments)["city"] in ("Paris", "Oslo")
     assert out.choices[0].finish_reason == "tool_calls"
+
+
+# -- auto and none on an answer that calls: a regex makes the random model write a Hermes call --
+
+FORCED_ANSWER = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+FORCED = {"guided_regex": re.escape(FORCED_ANSWER)}
+
+
+def test_auto_reads_the_models_call(oai):
+    kwargs = {"tools": [WEATHER_TOOL], "max_tokens": 60, "extra_body": FORCED}
+    r = chat(oai, QUESTION, **kwargs)
+    message = r.choices[0].message
+    [call] = message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert message.content == "Let me check." and r.choices[0].finish_reason == "tool_calls"
+    chunks = list(chat(oai, QUESTION, stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me check."
+    calls, reason = streamed_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    assert reason == "tool_calls"
+
+
+def test_none_leaves_a_call_in_the_text(oai):
+    r = chat(oai, QUESTION, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=60, extra_body=FORCED)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == FORCED_ANSWER
+    assert r.choices[0].finish_reason == "stop"
