@@ -108,3 +108,13 @@ def test_parser_names_and_template_sniffing():
     assert parser_for_template_source("{{ '[TOOL_CALLS] ' }}") == "mistral"
     assert parser_for_template_source("{{ '<|python_tag|>' }}") == "llama3_json"
     assert parser_for_template_source("{{ messages }}") is None
+
+
+@pytest.mark.parametrize("name,answer,content,calls", CASES)
+def test_stream_token_by_token(name, answer, content, calls, smollm2_tokenizer):
+    """Fed as a model's tokens come out of the detokenizer (the text each token adds)."""
+    ids = smollm2_tokenizer(answer, add_special_tokens=False).input_ids
+    texts = [smollm2_tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    pieces = [b[len(a):] for a, b in zip(texts, texts[1:])]
+    assert "".join(pieces) == answer
+    assert stream(parser_of(name), pieces) == (content or "", calls)

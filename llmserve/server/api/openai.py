@@ -361,7 +361,8 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
         check_tools(body.tools, body.tool_choice)
         tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
-        prompt = await state.tokenize_in_thread(state.encode_chat, chat_messages(body), tools and tools.tools)
+        prompt = await state.tokenize_in_thread(state.encode_chat, chat_messages(body),
+                                              tools.tools if tools else None)
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
         else:
