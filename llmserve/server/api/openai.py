@@ -112,6 +112,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: Any = None          # OpenAI's deprecated spelling of tools: refused, not ignored
+    function_call: Any = None
 
 
 def _check(condition: bool, message: str, param: str) -> None:
@@ -359,6 +361,8 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
+        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+            _check(getattr(body, legacy) is None, f"`{legacy}` is deprecated and not served: use `{current}`", legacy)
         check_tools(body.tools, body.tool_choice)
         tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
         prompt = await state.tokenize_in_thread(state.encode_chat, chat_messages(body),

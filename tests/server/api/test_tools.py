@@ -99,6 +99,8 @@ BAD_REQUESTS = [
      "answers no tool call"),
     ({"messages": [*QUESTION, {"role": "tool", "content": "x"}]}, "messages", "needs `tool_call_id`"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages", "only assistant messages"),
+    ({"functions": [WEATHER_TOOL["function"]]}, "functions", "use `tools`"),
+    ({"function_call": "auto"}, "function_call", "use `tool_choice`"),
 ]
 
 
