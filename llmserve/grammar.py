@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Iterable
 from threading import Lock
 from typing import TYPE_CHECKING
@@ -73,8 +74,11 @@ def check_guided_decoding(params: GuidedDecodingParams) -> None:
 
 
 def _first_line(error: object) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    """llguidance's message on one line: without the lines that echo the source or point a caret
+    into it (the grammar it shows is its own rewriting of the request's)."""
+    lines = [line.strip() for line in str(error).strip().splitlines()
+             if line.strip() and not re.fullmatch(r"\s*\^+\s*|\s*\d+ \|.*", line)]
+    return " ".join(lines) if lines else type(error).__name__
 
 
 class GrammarCompiler:
