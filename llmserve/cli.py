@@ -83,6 +83,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: the one its chat template's tool format implies, if any)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $LLMSERVE_API_KEY, else none)")
+    p.add_argument("--max-best-of", type=int, default=2,
+                   help="most samples a TGI request's best_of may ask for (TGI's flag and default: 2)")
+    p.add_argument("--full-text-enabled", action="store_true",
+                   help="TGI streams: each event's token text is the whole text so far, not the token's own "
+                        "(seed 004's fullTextEnabled; default: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +138,7 @@ def serve(args: argparse.Namespace) -> int:
         max_input_tokens=args.max_input_tokens, served_model_name=args.served_model_name,
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
         tool_call_parser=args.tool_call_parser,
+        max_best_of=args.max_best_of, full_text_enabled=args.full_text_enabled,
     )
     return run_server(engine_config, config, log_level=args.log_level)
 

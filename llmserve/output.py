@@ -35,6 +35,10 @@ class ClientRequest:
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
+    # Each output token's own text, as the detokenizer gave it in context ("" for a stop or EOS
+    # token, whose text is never shown, and for one that ends mid-character): unlike the
+    # streamed deltas, never shifted by a stop string's hold-back or cut.
+    output_token_texts: list[str] = field(default_factory=list)
     # Filled only when params.logprobs is not None, one entry per output token.
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -83,8 +87,8 @@ class ClientRequest:
         3. the token is detokenized, unless the engine ended the request on it as a stop token or
            an EOS token (``Request.append_token``, rules 1 and 2), whose text is never shown; a
            detokenizer error fails the request, without the token;
-        4. the token is recorded, with its logprobs when the request asked for them, and its text
-           is added;
+        4. the token is recorded with its own text, and its logprobs when the request asked for
+           them, and its text is added to output_text;
         5. past the first ``params.min_tokens`` tokens, a stop string in the text ends the
            request (STOP_SEQUENCE, even on the engine's last allowed token) and the text is cut
            right before it;
@@ -104,6 +108,7 @@ class ClientRequest:
             self.finish_reason, self.error = FinishReason.ERROR, f"its output could not be decoded: {error_line(e)}"
             return delta.finish_reason is None
         self.output_token_ids.append(delta.token_id)
+        self.output_token_texts.append(text_delta)
         if self.params.logprobs is not None:
             self.output_logprobs.append(delta.logprob)
             self.output_top_logprobs.append(delta.top_logprobs or [])

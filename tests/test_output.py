@@ -246,3 +246,17 @@ def test_a_start_request_decodes_its_first_token_in_the_prompts_context(smollm2_
     for token_id in ids[-2:]:
         client.apply(RequestDelta(0, token_id))
     assert client.output_text == smollm2_tokenizer.decode(ids)[len(smollm2_tokenizer.decode(ids[:-2])):]
+
+
+def test_each_tokens_own_text_is_kept_whatever_the_stop_string_does():
+    """output_token_texts is the detokenizer's text of each token: a stop string's hold-back and
+    cut change what is streamed and output_text, never which token a text belongs to."""
+    req = make_request(max_new_tokens=10, stop=["of Fr"])
+    feed(req, ["The", " cap", "ital", " of", " Fr", "ance"])
+    assert req.finish_reason is FinishReason.STOP_SEQUENCE
+    assert req.output_token_texts == ["The", " cap", "ital", " of", " Fr"]
+    assert req.output_text == "The capital "
+    req = make_request(max_new_tokens=3)
+    req.append_token(11, "a")
+    req.append_token(EOS, "</s>", eos_token_ids={EOS})
+    assert req.output_token_texts == ["a", ""]             # an EOS token's text is never shown

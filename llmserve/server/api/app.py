@@ -8,10 +8,11 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
-from llmserve.server.api import openai, tgi
+from llmserve.server.api import openai, tgi, tokenization
 from llmserve.server.api.errors import (
     APIError, error_response, http_error, internal_error, not_json_error, validation_error,
 )
@@ -28,10 +29,13 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         await state.engine.close()
 
-    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
+    # /docs and /redoc with their scripts served from the fastapi-offline package, not a CDN:
+    # they work where the server has no network (FastAPI's own pages load them from jsDelivr).
+    app = FastAPIOffline(title="llmserve", version=__version__, lifespan=lifespan)
     app.state.server = state
     app.include_router(tgi.build_router(state))
     app.include_router(openai.build_router(state))
+    app.include_router(tokenization.build_router(state))
     install_openapi(app, api_key_set=state.config.api_key is not None)
     # The last middleware added runs first: the key is checked before the body is even read.
     app.add_middleware(BodyLimitMiddleware, limit=payload_limit(state))
@@ -87,7 +91,7 @@ def create_app(state: ServerState) -> FastAPI:
             "model_id": state.model_name, "model_path": state.model_path, "model_type": i.model_type,
             "model_dtype": i.dtype, "model_device_type": i.device.split(":")[0], "model_pipeline_tag": "text-generation",
             "num_parameters": i.num_params, "tp": state.engine.config.tp,
-            "max_concurrent_requests": lim.max_concurrent_requests, "max_best_of": 1,
+            "max_concurrent_requests": lim.max_concurrent_requests, "max_best_of": lim.max_best_of,
             "max_stop_sequences": tgi.MAX_STOP_SEQUENCES, "max_input_tokens": lim.max_input_tokens,
             "max_total_tokens": lim.max_total_tokens, "max_top_n_tokens": lim.max_top_n_tokens,
             "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
@@ -100,6 +104,10 @@ def create_app(state: ServerState) -> FastAPI:
             "generation_config": state.sampling_defaults.describe(),
             "router": "llmserve", "version": __version__,
         }
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -130,8 +130,12 @@ _OPENAI_TYPES = {
 }
 
 
+# vLLM's routes outside /v1 answer errors in OpenAI's shape, as vLLM does.
+VLLM_PATHS = frozenset({"/detokenize", "/tokenizer_info"})
+
+
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/")
+    return path.startswith("/v1/") or path in VLLM_PATHS
 
 
 def error_response(error: APIError, path: str, headers: Mapping[str, str] | None = None) -> JSONResponse:

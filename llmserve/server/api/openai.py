@@ -26,9 +26,11 @@ from llmserve.server.api.streaming import merge_streams, sse_response
 from llmserve.server.api.tools import (
     Tool, ToolCall, ToolChoice, ToolUse, check_tool_messages, check_tools, template_tool_calls, tool_call_json, tool_use,
 )
+from llmserve.detokenize import IncrementalDetokenizer
+from llmserve.engine.request import FinishReason
+from llmserve.output import ClientRequest
 from llmserve.server.engine_client import RequestStream, TokenEvent
 from llmserve.tool_parsers import ToolCallStream
-from llmserve.engine.request import FinishReason
 
 MAX_N = 128
 MAX_LOGPROBS = 20      # vLLM's limit for both completions' logprobs and chat's top_logprobs
@@ -84,6 +86,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = None       # vLLM's: each prompt token's logprob and its top alternatives
 
 
 class ContentPart(APIModel):
@@ -177,6 +180,13 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
         raise fields.error(e) from None
 
 
+def completion_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """How many alternatives the engine reports per prompt token: echo with logprobs wants the
+    prompt's logprobs as OpenAI shows them, vLLM's prompt_logprobs its own; None: neither."""
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None
+
+
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """n choices of one prompt: the same settings, each its own random stream (seed + i), so a
     seeded request is reproducible and its choices still differ."""
@@ -192,8 +202,9 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def usage(prompt_tokens: int, streams: list[RequestStream]) -> dict[str, int]:
-    completion = sum(s.request.num_output_tokens for s in streams)
+def usage(prompt_tokens: int, streams: list[RequestStream], count_output: bool = True) -> dict[str, int]:
+    """``count_output`` False: a request that only scored its prompt (its one sampled token is not shown)."""
+    completion = sum(s.request.num_output_tokens for s in streams) if count_output else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
@@ -227,6 +238,49 @@ def completion_logprobs(state: ServerState, events: list[TokenEvent], start_offs
         "top_logprobs": [{state.token_text(t): json_logprob(lp) for t, lp in e.top_logprobs or []} for e in events],
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(state: ServerState, request: ClientRequest) -> dict[str, Any]:
+    """The prompt's part of an echoed choice's ``logprobs``, in completion_logprobs' shape: the first
+    token has no logprob and no alternatives (null, as OpenAI), and each offset is where the
+    token's text starts in the echoed prompt text."""
+    ids = request.prompt_token_ids
+    logprobs = request.prompt_logprobs or [None] * len(ids)
+    tops = request.prompt_top_logprobs or [None] * len(ids)
+    offsets, offset = [], 0
+    for piece in prompt_pieces(state, ids):
+        offsets.append(offset)
+        offset += len(piece)
+    return {
+        "tokens": [state.token_text(t) for t in ids],
+        "token_logprobs": [json_logprob(lp) for lp in logprobs],
+        "top_logprobs": [None if top is None else {state.token_text(t): json_logprob(lp) for t, lp in top} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def prompt_pieces(state: ServerState, ids: list[int]) -> list[str]:
+    """Each prompt token's share of ``state.tokenizer.decode(ids)`` (the echoed text), in one pass."""
+    detokenizer = IncrementalDetokenizer(state.tokenizer, skip_special_tokens=False)
+    return [detokenizer.step(t) for t in ids]
+
+
+def vllm_prompt_logprobs(state: ServerState, request: ClientRequest) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first), its own logprob and its
+    top alternatives, keyed by token id. ``rank`` is known for the alternatives only (1 = most
+    likely); a prompt token outside them has ``rank`` null."""
+    out: list[dict[str, Any] | None] = []
+    tops = request.prompt_top_logprobs or [None] * request.num_prompt_tokens
+    for token_id, logprob, top in zip(request.prompt_token_ids, request.prompt_logprobs or [], tops):
+        if logprob is None:
+            out.append(None)
+            continue
+        entries = {str(t): {"logprob": json_logprob(lp), "rank": rank, "decoded_token": state.token_text(t)}
+                   for rank, (t, lp) in enumerate(top or [], start=1)}
+        entries.setdefault(str(token_id), {"logprob": json_logprob(logprob), "rank": None,
+                                           "decoded_token": state.token_text(token_id)})
+        out.append(entries)
+    return out
 
 
 # -- chat --------------------------------------------------------------------------------
@@ -316,13 +370,21 @@ def answer_delta(stream: ToolCallStream, text: str, reason: str | None) -> tuple
 def build_router(state: ServerState) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.started_at, "owned_by": "llmserve",
+                "root": state.model_path, "max_model_len": state.limits.max_total_tokens,
+                "chat_template": state.chat_template.name if state.chat_template else None}
+
     @router.get("/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.started_at, "owned_by": "llmserve",
-            "root": state.model_path, "max_model_len": state.limits.max_total_tokens,
-            "chat_template": state.chat_template.name if state.chat_template else None,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        # any name a request's `model` may use (the served name, the path, its base name)
+        if model_id not in state.model_names:
+            raise model_not_found_error(model_id)
+        return model_card()
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
@@ -330,29 +392,44 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.suffix is None, "suffix is not supported", "suffix")
         _check(body.best_of in (None, 1), "best_of > 1 is not supported", "best_of")
         _check(body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        _check(body.prompt_logprobs is None or 0 <= body.prompt_logprobs <= MAX_LOGPROBS,
+               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
+        # max_tokens 0 with echo scores the prompt (lm-eval's loglikelihood requests): the
+        # engine still samples the one token a prefill yields, which the answer leaves out.
+        score_only = body.max_tokens == 0
+        _check(not score_only or body.echo, "max_tokens must be at least 1, or 0 with echo to score the prompt only",
+               "max_tokens")
         prompts = await completion_prompts(body, state)
         fields = openai_fields("prompt", "max_tokens", "logprobs")
-        params = [choice_params(sampling_params(body, state, len(p), body.max_tokens, body.logprobs, fields), body.n)
-                  for p in prompts]
-        prompt_texts = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
+        prompt_logprobs = completion_prompt_logprobs(body)
+        params = [choice_params(dataclasses.replace(
+            sampling_params(body, state, len(p), 1 if score_only else body.max_tokens, body.logprobs, fields),
+            prompt_logprobs=prompt_logprobs), body.n) for p in prompts]
+        prompt_texts = ["".join(prompt_pieces(state, p)) for p in prompts] if body.echo else None
 
-        def choice_text(i: int, text: str, first: bool) -> str:
-            return prompt_texts[i // body.n] + text if (prompt_texts and first) else text
-
-        def make_choice(i: int, text: str, events: list[TokenEvent], reason: FinishReason | None, first: bool) -> dict[str, Any]:
+        def make_choice(i: int, s: RequestStream, text: str, events: list[TokenEvent], reason: FinishReason | None,
+                        first: bool) -> dict[str, Any]:
+            echo = prompt_texts is not None and first
+            if score_only:
+                text, events = "", []
             logprobs = None
             if body.logprobs is not None:
                 start = len(prompt_texts[i // body.n]) if prompt_texts else 0
                 logprobs = completion_logprobs(state, events, start)
-            return {"index": i, "text": choice_text(i, text, first), "logprobs": logprobs,
-                    "finish_reason": finish_reason(reason), "stop_reason": None}
+                if echo:
+                    logprobs = {k: v + logprobs[k] for k, v in echo_logprobs(state, s.request).items()}
+            choice = {"index": i, "text": prompt_texts[i // body.n] + text if echo else text, "logprobs": logprobs,
+                      "finish_reason": finish_reason(reason), "stop_reason": None}
+            if body.prompt_logprobs is not None and first:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state, s.request)
+            return choice
 
         return await run_openai(
             state, body, http_request, [(p, cp) for p, ps in zip(prompts, params) for cp in ps], fields,
             object_name="text_completion", chunk_object_name="text_completion", id_prefix="cmpl",
-            full_choice=lambda i, s, events: make_choice(i, s.request.output_text, events, s.request.finish_reason, True),
-            chunk_choice=lambda i, e, first: make_choice(i, e.text, [e], e.finish_reason, first),
-            num_prompt_tokens=sum(len(p) for p in prompts),
+            full_choice=lambda i, s, events: make_choice(i, s, s.request.output_text, events, s.request.finish_reason, True),
+            chunk_choice=lambda i, s, e, first: make_choice(i, s, e.text, [e], e.finish_reason, first),
+            num_prompt_tokens=sum(len(p) for p in prompts), count_output=not score_only,
         )
 
     @router.post("/chat/completions")
@@ -390,7 +467,7 @@ def build_router(state: ServerState) -> APIRouter:
 
         answer_streams = [tools.stream() for _ in params] if tools is not None else None
 
-        def chunk_choice(i: int, e: TokenEvent, first: bool) -> dict[str, Any]:
+        def chunk_choice(i: int, s: RequestStream, e: TokenEvent, first: bool) -> dict[str, Any]:
             reason = finish_reason(e.finish_reason)
             if answer_streams is None:
                 delta = {"content": e.text}
@@ -413,8 +490,8 @@ async def run_openai(
     state: ServerState, body: SamplingFields, http_request: HTTPRequest,
     jobs: list[tuple[list[int], SamplingParams]], fields: APIFields, *, object_name: str, chunk_object_name: str, id_prefix: str,
     full_choice: Callable[[int, RequestStream, list[TokenEvent]], dict[str, Any]],
-    chunk_choice: Callable[[int, TokenEvent, bool], dict[str, Any]],
-    num_prompt_tokens: int,
+    chunk_choice: Callable[[int, RequestStream, TokenEvent, bool], dict[str, Any]],
+    num_prompt_tokens: int, count_output: bool = True,
 ):
     """Start one engine request per choice, then answer in one JSON body or as a stream."""
     header = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
@@ -422,7 +499,7 @@ async def run_openai(
         streams, all_events = await state.complete(jobs, fields, http_request)
         return header | {"object": object_name,
                          "choices": [full_choice(i, s, ev) for i, (s, ev) in enumerate(zip(streams, all_events))],
-                         "usage": usage(num_prompt_tokens, streams)}
+                         "usage": usage(num_prompt_tokens, streams, count_output)}
 
     streams, slot = state.start_all(jobs, fields)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -431,11 +508,11 @@ async def run_openai(
     async def chunks() -> AsyncIterator[dict[str, Any] | str]:
         started = [False] * len(streams)
         async for i, event in merge_streams(streams):
-            chunk = chunk_header | {"choices": [chunk_choice(i, event, not started[i])]}
+            chunk = chunk_header | {"choices": [chunk_choice(i, streams[i], event, not started[i])]}
             started[i] = True
             yield chunk | ({"usage": None} if include_usage else {})
         if include_usage:
-            yield chunk_header | {"choices": [], "usage": usage(num_prompt_tokens, streams)}
+            yield chunk_header | {"choices": [], "usage": usage(num_prompt_tokens, streams, count_output)}
         yield "[DONE]"
 
     return sse_response(stream_with_cleanup(streams, chunks(), state, slot,

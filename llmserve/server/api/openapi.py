@@ -36,11 +36,18 @@ ROUTE_ERRORS: dict[str, list[HTTPStatus]] = {
     "/generate": _BODY + _GENERATION,
     "/generate_stream": _BODY + _GENERATION,
     "/": _BODY + _GENERATION,
-    "/tokenize": _BODY,
+    "/tokenize": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY,   # TGI's body: 422; vLLM's: 400 / 404
+    "/detokenize": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    HTTPStatus.UNSUPPORTED_MEDIA_TYPE],
+    "/v1/models/{model_id}": [HTTPStatus.NOT_FOUND],
     "/v1/completions": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY + _GENERATION,
     "/v1/chat/completions": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY + _GENERATION,
     "/health": [HTTPStatus.SERVICE_UNAVAILABLE],
 }
+
+
+# Statuses a TGI-family route answers in OpenAI's shape: /tokenize's vLLM bodies (tokenization.py).
+OPENAI_SHAPED: dict[str, frozenset[HTTPStatus]] = {"/tokenize": frozenset({HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND})}
 
 
 def install_openapi(app: FastAPI, api_key_set: bool) -> None:
@@ -73,7 +80,8 @@ def document_errors(schema: dict[str, Any], api_key_set: bool) -> dict[str, Any]
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)      # FastAPI's {"detail": [...]}: never sent here
             for status in sorted(statuses):
-                responses[str(int(status))] = _response(status, body_model.__name__)
+                model = OpenAIErrorBody if status in OPENAI_SHAPED.get(path, ()) else body_model
+                responses[str(int(status))] = _response(status, model.__name__)
             if api_key_set and path not in OPEN_PATHS:
                 operation["security"] = [{"bearer": []}]
     _drop_unused(schemas, schema["paths"], ["HTTPValidationError", "ValidationError"])

@@ -18,8 +18,11 @@ from llmserve.server.api.errors import validation_error
 
 # Seed 004: a prompt is at most 4 MB of characters.
 MAX_INPUT_CHARS = 4 * 1024 * 1024
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_LENGTH = 256
+# Seed 004's stop list: at most 1024 sequences of 1 to 1024 characters, 32768 characters in all
+# (both APIs take the same list).
+MAX_STOP_SEQUENCES = 1024
+MAX_STOP_LENGTH = 1024
+MAX_STOP_TOTAL_CHARS = 32768
 MAX_SEED = 2**64 - 1                 # both APIs' seeds are unsigned 64-bit
 
 
@@ -84,3 +87,7 @@ def check_stop(stop: list[str], param: str = "stop") -> None:
                                param)
     if not all(1 <= len(s) <= MAX_STOP_LENGTH for s in stop):
         raise validation_error(f"each `{param}` sequence must have 1 to {MAX_STOP_LENGTH} characters", param)
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise validation_error(f"`{param}` sequences must have at most {MAX_STOP_TOTAL_CHARS} characters in all. "
+                               f"Given: {total}", param)

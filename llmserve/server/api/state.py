@@ -49,6 +49,8 @@ class ServerConfig:
     max_total_tokens: int | None = None    # prompt + max_new_tokens; None: what the model and KV pool allow
     max_input_tokens: int | None = None    # None: max_total_tokens - 1
     max_top_n_tokens: int = 5
+    max_best_of: int = 2                   # TGI's best_of limit (its --max-best-of, and its default)
+    full_text_enabled: bool = False        # seed 004's fullTextEnabled: TGI stream events carry the text so far
     served_model_name: str | None = None   # None: the model file or directory name
     chat_template: str | None = None       # a registry name, .json or .jinja file; None: the model's own or a match
     generation_config: str = "auto"        # sampling defaults: auto (the model's), none/vllm, or a folder
@@ -61,6 +63,7 @@ class Limits:
     request: RequestLimits              # what one generation may be (engine/admission.py)
     max_concurrent_requests: int
     max_top_n_tokens: int
+    max_best_of: int
 
     @property
     def max_total_tokens(self) -> int:
@@ -101,7 +104,7 @@ class ServerState:
         info = engine.info
         self.info = info
         self.limits = Limits(RequestLimits.of_model(info, config.max_total_tokens, config.max_input_tokens),
-                             config.max_concurrent_requests, config.max_top_n_tokens)
+                             config.max_concurrent_requests, config.max_top_n_tokens, config.max_best_of)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self._in_flight = 0
         metrics.in_flight.set_function(lambda: self._in_flight)
@@ -267,8 +270,9 @@ def json_logprob(value: float | None) -> float | None:
 
 
 def fresh_seed() -> int:
-    """A seed for a sampling request that did not bring one, so that it can be reported back."""
-    return secrets.randbits(63)
+    """A seed for a sampling request that did not bring one, so that it can be reported back; never
+    0, which TGI's seed range (0, 2^64-1] leaves out, so that sending it back always works."""
+    return 1 + secrets.randbelow(2**63 - 1)
 
 
 class Slot:

@@ -1,4 +1,4 @@
-"""Text Generation Inference's interface: /generate, /generate_stream, / and /tokenize.
+"""Text Generation Inference's interface: /generate, /generate_stream, / (and /tokenize's TGI body).
 
 Request fields, validation ranges and event shapes follow TGI (and the seed document): a
 stream is one SSE event per token, the last one carrying ``generated_text`` and ``details``;
@@ -7,6 +7,7 @@ an error (a failed engine) is an event ``{"error": ..., "error_type": ...}``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request as HTTPRequest
@@ -22,6 +23,7 @@ from llmserve.server.api.streaming import sse_response
 from llmserve.server.engine_client import RequestStream, TokenEvent
 
 DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
+MAX_INT32 = 2**31 - 1         # seed 004's upper bound of top_k, truncate and max_new_tokens
 __all__ = ["MAX_STOP_SEQUENCES", "build_router"]   # /info reports the stop limit
 
 
@@ -76,21 +78,18 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
     rules are SamplingParams' and check_request's, rendered in TGI's field names."""
     _check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
     _check(p.top_p is None or 0 < p.top_p < 1, "`top_p` must be > 0.0 and < 1.0")
-    _check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
-    _check(p.typical_p is None or 0 < p.typical_p < 1, "`typical_p` must be > 0.0 and < 1.0")
-    _check(p.seed is None or 0 <= p.seed <= MAX_SEED, f"`seed` must be in [0, {MAX_SEED}]")
+    _check(p.top_k is None or 0 < p.top_k <= MAX_INT32, f"`top_k` must be in (0, {MAX_INT32}]")
+    _check(p.typical_p is None or 0 < p.typical_p <= 1, "`typical_p` must be > 0.0 and <= 1.0")
+    _check(p.seed is None or 0 < p.seed <= MAX_SEED, f"`seed` must be in (0, {MAX_SEED}]")
+    _check(p.max_new_tokens is None or p.max_new_tokens <= MAX_INT32, f"`max_new_tokens` must be <= {MAX_INT32}")
     lim = state.limits.max_top_n_tokens
     _check(p.top_n_tokens is None or 0 <= p.top_n_tokens <= lim,
            f"`top_n_tokens` must be >= 0 and <= {lim}. Given: {p.top_n_tokens}")
-    _check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
     _check(p.adapter_id in (None, "None"), f"adapter `{p.adapter_id}` is not loaded: this server serves no LoRA adapters")
     stop = stop_list(p.stop)
     check_stop(stop)
 
-    # TGI samples when asked to, or when any warper is set (the text-generation client always
-    # sends do_sample=false, and a temperature of 0.7 there still means sampling).
-    sample = bool(p.do_sample) or (p.temperature is not None and p.temperature != 1.0) or any(
-        v is not None for v in (p.top_k, p.top_p, p.typical_p))
+    sample = wants_sampling(p)
     if p.max_new_tokens is None:
         max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, state.room_for(num_prompt_tokens))
     else:
@@ -109,7 +108,7 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
             repetition_penalty=(p.repetition_penalty if p.repetition_penalty is not None
                                 else model.get("repetition_penalty", 1.0)),
             frequency_penalty=p.frequency_penalty or 0.0,
-            seed=(p.seed if p.seed is not None else fresh_seed()) if sample else None,
+            seed=(p.seed or fresh_seed()) if sample else None,
             stop=stop,
             logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
             prompt_logprobs=0 if p.decoder_input_details else None,
@@ -119,22 +118,54 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
         raise TGI_FIELDS.error(e) from None
 
 
-async def prepare(body: TGIRequest, state: ServerState) -> tuple[list[int], SamplingParams]:
+def wants_sampling(p: TGIParameters) -> bool:
+    """TGI samples when asked to, or when any warper is set (the text-generation client always
+    sends do_sample=false, and a temperature of 0.7 there still means sampling). A temperature or
+    typical_p of 1.0 changes nothing, so it does not count."""
+    return bool(p.do_sample) or any(v is not None and v != 1.0 for v in (p.temperature, p.typical_p)) or any(
+        v is not None for v in (p.top_k, p.top_p))
+
+
+def best_of_params(p: TGIParameters, params: SamplingParams, state: ServerState, stream: bool) -> list[SamplingParams]:
+    """``best_of`` samples of one request, each with a seed of its own (TGI's rules: sampling only,
+    no seed of the client's, no streaming, at most --max-best-of)."""
+    best_of = 1 if p.best_of is None else p.best_of
+    limit = state.limits.max_best_of
+    _check(best_of > 0, "`best_of` must be strictly positive")
+    _check(best_of <= limit, f"`best_of` must be <= {limit} (--max-best-of). Given: {best_of}")
+    if best_of > 1:
+        _check(wants_sampling(p), "you must use sampling when `best_of` is > 1")
+        _check(p.seed is None, "`seed` must not be set when `best_of` is > 1")
+        _check(not stream, "`best_of` != 1 is not supported when streaming tokens")
+    return [params] + [dataclasses.replace(params, seed=fresh_seed()) for _ in range(best_of - 1)]
+
+
+async def prepare(body: TGIRequest, state: ServerState, stream: bool) -> tuple[list[int], list[SamplingParams]]:
+    """The prompt's tokens, and the SamplingParams of each of its generations (``best_of`` of them)."""
     _check(body.inputs != "", "`inputs` cannot be empty")
     p = body.parameters
-    _check(p.truncate is None or 0 < p.truncate <= state.limits.max_input_tokens,
-           f"`truncate` must be strictly positive and less than {state.limits.max_input_tokens + 1}. Given: {p.truncate}")
+    # Seed 004: any truncate in (0, 2^31-1]; one of the prompt's length or more cuts nothing.
+    _check(p.truncate is None or 0 < p.truncate <= MAX_INT32, f"`truncate` must be in (0, {MAX_INT32}]. Given: {p.truncate}")
     # With truncate, a long input is cut to its last tokens rather than refused.
     ids = await state.tokenize_in_thread(state.encode, body.inputs, "inputs", True, p.truncate is None)
     if p.truncate is not None:
         ids = ids[-p.truncate:]
-    return ids, sampling_params(p, state, len(ids))
+    return ids, best_of_params(p, sampling_params(p, state, len(ids)), state, stream)
 
 
 def tokenize_with_offsets(state: ServerState, text: str) -> Any:
     """/tokenize's encoding (ids and character offsets), within the same bounds as a prompt."""
     state.check_size(text, "inputs")
     return state.tokenize_fully(text, "inputs", return_offsets_mapping=True)
+
+
+async def tokenize(state: ServerState, body: TokenizeRequest) -> list[dict[str, Any]]:
+    """TGI's /tokenize (the route, shared with vLLM's body, is in tokenization.py): each token
+    with its id, its text and its character span in ``inputs``."""
+    _check(body.inputs != "", "`inputs` cannot be empty")
+    enc = await state.tokenize_in_thread(tokenize_with_offsets, state, body.inputs)
+    return [{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
+            for tid, (start, stop) in zip(enc.input_ids, enc.offset_mapping)]
 
 
 # -- response pieces ---------------------------------------------------------------------
@@ -154,6 +185,25 @@ def prefill_json(state: ServerState, stream: RequestStream) -> list[dict[str, An
             for tid, lp in zip(req.prompt_token_ids, logprobs)]
 
 
+def tokens_json(state: ServerState, stream: RequestStream, events: list[TokenEvent]) -> list[dict[str, Any]]:
+    """Each generated token with its own text (never shifted by a stop string's hold-back)."""
+    texts = stream.request.output_token_texts
+    return [token_json(state, e.token_id, text, e.logprob) for e, text in zip(events, texts)]
+
+
+def details_json(state: ServerState, p: TGIParameters, stream: RequestStream, events: list[TokenEvent]) -> dict[str, Any]:
+    return stream_details(stream) | {
+        "prefill": prefill_json(state, stream) if p.decoder_input_details else [],
+        "tokens": tokens_json(state, stream, events),
+        "top_tokens": [top_tokens_json(state, e) for e in events] if p.top_n_tokens else None,
+    }
+
+
+def logprob_sum(events: list[TokenEvent]) -> float:
+    """What best_of ranks samples by (as TGI): the sum of their tokens' logprobs."""
+    return sum(e.logprob for e in events if e.logprob is not None)
+
+
 def stream_details(stream: RequestStream) -> dict[str, Any]:
     req = stream.request
     return {"finish_reason": req.finish_reason.value, "generated_tokens": req.num_output_tokens,
@@ -171,37 +221,54 @@ def build_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     async def generate_json(body: TGIRequest, http_request: HTTPRequest) -> dict[str, Any]:
-        ids, params = await prepare(body, state)
-        [stream], [events] = await state.complete([(ids, params)], TGI_FIELDS, http_request)
-        response: dict[str, Any] = {"generated_text": generated_text(body, stream)}
+        ids, params = await prepare(body, state, stream=False)
+        streams, all_events = await state.complete([(ids, sp) for sp in params], TGI_FIELDS, http_request)
+        best = max(range(len(streams)), key=lambda i: logprob_sum(all_events[i]))
+        response: dict[str, Any] = {"generated_text": generated_text(body, streams[best])}
         p = body.parameters
         if p.details or p.decoder_input_details:
-            response["details"] = stream_details(stream) | {
-                "prefill": prefill_json(state, stream) if p.decoder_input_details else [],
-                "tokens": [token_json(state, e.token_id, e.text, e.logprob) for e in events],
-                "top_tokens": [top_tokens_json(state, e) for e in events] if p.top_n_tokens else None,
-                "best_of_sequences": None,
-            }
+            others = [details_json(state, p, s, ev) | {"generated_text": generated_text(body, s)}
+                      for i, (s, ev) in enumerate(zip(streams, all_events)) if i != best]
+            response["details"] = details_json(state, p, streams[best], all_events[best]) | {
+                "best_of_sequences": others or None}
         return response
 
     async def generate_sse(body: TGIRequest) -> EventSourceResponse:
         _check(not body.parameters.decoder_input_details,
                "`decoder_input_details` == true is not supported when streaming tokens")
-        ids, params = await prepare(body, state)
-        [stream], slot = state.start_all([(ids, params)], TGI_FIELDS)
+        ids, params = await prepare(body, state, stream=True)
+        [stream], slot = state.start_all([(ids, params[0])], TGI_FIELDS)
+        full_text = state.config.full_text_enabled
 
         async def events():
+            # A token's event waits until all of its text is safe to show (no stop string can
+            # start in it any more): the stop hold-back delays events, it never moves text from
+            # one token to another. The last event lets out whatever is still waiting.
+            request = stream.request
+            waiting: list[TokenEvent] = []
+            streamed_chars = shown_chars = 0     # safe text so far; text of the events sent
             index = 0
             async for event in stream:
-                index += 1
+                streamed_chars += len(event.text)
+                waiting.append(event)
                 last = event.finish_reason is not None
-                yield {
-                    "index": index,
-                    "token": token_json(state, event.token_id, event.text, event.logprob),
-                    "top_tokens": top_tokens_json(state, event),
-                    "generated_text": generated_text(body, stream) if last else None,
-                    "details": stream_details(stream) if last else None,
-                }
+                while waiting:
+                    text = request.output_token_texts[index]
+                    if not last and shown_chars + len(text) > streamed_chars:
+                        break
+                    e = waiting.pop(0)
+                    index += 1
+                    shown_chars += len(text)
+                    done = last and not waiting
+                    if full_text:     # seed 004's fullTextEnabled: each event carries the text so far
+                        text = request.output_text[:shown_chars]
+                    yield {
+                        "index": index,
+                        "token": token_json(state, e.token_id, text, e.logprob),
+                        "top_tokens": top_tokens_json(state, e),
+                        "generated_text": generated_text(body, stream) if done else None,
+                        "details": stream_details(stream) if done and body.parameters.details else None,
+                    }
 
         return sse_response(stream_with_cleanup([stream], events(), state, slot,
                                                 error_items=lambda error: [error.tgi_body()]))
@@ -220,12 +287,5 @@ def build_router(state: ServerState) -> APIRouter:
         if body.stream:
             return await generate_sse(body)
         return [await generate_json(body, http_request)]
-
-    @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        _check(body.inputs != "", "`inputs` cannot be empty")
-        enc = await state.tokenize_in_thread(tokenize_with_offsets, state, body.inputs)
-        return [{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
-                for tid, (start, stop) in zip(enc.input_ids, enc.offset_mapping)]
 
     return router

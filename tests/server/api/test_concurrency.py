@@ -66,7 +66,7 @@ def assert_serves(server: ServerProcess) -> None:
 
 def test_concurrent_greedy_streams_match_alone(tiny_server):
     def body(prompt: str) -> dict:
-        return {"inputs": prompt, "parameters": {"max_new_tokens": 24}}
+        return {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True}}
 
     async def alone() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=60) as client:
@@ -166,7 +166,7 @@ def test_overloaded_streams_get_429_too(limited_server):
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as client:
             async def one(p: str):
                 async with client.stream("POST", limited_server.url + "/generate_stream",
-                                         json={"inputs": p, "parameters": {"max_new_tokens": 64}}) as r:
+                                         json={"inputs": p, "parameters": {"max_new_tokens": 64, "details": True}}) as r:
                     body = await r.aread()
                     return r.status_code, body
             return await asyncio.gather(*(one(p) for p in PROMPTS[:n]))

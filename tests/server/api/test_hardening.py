@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from llmserve.server.api.schema import MAX_INPUT_CHARS, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
+from llmserve.server.api.schema import MAX_INPUT_CHARS, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, MAX_STOP_TOTAL_CHARS
 
 TIMEOUT = httpx.Timeout(120.0)
 USER_HI = [{"role": "user", "content": "hi"}]
@@ -64,7 +64,8 @@ HUGE = 2**63
 
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5, "top_k": HUGE, "temperature": 0.8, "seed": 3}),
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5, "top_k": HUGE, "do_sample": True, "seed": 3}}),
+    # seed 004 bounds TGI's top_k by 2^31-1, still far beyond any vocabulary
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5, "top_k": 2**31 - 1, "do_sample": True, "seed": 3}}),
     ("/v1/chat/completions", {"model": "tiny", "messages": USER_HI, "max_tokens": 5, "top_k": HUGE,
                               "temperature": 0.8, "seed": 3}),
 ])
@@ -233,12 +234,21 @@ def test_openai_out_of_range_fields_are_refused(tiny_server, field, value):
 
 
 def test_stop_limits_are_the_same_on_both_apis(tiny_server):
+    """Seed 004's: up to 1024 sequences of 1 to 1024 characters, 32768 characters in all."""
     assert info(tiny_server.url)["max_stop_sequences"] == MAX_STOP_SEQUENCES
-    ok = ["x" * MAX_STOP_LENGTH] * MAX_STOP_SEQUENCES
-    assert post(tiny_server.url, "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, "stop": ok}}).status_code == 200
-    assert post(tiny_server.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": ok}).status_code == 200
-    r = post(tiny_server.url, "/generate", {"inputs": "hi", "parameters": {"stop": ok + ["z"]}})
+    longest = ["x" * MAX_STOP_LENGTH, *("y" * 30 for _ in range(1023))]           # 32714 characters
+    most = ["z" * (MAX_STOP_TOTAL_CHARS // MAX_STOP_SEQUENCES)] * MAX_STOP_SEQUENCES  # 32768 characters
+    for ok in (longest, most):
+        assert post(tiny_server.url, "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, "stop": ok}}).status_code == 200
+        assert post(tiny_server.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": ok}).status_code == 200
+    r = post(tiny_server.url, "/generate", {"inputs": "hi", "parameters": {"stop": most + ["z"]}})
     assert_tgi_error(r, 422, "stop", str(MAX_STOP_SEQUENCES))
+    r = post(tiny_server.url, "/generate", {"inputs": "hi", "parameters": {"stop": most[:-1] + ["z" * 33]}})
+    assert_tgi_error(r, 422, "stop", str(MAX_STOP_TOTAL_CHARS))
+    r = post(tiny_server.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "stop": most[:-1] + ["z" * 33]})
+    assert_openai_error(r, 400, "stop", str(MAX_STOP_TOTAL_CHARS))
+    r = post(tiny_server.url, "/generate", {"inputs": "hi", "parameters": {"stop": "w" * (MAX_STOP_LENGTH + 1)}})
+    assert_tgi_error(r, 422, "stop", str(MAX_STOP_LENGTH))
 
 
 def test_largest_seed_with_several_choices_wraps_within_64_bits(tiny_server):

@@ -70,15 +70,22 @@ def test_several_prompts_in_one_request(oai):
     assert len(r.choices) == 2 and r.choices[1].text == single.choices[0].text
 
 
-def test_completion_logprobs_and_echo(oai):
+def test_completion_logprobs_and_echo(oai, smollm2_tokenizer):
     r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True)
     c = r.choices[0]
     assert c.text.startswith(PROMPT)
     lp = c.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    num_prompt = len(smollm2_tokenizer(PROMPT).input_ids)
+    # the prompt's tokens, then the 5 generated ones; the first prompt token has no logprob (null, as OpenAI)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == num_prompt + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    for token, logprob, top in zip(lp.tokens[num_prompt:], lp.token_logprobs[num_prompt:], lp.top_logprobs[num_prompt:]):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-5)   # greedy = top-1
-    assert lp.text_offset[0] == len(PROMPT)
+    assert lp.text_offset[num_prompt] == len(PROMPT)
+    # each offset is where that token's text starts in the echoed text
+    assert [c.text[a:b] for a, b in zip(lp.text_offset[:num_prompt], lp.text_offset[1:])] == \
+        [smollm2_tokenizer.decode([t]) for t in smollm2_tokenizer(PROMPT).input_ids]
 
 
 def test_stop_strings_and_stop_token_ids(oai, tgi):
@@ -185,3 +192,71 @@ def test_unreadable_chat_template_fails_at_startup(tiny_llama_dir, tmp_path):
     proc = subprocess.run([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", "0",
                            "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot read the chat template" in proc.stderr
+
+
+# -- scoring a prompt (lm-evaluation-harness's loglikelihood requests) ----------------------
+
+def hf_prompt_logprobs(model_dir: str, ids: list[int]) -> list[float]:
+    """HF transformers' logprob of each prompt token after the first, on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_hf_does(tiny_server, tiny_llama_dir, smollm2_tokenizer):
+    ids = smollm2_tokenizer("The quick brown fox jumps over the lazy dog").input_ids
+    r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    lp = choice["logprobs"]
+    assert choice["text"] == smollm2_tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    assert lp["tokens"] == [smollm2_tokenizer.decode([t]) for t in ids]          # no generated token
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(hf_prompt_logprobs(tiny_llama_dir, ids), abs=1e-4)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    # without echo there is nothing to answer
+    r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": ids, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_vllm_prompt_logprobs(tiny_server, smollm2_tokenizer):
+    ids = smollm2_tokenizer(PROMPT).input_ids
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    scored = httpx.post(tiny_server.url + "/v1/completions", timeout=60,
+                        json=body | {"max_tokens": 0, "echo": True, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, json=body | {"prompt_logprobs": 2})
+    [choice] = r.json()["choices"]
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+    for token_id, expected, entries in zip(ids[1:], scored["token_logprobs"][1:], prompt_logprobs[1:]):
+        # the top 2, plus the prompt's own token when it is not among them
+        assert 2 <= len(entries) <= 3 and entries[str(token_id)]["logprob"] == pytest.approx(expected, abs=1e-5)
+        ranked = sorted((e for e in entries.values() if e["rank"] is not None), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+    assert choice["logprobs"] is None and len(smollm2_tokenizer(choice["text"]).input_ids) <= 3
+
+
+def test_streamed_echo_carries_the_prompts_logprobs_first(oai, smollm2_tokenizer):
+    num_prompt = len(smollm2_tokenizer(PROMPT).input_ids)
+    chunks = list(oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1,
+                                         echo=True, stream=True))
+    full = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    first = chunks[0].choices[0]
+    assert first.text.startswith(PROMPT) and len(first.logprobs.tokens) == num_prompt + 1
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == full.choices[0].logprobs.token_logprobs
+
+
+def test_streamed_scoring_is_one_chunk_of_the_prompt(tiny_server, smollm2_tokenizer):
+    ids = smollm2_tokenizer(PROMPT).input_ids
+    chunks = list(tiny_server.openai_client().completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, stream=True, stream_options={"include_usage": True}))
+    [scored] = [c for c in chunks if c.choices]
+    assert scored.choices[0].text == PROMPT and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.tokens == [smollm2_tokenizer.decode([t]) for t in ids]
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == len(ids)
