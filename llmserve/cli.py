@@ -113,6 +113,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         ".gguf, one beside it, or for the embedded model its model card's temperature 0.2, "
                         "top_p 0.9); 'none' (or vLLM's 'vllm') keeps each API's own defaults; PATH: a folder "
                         "holding a generation_config.json. /info shows what applies (default: auto)")
+    from llmserve.tool_parsers import tool_parser_names
+
+    p.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="how the model writes tool calls in its answers, read for tool_choice 'auto' "
+                        "(default: the one its chat template's tool format implies, if any)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: none)")
     p.add_argument("--max-best-of", type=int, default=2,
@@ -251,6 +256,7 @@ def serve(args: argparse.Namespace) -> int:
         max_input_tokens=args.max_input_tokens, max_top_n_tokens=args.max_top_n_tokens,
         served_model_name=args.served_model_name,
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,
+        tool_call_parser=args.tool_call_parser,
         max_best_of=args.max_best_of, full_text_enabled=args.full_text_enabled,
         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from llmserve.chat_template.tools import ToolFormat
 
 Message = Mapping[str, Any]          # OpenAI's {"role": ..., "content": ...}
 Messages = str | Sequence[Message]
@@ -69,8 +72,10 @@ class BaseTemplate:
     def decorate_prompt(self, prompt: str, sequence_start: bool = True) -> str:
         return prompt
 
-    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
-        """A string is one user prompt (``get_prompt``); a list is an OpenAI conversation."""
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True,
+                        tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """A string is one user prompt (``get_prompt``); a list is an OpenAI conversation, which may
+        come with OpenAI's ``tools`` (function definitions) for the prompt."""
         if isinstance(messages, str):
             return self.get_prompt(messages, sequence_start)
         raise ChatTemplateError(f"the {type(self).__name__} template is a base model's: it has no chat format "
@@ -103,10 +108,14 @@ class RoleTemplate(BaseTemplate):
     system_in_first_user: bool = False   # Llama 2 and Mistral put the system text inside the first user turn
     image: str = "<image>"         # what an image part of a message renders as (the model's placeholder)
 
+    # How tools, calls and tool results are written (chat_template/tools.py); None: the format has none.
+    tool_format: ClassVar[ToolFormat | None] = None
+
     def decorate_prompt(self, prompt: str, sequence_start: bool = True) -> str:
         return self.messages2prompt([{"role": "user", "content": prompt}], sequence_start)
 
-    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True,
+                        tools: Sequence[dict[str, Any]] | None = None) -> str:
         """``sequence_start=False`` continues a sequence: no meta_instruction, and the text starts
         with the separator that follows the previous answer's stop word."""
         if isinstance(messages, str):
@@ -114,7 +123,7 @@ class RoleTemplate(BaseTemplate):
         if self.capability != "chat":
             raise ChatTemplateError(f"the {type(self).__name__} template is for a base model "
                                     f"(capability {self.capability!r}): it cannot render a conversation")
-        turns = [self._turn(m) for m in messages]
+        turns = self._turns(messages, tools)
         if sequence_start and self.meta_instruction is not None and (not turns or turns[0][0] != "system"):
             turns.insert(0, ("system", self.meta_instruction))
         text = "" if sequence_start else self.separator
@@ -127,10 +136,20 @@ class RoleTemplate(BaseTemplate):
             elif role == "user":
                 text += f"{self.user}{pending_system}{content}{self.eoh}"
                 pending_system = ""
+            elif role == "verbatim":           # a tool format's own turn (a tool result, the tool list)
+                text += content
             else:
                 text += f"{pending_system}{self.assistant}{self.answer_lead}{content}{self.eoa}{self.separator}"
                 pending_system = ""
         return f"{text}{pending_system}{self.assistant}"
+
+    def _turns(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None) -> list[tuple[str, str]]:
+        if self.tool_format is not None:
+            return self.tool_format.turns(self, messages, tools)
+        if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            raise ChatTemplateError(f"the {type(self).__name__} template has no format for tools, tool calls or tool "
+                                    "results (the chatml/qwen, llama3 and mistral templates have one)")
+        return [self._turn(m) for m in messages]
 
     def _turn(self, message: Message) -> tuple[str, str]:
         role = ROLES.get(message.get("role"))

@@ -8,9 +8,11 @@ adds); their sampling defaults are the model's generation_config where it has on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from llmserve.chat_template.base import BaseTemplate, RoleTemplate
 from llmserve.chat_template.registry import Registry
+from llmserve.chat_template.tools import HermesTools, Llama3JsonTools, MistralTools, ToolFormat
 
 CHAT_TEMPLATES = Registry("chat template")
 
@@ -96,6 +98,7 @@ class Llama3(RoleTemplate):
     session_len: int = 8192
     temperature: float = 0.6
     top_p: float = 0.9
+    tool_format: ClassVar[ToolFormat | None] = Llama3JsonTools()
 
 
 @CHAT_TEMPLATES.register_module(name="qwen")
@@ -114,6 +117,7 @@ class ChatML(RoleTemplate):
     separator: str = "\n"
     stop_words: list[str] | None = stop_words("<|im_end|>")
     session_len: int = 8192
+    tool_format: ClassVar[ToolFormat | None] = HermesTools()
 
 
 @CHAT_TEMPLATES.register_module(name="smollm")
@@ -138,6 +142,7 @@ class Mistral(RoleTemplate):
     answer_lead: str = " "
     eoa: str = "</s>"
     session_len: int = 32768
+    tool_format: ClassVar[ToolFormat | None] = MistralTools()
 
 
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,11 +69,11 @@ class ChosenTemplate:
     name: str                      # a registry name, a file's name, or "tokenizer"
     source: TemplateSource
 
-    def render(self, messages: Messages) -> str:
-        return self.template.messages2prompt(messages)
+    def render(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> str:
+        return self.template.messages2prompt(messages, tools=tools)
 
-    def encode(self, tokenizer: Any, messages: Messages) -> list[int]:
-        text = self.render(messages)
+    def encode(self, tokenizer: Any, messages: Messages, tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        text = self.render(messages, tools)
         return tokenizer(text, add_special_tokens=self.template.add_special_tokens).input_ids
 
     def stop_words(self, tokenizer: Any) -> StopWords:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -36,7 +37,8 @@ class JinjaTemplate(BaseTemplate):
     def decorate_prompt(self, prompt: str, sequence_start: bool = True) -> str:
         return self.messages2prompt([{"role": "user", "content": prompt}], sequence_start)
 
-    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True,
+                        tools: Sequence[dict[str, Any]] | None = None) -> str:
         if isinstance(messages, str):
             return self.get_prompt(messages, sequence_start)
         if not sequence_start:
@@ -45,6 +47,7 @@ class JinjaTemplate(BaseTemplate):
             raise RuntimeError("JinjaTemplate.tokenizer is not set")
         try:
             return self.tokenizer.apply_chat_template([dict(m) for m in messages], chat_template=self.source,
-                                                      tokenize=False, add_generation_prompt=True)
+                                                      tools=list(tools) if tools else None, tokenize=False,
+                                                      add_generation_prompt=True)
         except Exception as e:   # the template's raise_exception(), or a message it cannot handle
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None

@@ -99,6 +99,8 @@ def create_app(state: ServerState) -> FastAPI:
             "chunked_prefill": state.engine.config.chunked_prefill,
             "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
             "chat_template": state.chat_template.describe() if state.chat_template else None,
+            # what reads tool calls in answers to tool_choice "auto" (--tool-call-parser, or the template's)
+            "tool_call_parser": state.tool_parser.name if state.tool_parser else None,
             # the sampling defaults a request's unset fields take (--generation-config)
             "generation_config": state.sampling_defaults.describe(),
             "grammar_backend": GRAMMAR_BACKEND,   # structured output (response_format, grammar)

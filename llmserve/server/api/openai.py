@@ -19,14 +19,18 @@ from pydantic import ConfigDict, Field
 from llmserve.chat_template import BaseTemplate, StopWords
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, model_not_found_error, template_error, validation_error
-from llmserve.server.api.guided import openai_guided_decoding
+from llmserve.server.api.guided import check as check_guided, openai_guided_decoding
 from llmserve.server.api.schema import MAX_SEED, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
+from llmserve.server.api.tools import (
+    Tool, ToolCall, ToolChoice, ToolUse, check_tool_messages, check_tools, template_tool_calls, tool_call_json, tool_use,
+)
 from llmserve.detokenize import IncrementalDetokenizer
 from llmserve.engine.request import FinishReason
 from llmserve.output import ClientRequest
 from llmserve.server.engine_client import RequestStream, TokenEvent
+from llmserve.tool_parsers import ToolCallStream
 
 if TYPE_CHECKING:
     import numpy as np
@@ -108,6 +112,8 @@ class ChatMessage(APIModel):
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -116,8 +122,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None          # OpenAI's deprecated spelling of tools: refused, not ignored
+    function_call: Any = None
 
 
 def _check(condition: bool, message: str, param: str) -> None:
@@ -314,13 +323,21 @@ def message_content(message: ChatMessage, image_urls: list[str]) -> str | list[d
 
 def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[str]]:
     """The conversation for the chat template, and the URLs of its images in order."""
-    _check(not body.tools, "tools are not supported", "tools")
     for m in body.messages:
         if m.role not in OPENAI_ROLES:
             raise template_error(f"unknown role {m.role!r}: a message's role is one of {', '.join(sorted(OPENAI_ROLES))}")
+    check_tool_messages(body.messages)
     image_urls: list[str] = []
-    messages = [m.model_dump(exclude_none=True) | {"content": message_content(m, image_urls)} for m in body.messages]
-    return messages, image_urls
+    return [template_message(m, image_urls) for m in body.messages], image_urls
+
+
+def template_message(message: ChatMessage, image_urls: list[str]) -> dict[str, Any]:
+    """A message as chat templates take it: its content (never None; see message_content, which
+    adds its images' URLs to ``image_urls``), calls with object arguments."""
+    fields = message.model_dump(exclude_none=True) | {"content": message_content(message, image_urls)}
+    if message.tool_calls is not None:
+        fields["tool_calls"] = template_tool_calls(message.tool_calls)
+    return fields
 
 
 def chat_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int | None:
@@ -348,6 +365,30 @@ def chat_logprobs(state: ServerState, events: list[TokenEvent]) -> dict[str, Any
 
     return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or []]}
                         for e in events]}
+
+
+def answer_message(text: str, reason: str | None, tools: ToolUse | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer as OpenAI's message, and its finish_reason ("tool_calls" when it calls)."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, reason
+    content, calls = tools.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, reason
+    message = {"role": "assistant", "content": content, "tool_calls": [tool_call_json(c) for c in calls]}
+    return message, "tool_calls" if reason == "stop" else reason
+
+
+def answer_delta(stream: ToolCallStream, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """One event's text through the choice's tool-call parser: the content and calls that became
+    certain (a call is sent whole, once its JSON is complete), and the finish_reason."""
+    first_index = stream.sent_calls
+    content, calls = stream.feed(text, final=reason is not None)
+    delta: dict[str, Any] = {"content": content} if content or not calls else {}
+    if calls:
+        delta["tool_calls"] = [tool_call_json(c, first_index + k) for k, c in enumerate(calls)]
+    if reason == "stop" and stream.sent_calls:
+        reason = "tool_calls"
+    return delta, reason
 
 
 # -- routes ------------------------------------------------------------------------------
@@ -423,12 +464,16 @@ def build_router(state: ServerState) -> APIRouter:
         _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
+        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+            _check(getattr(body, legacy) is None, f"`{legacy}` is deprecated and not served: use `{current}`", legacy)
+        check_tools(body.tools, body.tool_choice)
+        tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
         messages, image_urls = chat_messages(body)
         _check(not image_urls or state.takes_images,
                "content part of type 'image_url' is not supported by this model: it takes text only", "messages")
-        fields = openai_fields("messages", "max_tokens", "top_logprobs")
-        pixel_values = await state.load_images(image_urls, fields)
-        prompt = state.expand_images(await state.tokenize_in_thread(state.encode_chat, messages))
+        pixel_values = await state.load_images(image_urls, openai_fields("messages", "max_tokens", "top_logprobs"))
+        prompt = state.expand_images(await state.tokenize_in_thread(state.encode_chat, messages,
+                                                                    tools.tools if tools else None))
         if body.max_completion_tokens is not None:
             max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -436,18 +481,31 @@ def build_router(state: ServerState) -> APIRouter:
         max_tokens = chat_max_tokens(state, len(prompt), max_tokens, param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fields = openai_fields("messages", param, "top_logprobs")
-        params = choice_params(sampling_params(body, state, len(prompt), max_tokens, logprobs, fields,
-                                               defaults=state.chat_template.template, template_stop=state.chat_stop), body.n)
+        params = sampling_params(body, state, len(prompt), max_tokens, logprobs, fields,
+                                 defaults=state.chat_template.template, template_stop=state.chat_stop)
+        if tools is not None and tools.guided_decoding is not None:
+            _check(params.guided_decoding is None, "tool_choice \"required\" or a named function constrains the "
+                   "answer itself: it cannot be combined with response_format or guided_*", "tool_choice")
+            check_guided(tools.guided_decoding, "tools")
+            params = dataclasses.replace(params, guided_decoding=tools.guided_decoding)
+        params = choice_params(params, body.n)
 
         def full_choice(i: int, s: RequestStream, events: list[TokenEvent]) -> dict[str, Any]:
-            return {"index": i, "message": {"role": "assistant", "content": s.request.output_text},
-                    "logprobs": chat_logprobs(state, events) if body.logprobs else None,
-                    "finish_reason": finish_reason(s.request.finish_reason)}
+            message, reason = answer_message(s.request.output_text, finish_reason(s.request.finish_reason), tools)
+            return {"index": i, "message": message, "logprobs": chat_logprobs(state, events) if body.logprobs else None,
+                    "finish_reason": reason}
+
+        answer_streams = [tools.stream() for _ in params] if tools is not None else None
 
         def chunk_choice(i: int, s: RequestStream, e: TokenEvent, first: bool) -> dict[str, Any]:
-            delta = {"role": "assistant", "content": e.text} if first else {"content": e.text}
+            reason = finish_reason(e.finish_reason)
+            if answer_streams is None:
+                delta = {"content": e.text}
+            else:
+                delta, reason = answer_delta(answer_streams[i], e.text, reason)
+            delta = {"role": "assistant"} | delta if first else delta
             return {"index": i, "delta": delta, "logprobs": chat_logprobs(state, [e]) if body.logprobs else None,
-                    "finish_reason": finish_reason(e.finish_reason)}
+                    "finish_reason": reason}
 
         return await run_openai(
             state, body, http_request, [(prompt, p) for p in params], fields, object_name="chat.completion",

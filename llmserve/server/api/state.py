@@ -19,6 +19,7 @@ from fastapi import Request as HTTPRequest
 
 from llmserve.chat_template import ChatTemplateError, ChosenTemplate, StopWords, choose_chat_template
 from llmserve.chat_template.base import Message
+from llmserve.chat_template.jinja import JinjaTemplate
 from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.generation_config import SamplingDefaults, load_sampling_defaults
 from llmserve.multimodal import ImageLimits, ImageProcessor, decode_image, expand_image_tokens
@@ -30,6 +31,7 @@ from llmserve.server.api.media import MediaConfig, load_image_bytes
 from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
 from llmserve.server.engine_client import EngineClient, EngineError, RequestStream, TokenEvent
+from llmserve.tool_parsers import ToolParser, parser_for_template_source, tool_parser
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,6 +65,7 @@ class ServerConfig:
     max_image_bytes: int = ImageLimits.max_bytes
     max_image_pixels: int = ImageLimits.max_pixels
     allowed_local_media_path: str | None = None   # None: requests may not name local files
+    tool_call_parser: str | None = None    # how answers write tool calls (tool_choice "auto"); None: from the chat template
 
 
 @dataclass
@@ -103,6 +106,7 @@ class ServerState:
         # chat_template: what --chat-template loaded at start-up, or None to use the model's own
         self.chat_template = choose_chat_template(chat_template, self.tokenizer, self.model_path)
         self.chat_stop = self.chat_template.stop_words(self.tokenizer) if self.chat_template else StopWords()
+        self.tool_parser = auto_tool_parser(config.tool_call_parser, self.chat_template)
         # Values for the sampling fields a request leaves unset (see generation_config.py); serve
         # loads them before the model, so that a bad --generation-config fails fast.
         self.sampling_defaults = (sampling_defaults if sampling_defaults is not None
@@ -190,13 +194,14 @@ class ServerState:
         except Exception as e:
             raise validation_error(f"`{param}` could not be tokenized: {e}", param) from None
 
-    def encode_chat(self, messages: list[Message]) -> list[int]:
-        """The prompt tokens of a conversation, ending where the assistant's answer starts."""
+    def encode_chat(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt tokens of a conversation (and the tools it may call), ending where the
+        assistant's answer starts."""
         if self.chat_template is None:
             raise template_error("this model has no chat template: start the server with --chat-template "
                                  "NAME, FILE.json or FILE.jinja")
         try:
-            text = self.chat_template.render(messages)
+            text = self.chat_template.render(messages, tools)
         except ChatTemplateError as e:
             raise template_error(str(e)) from None
         return self.encode(text, "messages", self.chat_template.template.add_special_tokens)
@@ -288,6 +293,18 @@ class ServerState:
             slot.release()
         self.metrics.count(RequestOutcome.SUCCESS)
         return streams, events
+
+
+def auto_tool_parser(name: str | None, chosen: ChosenTemplate | None) -> ToolParser | None:
+    """The parser for answers that may call tools: --tool-call-parser's, else the one the chat
+    template's tool format implies (a built-in's, or the tags a Jinja template writes)."""
+    if name is None and chosen is not None:
+        template = chosen.template
+        if isinstance(template, JinjaTemplate):
+            name = parser_for_template_source(template.source)
+        elif getattr(template, "tool_format", None) is not None:
+            name = template.tool_format.parser
+    return tool_parser(name) if name is not None else None
 
 
 def _check_chars(text: str, param: str) -> None:

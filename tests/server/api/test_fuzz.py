@@ -133,7 +133,8 @@ COMPLETION_FIELDS: list[Path] = [(), ("prompt",), ("prompt", 0), ("logprobs",), 
 CHAT_BASE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CHAT_FIELDS: list[Path] = [(), ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
                            ("messages", 0, "name"), ("max_completion_tokens",), ("logprobs",), ("top_logprobs",),
-                           ("tools",), ("response_format",), ("stream_options", "include_usage")] + \
+                           ("tools",), ("tool_choice",), ("parallel_tool_calls",), ("messages", 0, "tool_calls"),
+                           ("messages", 0, "tool_call_id"), ("response_format",), ("stream_options", "include_usage")] + \
     [(f,) for f in OPENAI_SAMPLING]
 
 ROUTES: dict[str, tuple[str, dict[str, Any], list[Path]]] = {
