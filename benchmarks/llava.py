@@ -56,12 +56,12 @@ SHAPES = {
 
 
 # -- the model directory ---------------------------------------------------------------------
-def write_llava(out: Path, shape: str, device: torch.device, dtype: torch.dtype) -> None:
+def write_llava(out: Path, shape: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: str | None) -> None:
     from transformers import CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlavaConfig
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_source_tokenizer(None)
+    tokenizer = load_source_tokenizer(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.save_pretrained(out)
     s = SHAPES[shape]
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="model directory (written if it has no config.json)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    p.add_argument("--tokenizer", default=None, help="saved HF tokenizer directory to add <image> to (default: the embedded SmolLM2's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     if not (out / "config.json").exists():
         t = time.perf_counter()
-        write_llava(out, args.shape, torch.device(args.device), dtype)
+        write_llava(out, args.shape, torch.device(args.device), dtype, args.tokenizer)
         print(f"# wrote {out} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
 
     tokenizer = AutoTokenizer.from_pretrained(out)
