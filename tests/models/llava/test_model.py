@@ -133,10 +133,12 @@ def _rank_main(rank: int, world: int, path: str, port: int, out: str) -> None:
 def test_tp2_equals_tp1(llava, tmp_path):
     from llmserve.engine.worker_client import free_tcp_port
 
-    path, hf, ours = llava
+    path, _, _ = llava
     out = str(tmp_path / "logits.pt")
     mp.start_processes(_rank_main, args=(2, str(path), free_tcp_port(), out), nprocs=2, start_method="spawn")
     got = torch.load(out)
+    # the ranks run on the CPU in float32 (gloo), so tp=1 does too, whatever LLMSERVE_TEST_DEVICE says
+    ours = load_ours(path, device="cpu", dtype=torch.float32)
     prompts = [_prompt(ours, [[1, 40], "img", [300]]), [1, 2, 3]]
     driver = Driver(ours, prompts, [_pixels(1, 5), None])
     try:
