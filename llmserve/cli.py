@@ -107,6 +107,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let requests name image files (file:// URLs or absolute paths) under DIR; without "
                         "it a request can never read the server's disk (default: off)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="hosts whose http(s) image URLs requests may name (redirects included); '*' for any; "
+                        "without it the server fetches no URL a request names (default: none)")
     p.add_argument("--generation-config", default="auto", metavar="auto|none|vllm|PATH",
                    help="defaults for the sampling fields a request leaves unset (temperature, top_p, top_k, "
                         "typical_p, repetition_penalty): 'auto' takes the model's generation_config.json (for a "
@@ -260,6 +263,7 @@ def serve(args: argparse.Namespace) -> int:
         max_best_of=args.max_best_of, full_text_enabled=args.full_text_enabled,
         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(args.allowed_media_domains),
     )
     return run_server(engine_config, config, log_level=args.log_level, log_stats_interval=args.log_stats_interval)
 

@@ -1,7 +1,9 @@
-"""Where a request's images come from: ``data:`` URLs (base64), ``http(s)://`` URLs fetched with a
-timeout, a size cap and a redirect limit, and local files only under the directory the operator
-named with ``--allowed-local-media-path`` (off by default: a request field must not read the
-server's disk otherwise). Every failure is the client's: an ``InvalidRequest`` naming the image."""
+"""Where a request's images come from: ``data:`` URLs (base64); ``http(s)://`` URLs only from hosts
+the operator named with ``--allowed-media-domains`` (off by default), fetched with a timeout, a
+size cap and a redirect limit, every hop's host checked again; and local files only under the
+directory the operator named with ``--allowed-local-media-path`` (off by default). A request
+field must not make the server read its disk or reach into its network unless an operator said
+so. Every failure is the client's: an ``InvalidRequest`` naming the image."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?
 class MediaConfig:
     limits: ImageLimits = field(default_factory=ImageLimits)
     allowed_local_media_path: str | None = None   # None: no local files
+    # Hosts a request's http(s) image URLs may name (and redirect to); "*": any; empty: none.
+    allowed_media_domains: frozenset[str] = frozenset()
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
 
@@ -54,11 +58,27 @@ def _data_url_bytes(url: str, config: MediaConfig) -> bytes:
         raise InvalidRequest("image", "a data: image URL holds invalid base64") from None
 
 
+def _check_host(url: str | httpx.URL, config: MediaConfig) -> None:
+    host = (url.host if isinstance(url, httpx.URL) else urlparse(url).hostname) or ""
+    allowed = config.allowed_media_domains
+    if not allowed:
+        raise InvalidRequest("image", "image URLs are not fetched: the server was started without "
+                                      "--allowed-media-domains (send the image as a data: URL)")
+    if "*" not in allowed and host.lower() not in allowed:
+        raise InvalidRequest("image", f"the image host {host!r} is not among the server's --allowed-media-domains")
+
+
 async def _fetch(url: str, config: MediaConfig) -> bytes:
     cap = config.limits.max_bytes
+    _check_host(url, config)
+
+    async def check_hop(request: httpx.Request) -> None:   # every redirect's target too
+        _check_host(request.url, config)
+
     try:
         async with httpx.AsyncClient(follow_redirects=True, max_redirects=config.max_redirects,
-                                     timeout=config.fetch_timeout_s, trust_env=False) as client:
+                                     timeout=config.fetch_timeout_s, trust_env=False,
+                                     event_hooks={"request": [check_hop]}) as client:
             async with client.stream("GET", url) as response:
                 if response.status_code != 200:
                     raise InvalidRequest("image", f"fetching the image {url} failed: HTTP {response.status_code}")

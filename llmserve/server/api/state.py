@@ -65,6 +65,7 @@ class ServerConfig:
     max_image_bytes: int = ImageLimits.max_bytes
     max_image_pixels: int = ImageLimits.max_pixels
     allowed_local_media_path: str | None = None   # None: requests may not name local files
+    allowed_media_domains: tuple[str, ...] = ()    # hosts image URLs may name; "*": any; (): none
     tool_call_parser: str | None = None    # how answers write tool calls (tool_choice "auto"); None: from the chat template
 
 
@@ -117,7 +118,8 @@ class ServerState:
                                                     config.max_images_per_request),
                              config.max_concurrent_requests, config.max_top_n_tokens, config.max_best_of)
         self.media = MediaConfig(ImageLimits(config.max_images_per_request, config.max_image_bytes, config.max_image_pixels),
-                                 config.allowed_local_media_path)
+                                 config.allowed_local_media_path,
+                                 frozenset(d.lower() for d in config.allowed_media_domains))
         # the model's own image preprocessing; None for a text-only model
         self.image_processor = ImageProcessor(self.model_path) if info.image_token_id is not None else None
         self.special_ids = frozenset(self.tokenizer.all_special_ids)

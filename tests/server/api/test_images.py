@@ -58,13 +58,15 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http_images(media_dir):
-    """A local http.server (127.0.0.1 only) serving the media directory; /loop redirects to itself."""
+    """A local http.server (127.0.0.1 only) serving the media directory; /loop redirects to itself,
+    /elsewhere to the same file under the host name localhost (the same machine, another host)."""
 
     class Handler(http.server.SimpleHTTPRequestHandler):
         def do_GET(self):
-            if self.path == "/loop":
+            if self.path in ("/loop", "/elsewhere"):
                 self.send_response(302)
-                self.send_header("Location", "/loop")
+                port = self.server.server_address[1]
+                self.send_header("Location", "/loop" if self.path == "/loop" else f"http://localhost:{port}/cat.png")
                 self.end_headers()
                 return
             super().do_GET()
@@ -82,7 +84,8 @@ def http_images(media_dir):
 def llava_server(tiny_llava, media_dir):
     path, _ = tiny_llava
     with ServerProcess(path, "--served-model-name", "llava", "--chat-template", "llava", "--max-images-per-request", "2",
-                       "--max-image-pixels", str(MAX_PIXELS), "--max-image-bytes", str(MAX_BYTES), "--allowed-local-media-path", str(media_dir[0])) as server:
+                       "--max-image-pixels", str(MAX_PIXELS), "--max-image-bytes", str(MAX_BYTES), "--allowed-local-media-path", str(media_dir[0]),
+                       "--allowed-media-domains", "127.0.0.1") as server:
         yield server
 
 
@@ -208,6 +211,20 @@ def test_an_image_for_a_text_only_model_is_refused(tiny_server):
     r = httpx.post(tiny_server.url + "/generate", timeout=60, json={
         "inputs": [{"type": "image_url", "image_url": {"url": data_url(png(1))}}], "parameters": {"max_new_tokens": 2}})
     assert r.status_code == 422 and "text only" in r.json()["error"], r.text
+
+
+def test_urls_are_fetched_only_from_the_operators_hosts(http_images):
+    """No flag: no URL is fetched; with one, only its hosts, on every redirect hop too."""
+    with pytest.raises(InvalidRequest, match="--allowed-media-domains"):
+        asyncio.run(load_image_bytes(http_images + "/cat.png", MediaConfig()))
+    only_loopback = MediaConfig(allowed_media_domains=frozenset({"127.0.0.1"}))
+    assert asyncio.run(load_image_bytes(http_images + "/cat.png", only_loopback)).startswith(b"\x89PNG")
+    with pytest.raises(InvalidRequest, match="'localhost' is not among"):
+        asyncio.run(load_image_bytes(http_images.replace("127.0.0.1", "localhost") + "/cat.png", only_loopback))
+    with pytest.raises(InvalidRequest, match="'localhost' is not among"):
+        asyncio.run(load_image_bytes(http_images + "/elsewhere", only_loopback))
+    any_host = MediaConfig(allowed_media_domains=frozenset({"*"}))
+    assert asyncio.run(load_image_bytes(http_images + "/elsewhere", any_host)).startswith(b"\x89PNG")
 
 
 def test_local_paths_are_refused_without_the_flag(media_dir):
