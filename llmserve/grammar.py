@@ -98,6 +98,8 @@ class GrammarCompiler:
         self._eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._templates: dict[GuidedDecodingParams, llguidance.LLMatcher] = {}
+        # rpyc's ThreadedServer serves each connection on a thread of its own: the tokenizer (a second
+        # or more to build) is built once however many threads first ask for it together.
         self._lock = Lock()
 
     @property
