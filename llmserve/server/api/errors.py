@@ -49,6 +49,12 @@ def validation_error(message: str, param: str | None = None) -> APIError:
     return APIError(message, HTTPStatus.UNPROCESSABLE_ENTITY, "validation", param)
 
 
+def require(condition: bool, message: str, param: str | None = None) -> None:
+    """A validation error naming ``param`` unless ``condition`` holds."""
+    if not condition:
+        raise validation_error(message, param)
+
+
 @dataclass(frozen=True)
 class APIFields:
     """One API's names for the engine's request fields, where they differ (OpenAI's

@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Field
 
 from llmserve.chat_template import BaseTemplate, StopWords
 from llmserve.sampling_params import InvalidRequest, SamplingParams
-from llmserve.server.api.errors import APIFields, model_not_found_error, template_error, validation_error
+from llmserve.server.api.errors import APIFields, model_not_found_error, require, template_error, validation_error
 from llmserve.server.api.guided import check as check_guided, openai_guided_decoding
 from llmserve.server.api.schema import MAX_SEED, APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
@@ -129,11 +129,6 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
 
 
-def _check(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise validation_error(message, param)
-
-
 # -- requests -> SamplingParams ----------------------------------------------------------
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -155,11 +150,11 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
     join the request's. Checked here: what is OpenAI's own (its ranges where they are narrower
     than the engine's, the fields it does not support); the engine's rules are SamplingParams'
     and check_request's, rendered in OpenAI's field names."""
-    _check(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
-    _check(body.temperature is None or 0 <= body.temperature <= 2, "temperature must be in [0, 2]", "temperature")
-    _check(body.seed is None or 0 <= body.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]", "seed")
-    _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
-    _check(len(body.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS,
+    require(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    require(body.temperature is None or 0 <= body.temperature <= 2, "temperature must be in [0, 2]", "temperature")
+    require(body.seed is None or 0 <= body.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]", "seed")
+    require(not body.logit_bias, "logit_bias is not supported", "logit_bias")
+    require(len(body.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS,
            f"stop_token_ids supports up to {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     stop = stop_list(body.stop)
     check_stop(stop)
@@ -228,12 +223,12 @@ async def completion_prompts(body: CompletionRequest, state: ServerState) -> lis
         prompt = [prompt]
     if prompt and isinstance(prompt[0], int):
         prompt = [prompt]
-    _check(len(prompt) > 0, "prompt must not be empty", "prompt")
+    require(len(prompt) > 0, "prompt must not be empty", "prompt")
     # Each prompt x choice is a generation with a concurrency slot: refuse a list that can never
     # be admitted before tokenizing any of it.
     generations = len(prompt) * body.n
     limit = state.limits.max_concurrent_requests
-    _check(generations <= limit, f"the request asks for {generations} generations (prompts x n); this server runs "
+    require(generations <= limit, f"the request asks for {generations} generations (prompts x n); this server runs "
                                  f"at most {limit} at once (--max-concurrent-requests)", "prompt")
     return [await state.tokenize_in_thread(state.encode, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
 
@@ -415,15 +410,15 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
         check_model(state, body.model)
-        _check(body.suffix is None, "suffix is not supported", "suffix")
-        _check(body.best_of in (None, 1), "best_of > 1 is not supported", "best_of")
-        _check(body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
-        _check(body.prompt_logprobs is None or 0 <= body.prompt_logprobs <= MAX_LOGPROBS,
+        require(body.suffix is None, "suffix is not supported", "suffix")
+        require(body.best_of in (None, 1), "best_of > 1 is not supported", "best_of")
+        require(body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        require(body.prompt_logprobs is None or 0 <= body.prompt_logprobs <= MAX_LOGPROBS,
                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
         # max_tokens 0 with echo scores the prompt (lm-eval's loglikelihood requests): the
         # engine still samples the one token a prefill yields, which the answer leaves out.
         score_only = body.max_tokens == 0
-        _check(not score_only or body.echo, "max_tokens must be at least 1, or 0 with echo to score the prompt only",
+        require(not score_only or body.echo, "max_tokens must be at least 1, or 0 with echo to score the prompt only",
                "max_tokens")
         prompts = await completion_prompts(body, state)
         fields = openai_fields("prompt", "max_tokens", "logprobs")
@@ -461,15 +456,15 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
         check_model(state, body.model)
-        _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
+        require(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        _check(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
+        require(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
         for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
-            _check(getattr(body, legacy) is None, f"`{legacy}` is deprecated and not served: use `{current}`", legacy)
+            require(getattr(body, legacy) is None, f"`{legacy}` is deprecated and not served: use `{current}`", legacy)
         check_tools(body.tools, body.tool_choice)
         tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
         messages, image_urls = chat_messages(body)
-        _check(not image_urls or state.takes_images,
+        require(not image_urls or state.takes_images,
                "content part of type 'image_url' is not supported by this model: it takes text only", "messages")
         pixel_values = await state.load_images(image_urls, openai_fields("messages", "max_tokens", "top_logprobs"))
         prompt = state.expand_images(await state.tokenize_in_thread(state.encode_chat, messages,
@@ -484,7 +479,7 @@ def build_router(state: ServerState) -> APIRouter:
         params = sampling_params(body, state, len(prompt), max_tokens, logprobs, fields,
                                  defaults=state.chat_template.template, template_stop=state.chat_stop)
         if tools is not None and tools.guided_decoding is not None:
-            _check(params.guided_decoding is None, "tool_choice \"required\" or a named function constrains the "
+            require(params.guided_decoding is None, "tool_choice \"required\" or a named function constrains the "
                    "answer itself: it cannot be combined with response_format or guided_*", "tool_choice")
             check_guided(tools.guided_decoding, "tools")
             params = dataclasses.replace(params, guided_decoding=tools.guided_decoding)

@@ -21,7 +21,7 @@ import jsonschema
 from pydantic import ConfigDict
 
 from llmserve.sampling_params import GuidedDecodingParams
-from llmserve.server.api.errors import validation_error
+from llmserve.server.api.errors import require, validation_error
 from llmserve.server.api.schema import APIModel
 from llmserve.tool_parsers import FunctionCall, NamedParser, RequiredParser, ToolCallStream, ToolParser
 
@@ -70,30 +70,25 @@ class ToolCall(APIModel):
     function: CalledFunction
 
 
-def _check(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise validation_error(message, param)
-
-
 def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> None:
     """Names OpenAI allows, each once; parameters that are a JSON schema; a tool_choice that
     names one of the tools, and only with tools."""
     if tools is None:
-        _check(tool_choice is None, "`tool_choice` is only allowed when `tools` are given", "tool_choice")
+        require(tool_choice is None, "`tool_choice` is only allowed when `tools` are given", "tool_choice")
         return
-    _check(1 <= len(tools) <= MAX_TOOLS, f"`tools` must hold 1 to {MAX_TOOLS} functions, got {len(tools)}", "tools")
+    require(1 <= len(tools) <= MAX_TOOLS, f"`tools` must hold 1 to {MAX_TOOLS} functions, got {len(tools)}", "tools")
     names: set[str] = set()
     for i, tool in enumerate(tools):
         f = tool.function
-        _check(FUNCTION_NAME.fullmatch(f.name) is not None,
+        require(FUNCTION_NAME.fullmatch(f.name) is not None,
                f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-', got {f.name!r}", "tools")
-        _check(f.name not in names, f"two tools are named {f.name!r}", "tools")
+        require(f.name not in names, f"two tools are named {f.name!r}", "tools")
         names.add(f.name)
         if f.parameters is not None:
             problem = schema_problem(f.parameters)
-            _check(problem is None, f"tools[{i}].function.parameters is not a valid JSON schema: {problem}", "tools")
+            require(problem is None, f"tools[{i}].function.parameters is not a valid JSON schema: {problem}", "tools")
     if isinstance(tool_choice, NamedToolChoice):
-        _check(tool_choice.function.name in names,
+        require(tool_choice.function.name in names,
                f"tool_choice names the function {tool_choice.function.name!r}, which is not among the tools "
                f"({', '.join(sorted(names)) or 'none'})", "tool_choice")
 
@@ -120,19 +115,19 @@ def check_tool_messages(messages: list[Any]) -> None:
     call_ids: set[str] = set()
     for i, m in enumerate(messages):
         if m.tool_calls is not None:
-            _check(m.role == "assistant", f"messages[{i}]: only assistant messages have tool_calls", "messages")
+            require(m.role == "assistant", f"messages[{i}]: only assistant messages have tool_calls", "messages")
             for call in m.tool_calls:
                 try:
                     arguments = json.loads(call.function.arguments)
                 except ValueError as e:
                     raise validation_error(f"messages[{i}]: the arguments of tool call {call.id!r} are not valid "
                                            f"JSON: {e}", "messages") from None
-                _check(isinstance(arguments, dict),
+                require(isinstance(arguments, dict),
                        f"messages[{i}]: the arguments of tool call {call.id!r} must be a JSON object", "messages")
                 call_ids.add(call.id)
         if m.role == "tool":
-            _check(m.tool_call_id is not None, f"messages[{i}]: a tool message needs `tool_call_id`", "messages")
-            _check(m.tool_call_id in call_ids,
+            require(m.tool_call_id is not None, f"messages[{i}]: a tool message needs `tool_call_id`", "messages")
+            require(m.tool_call_id in call_ids,
                    f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an earlier assistant "
                    "message", "messages")
 
@@ -169,7 +164,7 @@ def tool_use(tools: list[Tool] | None, tool_choice: ToolChoice | None, parallel_
     max_calls = 1 if parallel_tool_calls is False else None
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     if tool_choice in (None, "auto"):
-        _check(auto_parser is not None, "this server cannot read tool calls in the model's answers: start it with "
+        require(auto_parser is not None, "this server cannot read tool calls in the model's answers: start it with "
                                         "--tool-call-parser NAME, or use tool_choice \"required\" or a named function",
                "tool_choice")
         return ToolUse(template_tools, auto_parser, None, max_calls)
