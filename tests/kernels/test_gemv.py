@@ -1,0 +1,64 @@
+"""gemv: the Triton kernel against the linear layer it replaces, and `linear`'s routing to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_test_utils import DEVICES, randn, rng
+
+from llmserve.kernels import backend, quantized_linear
+from llmserve.kernels.gemv import gemv_triton, takes_gemv
+
+# (N, K): K a multiple of the 2048-wide chunk, a power of two below it, ragged K, N not a multiple of
+# the 4-row block, one output feature.
+SHAPES = [(8, 4096), (12, 64), (37, 100), (5, 2100), (1, 48)]
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_the_linear_layer(device, dtype, N, K, with_bias):
+    g = rng(N * K)
+    x = randn(g, 1, K, dtype=dtype, device=device)
+    w = randn(g, N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    bias = randn(g, N, dtype=dtype, device=device) if with_bias else None
+    got = gemv_triton(x, w, bias)
+    assert got.shape == (1, N) and got.dtype == dtype
+    # One rounding of an fp32 sum: within a unit in the last place of the exact result, as cuBLAS is.
+    torch.testing.assert_close(got, _reference(x, w, bias), atol=1e-5 if dtype == torch.float32 else 1e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 1.6e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_keeps_leading_dims_and_reads_a_row_strided_weight(device):
+    g = rng(3)
+    big = randn(g, 24, 130, dtype=torch.bfloat16, device=device)
+    w = big[:, :96]  # a slice of a wider matrix: rows 130 apart (a TP shard of a fused weight)
+    x = randn(g, 1, 1, 96, dtype=torch.bfloat16, device=device)
+    got = gemv_triton(x, w)
+    assert got.shape == (1, 1, 24)
+    torch.testing.assert_close(got, _reference(x, w, None), atol=1e-2, rtol=1.6e-2)
+
+
+def test_linear_sends_only_one_half_precision_row_to_gemv(monkeypatch):
+    calls = []
+    monkeypatch.setattr(quantized_linear, "gemv", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
+    w16 = torch.randn(8, 32, dtype=torch.bfloat16)
+    backend.set_backend("triton")
+    try:
+        quantized_linear.linear(torch.randn(1, 32, dtype=torch.bfloat16), w16)
+        quantized_linear.linear(torch.randn(2, 32, dtype=torch.bfloat16), w16)  # two rows: cuBLAS's
+        quantized_linear.linear(torch.randn(1, 32), w16.float())  # fp32: cuBLAS's
+        quantized_linear.linear(torch.randn(32, 2, dtype=torch.bfloat16).t()[:1], w16)  # strided row
+    finally:
+        backend.set_backend(None)
+    assert calls == [(1, 32)]
+    # The twin backend (CPU serving) never takes it.
+    assert not takes_gemv(torch.randn(1, 32, dtype=torch.bfloat16), w16)
