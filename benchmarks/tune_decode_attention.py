@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common import markdown_table, remove_script_dir_from_sys_path
+from common import graph_us, markdown_table, remove_script_dir_from_sys_path
 
 remove_script_dir_from_sys_path()
 
@@ -25,27 +25,6 @@ HQ, HKV, D = 32, 8, 128
 SPLITS = (1, 2, 4, 8, 16, 32)
 PROBLEMS = [(1, 512), (1, 4096), (4, 512), (8, 512), (16, 512), (32, 512), (32, 4096), (64, 512), (128, 512),
             (128, 4096), (256, 512), (8, 32768), (1, 32768)]
-
-
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Microseconds a call, from a CUDA graph of `calls` calls replayed `replays` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ def _decode_attention_stage1_kernel(
     d_mask = offs_d < D
     heads = kv_h * GROUP + offs_g
     q_ptrs = Q + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :] * stride_q_d
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if HAS_ALIBI:
         slopes = tl.load(Slopes + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
     q_pos = seq_len - 1
@@ -76,7 +76,10 @@ def _decode_attention_stage1_kernel(
         slots = tl.load(ReqToToken + req * stride_r_req + offs_n * stride_r_pos, mask=n_mask, other=0).to(tl.int64)
 
         k_ptrs = K + slots[None, :] * stride_k_t + kv_h * stride_k_h + offs_d[:, None] * stride_k_d
-        k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0).to(tl.float32)  # [D, N]
+        # Operands stay in the cache's dtype: a bf16 x bf16 product is exact in the fp32 accumulator,
+        # as it was upcast to tf32, and the half-width tiles made this kernel 5% faster on average over
+        # batch 1-128 x 512-4096 keys (H100 sweep of 2026-11-25, benchmarks/README.md).
+        k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [D, N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [H, N]
         if HAS_ALIBI:
             s += slopes[:, None] * (offs_n - q_pos)[None, :].to(tl.float32)
@@ -89,8 +92,10 @@ def _decode_attention_stage1_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_ptrs = V + slots[:, None] * stride_v_t + kv_h * stride_v_h + offs_d[None, :] * stride_v_d
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [N, D]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
+        # The probabilities round to V's dtype for the product, as FlashAttention and cuDNN's
+        # attention (HF's SDPA on a GPU) round them; in fp32 nothing changes.
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     mo_ptrs = (MidO + b.to(tl.int64) * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
