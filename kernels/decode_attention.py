@@ -48,12 +48,19 @@ def decode_attention_fwd_triton(
     if bs == 0:
         return
     num_splits = num_splits or decode_num_splits(bs, k_cache.shape[1])
+    qk_scale = softmax_scale(sm_scale, D) * LOG2E
+    if num_splits == 1:
+        # One split a request (batches of 64 and more): stage 1 writes o itself, one launch a layer
+        # fewer and no fp32 scratch, with the same bits (see decode_attention_stage1_triton).
+        decode_attention_stage1_triton(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
+                                       o[:, :, None], None, qk_scale, alibi_slopes, block_n=block_n)
+        return
     # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
     mid_o = torch.empty((bs, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, Hq, num_splits), dtype=torch.float32, device=q.device)
     decode_attention_stage1_triton(
-        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
-        softmax_scale(sm_scale, D) * LOG2E, alibi_slopes, block_n=block_n,
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse, qk_scale, alibi_slopes,
+        block_n=block_n,
     )
     decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_n=block_n)
 

@@ -40,7 +40,7 @@ def _decode_attention_stage1_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s, stride_mo_d,
     stride_ml_b, stride_ml_h, stride_ml_s,
     GROUP, D, num_splits,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, FINAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -100,19 +100,24 @@ def _decode_attention_stage1_kernel(
 
     mo_ptrs = (MidO + b.to(tl.int64) * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
                + offs_d[None, :] * stride_mo_d)
-    tl.store(mo_ptrs, acc / l_i[:, None], mask=g_mask[:, None] & d_mask[None, :])
-    ml_ptrs = MidLse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split * stride_ml_s
-    tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=g_mask)
+    tl.store(mo_ptrs, (acc / l_i[:, None]).to(MidO.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if not FINAL:  # FINAL: one split, MidO is the output itself, and there is nothing to merge
+        ml_ptrs = MidLse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split * stride_ml_s
+        tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=g_mask)
 
 
 def decode_attention_stage1_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor,
-    mid_o: torch.Tensor, mid_lse: torch.Tensor, qk_scale: float,
+    mid_o: torch.Tensor, mid_lse: torch.Tensor | None, qk_scale: float,
     alibi_slopes: torch.Tensor | None, *, block_n: int,
 ) -> None:
     """Fill mid_o [bs, Hq, splits, D] and mid_lse [bs, Hq, splits] (fp32, log2 domain) for each
     split (at most mid_o.shape[2] a request, each a multiple of block_n keys).
+
+    With mid_lse None there must be one split, and mid_o is the attention's output itself
+    ([bs, Hq, 1, D], any dtype): a split's normalised output rounded to it is what stage 2 would
+    write from one split (weight exp2(0) = 1), so stage 2 is skipped, bit for bit the same.
 
     qk_scale is sm_scale * log2(e); alibi_slopes are natural-log slopes [Hq] or None.
     """
@@ -123,17 +128,20 @@ def decode_attention_stage1_triton(
     BLOCK_D = max(16, next_pow2(D))
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n must be a power of two >= 16"
     slopes = alibi_slopes if alibi_slopes is not None else q  # never read without HAS_ALIBI
+    final = mid_lse is None
+    assert not final or num_splits == 1, "only one split can be written as the output"
+    lse = mid_o if final else mid_lse  # never written when final
     launcher(_decode_attention_stage1_kernel, q)[(bs, Hkv, num_splits)](
-        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, slopes, mid_o, mid_lse,
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, slopes, mid_o, lse,
         qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         req_to_token.stride(0), req_to_token.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
-        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
         group, D, num_splits,
-        HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype), FINAL=final,
         BLOCK_N=block_n, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D,
         num_warps=4, num_stages=2,
     )

@@ -12,6 +12,8 @@ from llmserve.kernels.backend import sdpa_attention
 from llmserve.kernels.decode_attention import (
     _batched_sdpa_decode, decode_attention_fwd_torch, decode_attention_fwd_triton, decode_num_splits,
 )
+from llmserve.kernels.decode_attention_stage1 import decode_attention_stage1_triton
+from llmserve.kernels.decode_attention_stage2 import decode_attention_stage2_triton
 
 # (Hq, Hkv, D, seq_lens, (num_splits, block_n), alibi): each request's keys fall into at most
 # num_splits splits of a multiple of block_n keys; the ids name the longest request's splits.
@@ -107,6 +109,23 @@ def test_a_padded_batch_equals_the_batch(device):
     batch = dict(padded, q=padded["q"][:3], b_req_idx=padded["b_req_idx"][:3], b_seq_len=padded["b_seq_len"][:3])
     assert decode_num_splits(3, 8) == decode_num_splits(4, 8) != decode_num_splits(1, 8)
     assert torch.equal(run_poisoned(decode_attention_fwd_triton, padded)[:3], run_poisoned(decode_attention_fwd_triton, batch))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_one_split_writes_what_the_merge_would(device, dtype):
+    """With one split a request, stage 1 writes the output and stage 2 is skipped; the bits are
+    those of stage 1's fp32 partial merged by stage 2."""
+    inputs = make_inputs(9, 8, 2, 64, [70, 5, 129], True, dtype, device)
+    got = run_poisoned(decode_attention_fwd_triton, inputs, num_splits=1, block_n=16)
+    q = inputs["q"]
+    mid_o = torch.empty(*q.shape[:2], 1, q.shape[2], dtype=torch.float32, device=device)
+    mid_lse = torch.empty(*q.shape[:2], 1, dtype=torch.float32, device=device)
+    args = [inputs[n] for n in ("k_cache", "v_cache", "req_to_token", "b_req_idx", "b_seq_len")]
+    decode_attention_stage1_triton(q, *args, mid_o, mid_lse, 64 ** -0.5 * 1.4426950408889634,
+                                   inputs["alibi_slopes"], block_n=16)
+    merged = torch.empty_like(q)
+    decode_attention_stage2_triton(mid_o, mid_lse, merged, inputs["b_seq_len"], block_n=16)
+    assert torch.equal(got, merged)
 
 
 def test_split_counts():
