@@ -4,8 +4,8 @@ With one input row a linear layer is a stream over its weight: every element is 
 used once. At that shape cuBLAS runs a split-K GEMV plus a reduce kernel that reads 2.0-2.85 TB/s
 on an H100 (the smaller the matrix, the lower), while this kernel reads 2.6-3.15 TB/s. A batch-1
 Llama-3-8B step reads its 15 GB of weights ~0.55 ms sooner: 5.08 instead of 5.63 ms of GEMVs
-(`benchmarks/gemv.py`; table in benchmarks/README.md). From two rows on cuBLAS is as fast or
-faster (tensor cores), so `linear` sends only one-row half-precision inputs here.
+(`benchmarks/decode_linear.py`; table in benchmarks/README.md). From two rows on, tensor cores
+pay: `skinny_gemm` takes 2 to 64 rows.
 
 Program p owns BLOCK_N output features and walks the whole of K in BLOCK_K-wide chunks: each
 iteration loads a [BLOCK_N, BLOCK_K] weight tile (16 KB in flight a program) and adds its products
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .backend import launcher, next_pow2, use_triton
 
-# From the sweep in benchmarks/gemv.py on an H100 (bf16, Llama-3-8B's five weight shapes): the
+# From the sweep in benchmarks/decode_linear.py on an H100 (bf16, Llama-3-8B's five weight shapes): the
 # best single choice, within 3% of each shape's best except the LM head (333 µs best, 6% more).
 BLOCK_N = 4
 MAX_BLOCK_K = 2048
@@ -79,7 +79,7 @@ def gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` should run x @ weight^T here: one half-precision row on the Triton backend.
     fp32 stays with cuBLAS (the GPU's fp32 parity tests hold it to HF within 1e-4), and two rows
-    or more are cuBLAS's (tensor cores make them as cheap as one)."""
+    or more are `skinny_gemm`'s or cuBLAS's."""
     return (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and x.numel() == x.shape[-1] and x.is_contiguous() and weight.stride(1) == 1 and use_triton(x))
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .backend import get_backend
 from .gemv import gemv, takes_gemv
+from .skinny_gemm import skinny_gemm, takes_skinny_gemm
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")      # the C kernel's qtype numbers are their indices
 BLOCK = 32                              # values per block (scale d, offset m) in all three
@@ -260,11 +261,14 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a dense or a quantized weight; one half-precision row on a GPU goes to
-    `gemv` (a batch-1 decode step reads its weights ~10% faster there than through cuBLAS)."""
+    """``F.linear`` for a dense or a quantized weight. On a GPU, half-precision decode steps of up to
+    64 rows go to our kernels (`gemv` for one row, `skinny_gemm` for more), which read the weights
+    faster than cuBLAS does at those shapes (benchmarks/decode_linear.py)."""
     if isinstance(weight, torch.Tensor):
         if takes_gemv(x, weight):
             return gemv(x, weight, bias)
+        if takes_skinny_gemm(x, weight):
+            return skinny_gemm(x, weight, bias)
         return F.linear(x, weight, bias)
     y = quantized_linear(x, weight)
     return y if bias is None else y + bias

@@ -1,0 +1,97 @@
+"""Linear layer of a few rows, y = x @ W^T (+ bias), for decode steps of 2 to 64 requests.
+
+A decode step's linear layers multiply a handful of rows by weights of millions of elements: the
+time is the weight's read from memory, as at one row (`gemv.py`), but with enough rows for tensor
+cores to be worth it. cuBLAS reads those weights at 2.0-2.8 TB/s on an H100, with its slowest
+case the LM head (128k x 4096: 422 µs at 32 rows, 2.49 TB/s). This kernel keeps a whole
+[BLOCK_M >= M, BLOCK_N] output tile per program, with its K loop software-pipelined NUM_STAGES
+deep, and reads the same weights at 2.3-3.0 TB/s (the LM head in 356 µs). Split-K never paid in
+the sweep (benchmarks/README.md, `python benchmarks/gemv.py --rows 8,32,64`), so each output
+feature's sum runs over K in one program, in order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .backend import launcher, next_pow2, use_triton
+
+MIN_ROWS, MAX_ROWS = 2, 64
+BLOCK_N = 32
+BLOCK_K = 256
+NUM_WARPS = 4
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    X, W, Bias, Y, M, N, K, stride_x_m, stride_w_n, stride_y_m,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = X + offs_m[:, None] * stride_x_m + offs_k[None, :]
+    # int64: row * stride can pass 2**31 in a large LM head (256k rows x 8192 columns).
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w_n + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of `skinny_gemm`."""
+    N, K = weight.shape
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    assert M <= MAX_ROWS and rows.stride(1) == 1 and weight.stride(1) == 1
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_m = max(16, next_pow2(M))
+    block_k = min(BLOCK_K, max(16, next_pow2(K)))
+    launcher(_skinny_gemm_kernel, x)[(triton.cdiv(N, BLOCK_N),)](
+        rows, weight, bias if bias is not None else weight, y, M, N, K,
+        rows.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        # 64-row tiles with 5 stages would need 245 KB of shared memory (the H100 has 227).
+        num_warps=NUM_WARPS, num_stages=5 if block_m <= 32 else 4,
+    )
+    return y.view(*x.shape[:-1], N)
+
+
+def skinny_gemm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of `skinny_gemm`: the linear layer itself."""
+    return F.linear(x, weight, bias)
+
+
+def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` should run x @ weight^T here: 2 to 64 half-precision rows on the Triton
+    backend. fp32 stays with cuBLAS, as in `gemv.takes_gemv`; from 65 rows on, cuBLAS was faster."""
+    rows = x.numel() // x.shape[-1]
+    return (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and MIN_ROWS <= rows <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(1) == 1 and use_triton(x))
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T + bias for x ``[..., K]`` of at most 64 rows, weight ``[N, K]``."""
+    if use_triton(x):
+        return skinny_gemm_triton(x, weight, bias)
+    return skinny_gemm_torch(x, weight, bias)

@@ -1,0 +1,61 @@
+"""skinny_gemm: the Triton kernel against the linear layer it replaces, and `linear`'s routing to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_test_utils import DEVICE_DTYPES, DEVICES, randn, rng
+
+from llmserve.kernels import backend, quantized_linear
+from llmserve.kernels.skinny_gemm import skinny_gemm_triton
+
+# (M, N, K): one 16-row tile, a ragged one, the most rows (a 64-row tile); K a multiple of the
+# 256-wide chunk, a power of two below it, and ragged; N not a multiple of the 32-column block.
+SHAPES = [(2, 64, 512), (5, 37, 100), (16, 96, 64), (33, 40, 300), (64, 8, 48)]
+# Half precision only (`linear` keeps fp32 on cuBLAS); no bf16 on CPU, where Triton's interpreter
+# multiplies bf16 tiles wrong (tl.dot of raw bf16 operands).
+HALF = [p for p in DEVICE_DTYPES if p.values[1] != torch.float32]
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("device,dtype", HALF)
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_gemm_matches_the_linear_layer(device, dtype, M, N, K, with_bias):
+    g = rng(M * N * K)
+    x = randn(g, M, K, dtype=dtype, device=device)
+    w = randn(g, N, K, dtype=dtype, device=device, scale=K ** -0.5)
+    bias = randn(g, N, dtype=dtype, device=device) if with_bias else None
+    got = skinny_gemm_triton(x, w, bias)
+    assert got.shape == (M, N) and got.dtype == dtype
+    # One rounding of an fp32 sum: within a unit in the last place of the exact result, as cuBLAS is.
+    torch.testing.assert_close(got, _reference(x, w, bias), atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows(device):
+    g = rng(4)
+    w = randn(g, 24, 130, dtype=torch.float16, device=device)[:, :96]  # rows 130 apart (a TP shard)
+    x = randn(g, 3, 2, 200, dtype=torch.float16, device=device)[..., :96]  # rows 200 apart
+    got = skinny_gemm_triton(x, w)
+    assert got.shape == (3, 2, 24)
+    torch.testing.assert_close(got, _reference(x, w, None), atol=1e-2, rtol=1.6e-2)
+
+
+def test_linear_sends_2_to_64_half_precision_rows_here(monkeypatch):
+    calls = []
+    monkeypatch.setattr(quantized_linear, "skinny_gemm", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
+    w16 = torch.randn(8, 32, dtype=torch.bfloat16)
+    backend.set_backend("triton")
+    try:
+        for rows in (1, 2, 64, 65):  # one row is gemv's, 65 cuBLAS's
+            quantized_linear.linear(torch.randn(rows, 32, dtype=torch.bfloat16), w16)
+        quantized_linear.linear(torch.randn(4, 32), w16.float())  # fp32: cuBLAS's
+    finally:
+        backend.set_backend(None)
+    assert calls == [(2, 32), (64, 32)]
