@@ -10,6 +10,7 @@ from .layernorm import layernorm_forward
 from .quantized_linear import QuantizedWeight, embedding, linear
 from .rmsnorm import rmsnorm_forward
 from .rotary_emb import rotary_emb_fwd
+from .rotary_emb_copy_kv import rotary_emb_copy_kv
 from .silu_and_mul import silu_and_mul_fwd
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "layernorm_forward",
     "linear",
     "rmsnorm_forward",
+    "rotary_emb_copy_kv",
     "rotary_emb_fwd",
     "set_backend",
     "silu_and_mul_fwd",

@@ -2,7 +2,7 @@
 
 The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` (llama3, linear,
 dynamic NTK, yarn, longrope), so scaled variants match the reference implementation exactly;
-the rotation itself is the ``rotary_emb_fwd`` kernel."""
+the rotation itself is a kernel (the layers run ``rotary_emb_copy_kv``, which stores K and V too)."""
 
 from __future__ import annotations
 

@@ -86,6 +86,14 @@ def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, sc
     return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
 
 
+def cos_sin(g: torch.Generator, n: int, D: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style rotary cos/sin [n, D // 2] (fp32) at random (non-consecutive) positions."""
+    pos = torch.randint(0, 4096, (n,), generator=g).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    freqs = pos[:, None] * inv_freq[None, :]
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
 @dataclass
 class PagedKV:
     """A KV pool whose requests' tokens sit in randomly scattered slots."""

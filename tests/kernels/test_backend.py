@@ -22,6 +22,7 @@ OPS = {
     "destindex_copy_kv": "destindex_copy_kv",
     "layernorm_forward": "layernorm",
     "rmsnorm_forward": "rmsnorm",
+    "rotary_emb_copy_kv": "rotary_emb_copy_kv",
     "rotary_emb_fwd": "rotary_emb",
     "silu_and_mul_fwd": "silu_and_mul",
 }

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import DEVICE_DTYPES, randn, rng
+from kernel_test_utils import DEVICE_DTYPES, cos_sin, randn, rng
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from llmserve.kernels.rotary_emb import rotary_emb_fwd_torch, rotary_emb_fwd_triton
 
 # (n, Hq, Hk, D)
 SHAPES = [(1, 2, 2, 64), (7, 4, 2, 128), (33, 3, 1, 32)]
-
-
-def cos_sin(g: torch.Generator, n: int, D: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama-style cos/sin at random (non-consecutive) positions."""
-    pos = torch.randint(0, 4096, (n,), generator=g).float()
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    freqs = pos[:, None] * inv_freq[None, :]
-    return freqs.cos().to(device), freqs.sin().to(device)
 
 
 @pytest.mark.parametrize("n,Hq,Hk,D", SHAPES)

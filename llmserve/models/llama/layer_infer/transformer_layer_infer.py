@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.common.basemodel import TransformerLayerInferTpl
-from llmserve.kernels import add_rmsnorm_forward, linear, rmsnorm_forward, rotary_emb_fwd, silu_and_mul_fwd
+from llmserve.kernels import add_rmsnorm_forward, linear, rmsnorm_forward, rotary_emb_copy_kv, silu_and_mul_fwd
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 
 
@@ -24,10 +24,10 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
                       layer_weight) -> torch.Tensor:
         return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_)
 
-    def _get_qkv(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight):
-        q, kv = super()._get_qkv(x, infer_state, layer_weight)
-        rotary_emb_fwd(q, kv[:, : self.tp_kv_head_num_], infer_state.position_cos, infer_state.position_sin)
-        return q, kv
+    def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> None:
+        # Rotary on q (in place) and k (on its way into the cache), and the store: one launch.
+        rotary_emb_copy_kv(q, kv, infer_state.position_cos, infer_state.position_sin, infer_state.mem_index,
+                           infer_state.mem_manager.kv_buffer[self.layer_num_])
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         act = silu_and_mul_fwd(linear(x, layer_weight.gate_up_weight_))

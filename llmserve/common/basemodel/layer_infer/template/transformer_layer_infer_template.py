@@ -17,7 +17,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         h += o_proj(attention(qkv(att_norm(h))))      # writes K/V of the new tokens first
         h += ffn(ffn_norm(h))
 
-    Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary); ``_add_ffn_norm`` (the
+    Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary, in ``_store_kv``); ``_add_ffn_norm`` (the
     first residual add and the norm after it) may be one fused kernel. The heads of this
     rank are a contiguous slice, so attention itself needs no communication; the two
     row-parallel projections end in an all-reduce."""
@@ -56,6 +56,12 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         kv = qkv[:, q_size:].view(-1, 2 * self.tp_kv_head_num_, self.head_dim_)
         return q, kv
 
+    def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> None:
+        """Write the new tokens' K and V (``kv``) into this layer's cache slots. A model that
+        changes q and k by position (rotary) does it here, in the same kernel as the store:
+        attention reads K and V from the cache only, so k need not be changed in ``kv``."""
+        destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_])
+
     def _get_o(self, o: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         return self._row_parallel_linear(o.view(-1, self.tp_q_head_num_ * self.head_dim_), layer_weight.o_weight_, layer_weight.o_bias_)
 
@@ -73,7 +79,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _attention_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight, attend: Callable) -> torch.Tensor:
         """The attention's output for the residual stream (not added yet: see ``_ffn_block``)."""
         q, kv = self._get_qkv(self._att_norm(h, infer_state, layer_weight), infer_state, layer_weight)
-        destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_])
+        self._store_kv(q, kv, infer_state, layer_weight)
         return self._get_o(attend(q, infer_state, layer_weight), infer_state, layer_weight)
 
     def _ffn_block(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> None:

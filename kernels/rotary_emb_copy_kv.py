@@ -1,0 +1,113 @@
+"""Rotary embedding and the KV-cache store of the new tokens in one launch.
+
+A rotary layer used to run `rotary_emb_fwd` (q and k in place in the qkv projection) and then
+`destindex_copy_kv` (K and V rows into their cache slots): two launches per layer, each a few
+microseconds in a decode step's graph. This kernel rotates q in place and writes the rotated k,
+with v unchanged, straight into the cache slots ``dest[dest_loc[i]]``. It does not write the
+rotated k back into ``kv``: nothing reads K or V from the projection after the store (attention
+reads them from the cache), so ``kv`` keeps the unrotated k.
+
+Rounded exactly as `rotary_emb_fwd` rounds (it calls the same `rotate_halves`, and turns off FMA
+contraction as that launch does), so q and the cache rows are bitwise the two-kernel path's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import launcher, next_pow2, use_triton
+from .destindex_copy_kv import destindex_copy_kv_torch
+from .rotary_emb import rotary_emb_fwd_torch, rotate_halves
+
+# Heads per program: the rotary kernel's block.
+_MAX_BLOCK_H = 16
+
+
+@triton.jit
+def _rotary_emb_copy_kv_kernel(
+    Q, KV, Cos, Sin, DestLoc, Dest,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_kv_t, stride_kv_h, stride_kv_d,
+    stride_c_t, stride_c_d, stride_s_t, stride_s_d,
+    stride_o_n, stride_o_h, stride_o_d,
+    HQ, HKV, HALF, Q_BLOCKS,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # Program (token t, block of heads): the first Q_BLOCKS blocks are q's heads, rotated in
+    # place; the others are kv heads, each program storing the same block of K and of V heads.
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    dt = Q.dtype.element_ty
+    cos = tl.load(Cos + t * stride_c_t + offs_d * stride_c_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(Sin + t * stride_s_t + offs_d * stride_s_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    if blk < Q_BLOCKS:
+        offs_h = blk * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (offs_h[:, None] < HQ) & d_mask[None, :]
+        p1 = Q + t * stride_q_t + offs_h[:, None] * stride_q_h + offs_d[None, :] * stride_q_d
+        p2 = p1 + HALF * stride_q_d
+        y1, y2 = rotate_halves(p1, p2, cos, sin, mask, dt)
+        tl.store(p1, y1, mask=mask)
+        tl.store(p2, y2, mask=mask)
+    else:
+        offs_h = (blk - Q_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (offs_h[:, None] < HKV) & d_mask[None, :]
+        # int64: slot * stride can pass 2**31 in a large pool.
+        slot = tl.load(DestLoc + t).to(tl.int64)
+        src = KV + t * stride_kv_t + offs_h[:, None] * stride_kv_h + offs_d[None, :] * stride_kv_d
+        dst = Dest + slot * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
+        out_dt = Dest.dtype.element_ty
+        k1, k2 = rotate_halves(src, src + HALF * stride_kv_d, cos, sin, mask, dt)
+        tl.store(dst, k1.to(out_dt), mask=mask)
+        tl.store(dst + HALF * stride_o_d, k2.to(out_dt), mask=mask)
+        # V heads follow the K heads, in kv as in the cache; copied as they are, half by half.
+        src += HKV * stride_kv_h
+        dst += HKV * stride_o_h
+        for half in tl.static_range(2):
+            v = tl.load(src + half * HALF * stride_kv_d, mask=mask, other=0.0)
+            tl.store(dst + half * HALF * stride_o_d, v.to(out_dt), mask=mask)
+
+
+def rotary_emb_copy_kv_triton(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              dest_loc: torch.Tensor, dest: torch.Tensor) -> None:
+    """Triton version of `rotary_emb_copy_kv`."""
+    n, hq, d = q.shape
+    hkv = kv.shape[1] // 2
+    if n == 0:
+        return
+    block_h = min(next_pow2(max(hq, hkv)), _MAX_BLOCK_H)
+    q_blocks = triton.cdiv(hq, block_h)
+    launcher(_rotary_emb_copy_kv_kernel, q)[(n, q_blocks + triton.cdiv(hkv, block_h))](
+        q, kv, cos, sin, dest_loc, dest,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1), kv.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        dest.stride(0), dest.stride(1), dest.stride(2),
+        hq, hkv, d // 2, q_blocks,
+        BLOCK_H=block_h, BLOCK_HALF=next_pow2(d // 2), num_warps=4,
+        enable_fp_fusion=False,  # as rotary_emb's launch: no FMA, each product rounds to the dtype
+    )
+
+
+def rotary_emb_copy_kv_torch(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             dest_loc: torch.Tensor, dest: torch.Tensor) -> None:
+    """Torch twin of `rotary_emb_copy_kv`: the two ops' twins in sequence (this one also leaves k
+    rotated in kv, which nothing reads)."""
+    rotary_emb_fwd_torch(q, kv[:, : kv.shape[1] // 2], cos, sin)
+    destindex_copy_kv_torch(kv, dest_loc, dest)
+
+
+def rotary_emb_copy_kv(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       dest_loc: torch.Tensor, dest: torch.Tensor) -> None:
+    """Rotate q ``[n, Hq, D]`` in place by cos, sin ``[n, D//2]`` (fp32), and store kv
+    ``[n, 2 * Hkv, D]`` (K heads then V heads) with its K heads rotated into the cache rows
+    ``dest[dest_loc[i]]`` (dest ``[slots, 2 * Hkv, D]``, dest_loc int32/int64): as
+    ``rotary_emb_fwd(q, kv[:, :Hkv], cos, sin)`` then ``destindex_copy_kv(kv, dest_loc, dest)``,
+    bitwise, except that kv's own k may be left unrotated."""
+    if use_triton(q):
+        rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, dest)
+    else:
+        rotary_emb_copy_kv_torch(q, kv, cos, sin, dest_loc, dest)

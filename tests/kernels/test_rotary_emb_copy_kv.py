@@ -1,0 +1,82 @@
+"""rotary_emb_copy_kv: bitwise the two-kernel path (rotary_emb_fwd, then destindex_copy_kv)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_test_utils import CUDA, cos_sin, cpu_triton, randn, rng
+
+from llmserve.kernels.destindex_copy_kv import destindex_copy_kv_torch, destindex_copy_kv_triton
+from llmserve.kernels.rotary_emb import rotary_emb_fwd_torch, rotary_emb_fwd_triton
+from llmserve.kernels.rotary_emb_copy_kv import rotary_emb_copy_kv_torch, rotary_emb_copy_kv_triton
+
+# (n, Hq, Hkv, D): odd head counts, more kv heads than one program's block, n = 0 and 1.
+SHAPES = [(0, 4, 2, 64), (1, 4, 2, 64), (1, 5, 1, 32), (7, 3, 3, 128), (5, 9, 17, 32), (33, 32, 8, 64)]
+
+# Triton's interpreter runs bf16 too: both paths there round through the same emulation.
+DEVICE_DTYPES = [
+    pytest.param(dev, dt, id=f"{dev}-{str(dt).removeprefix('torch.')}", marks=[cpu_triton] if dev == "cpu" else [])
+    for dev in ["cpu"] + (["cuda"] if CUDA else [])
+    for dt in (torch.float32, torch.float16, torch.bfloat16)
+]
+
+
+def layer_inputs(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str, index_dtype: torch.dtype,
+                 seed: int = 0):
+    """q and kv as the Llama layer splits them from one flat qkv projection (with n == 1 that
+    view gives the size-1 dimension odd strides), cos/sin, KV slots and a random cache."""
+    g = rng(seed)
+    qkv = randn(g, n, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+    q = qkv[:, : hq * d].view(-1, hq, d)
+    kv = qkv[:, hq * d:].view(-1, 2 * hkv, d)
+    cos, sin = cos_sin(g, n, d, device)
+    slots = 2 * n + 5
+    dest_loc = torch.randperm(slots, generator=g)[:n].to(device=device, dtype=index_dtype)
+    cache = randn(g, slots, 2 * hkv, d, dtype=dtype, device=device)
+    return qkv, q, kv, cos, sin, dest_loc, cache
+
+
+def two_kernels(rotary, copy, q, kv, cos, sin, dest_loc, cache) -> None:
+    rotary(q, kv[:, : kv.shape[1] // 2], cos, sin)
+    copy(kv, dest_loc, cache)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n,Hq,Hkv,D", SHAPES)
+def test_triton_is_the_two_triton_kernels_bitwise(device, dtype, index_dtype, n, Hq, Hkv, D):
+    qkv, q, kv, cos, sin, dest_loc, cache = layer_inputs(n, Hq, Hkv, D, dtype, device, index_dtype)
+    want_qkv, want_cache, q0 = qkv.clone(), cache.clone(), q.clone()
+    w_q, w_kv = want_qkv[:, : Hq * D].view(-1, Hq, D), want_qkv[:, Hq * D:].view(-1, 2 * Hkv, D)
+    two_kernels(rotary_emb_fwd_triton, destindex_copy_kv_triton, w_q, w_kv, cos, sin, dest_loc, want_cache)
+    rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, cache)
+    assert n == 0 or not torch.equal(q, q0)
+    assert torch.equal(q, w_q)                      # q rotated in place
+    assert torch.equal(cache, want_cache)           # rotated K and plain V in their slots, nothing else
+    assert torch.equal(kv[:, Hkv:], w_kv[:, Hkv:])  # V in the projection untouched
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_writes_rotated_k_not_the_projections_k(device, dtype):
+    """The cache gets rotated K (not the projection's), and only the given slots change."""
+    n, Hq, Hkv, D = 6, 4, 2, 64
+    qkv, q, kv, cos, sin, dest_loc, cache = layer_inputs(n, Hq, Hkv, D, dtype, device, torch.int32, seed=3)
+    before_kv, before_cache = kv.clone(), cache.clone()
+    rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, cache)
+    rows = dest_loc.long()
+    assert not torch.equal(cache[rows, :Hkv], before_kv[:, :Hkv])   # k was rotated on its way in
+    assert torch.equal(cache[rows, Hkv:], before_kv[:, Hkv:])
+    others = torch.ones(cache.shape[0], dtype=torch.bool, device=device)
+    others[rows] = False
+    assert torch.equal(cache[others], before_cache[others])
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_twin_is_the_two_twins(dtype, index_dtype):
+    qkv, q, kv, cos, sin, dest_loc, cache = layer_inputs(7, 3, 1, 64, dtype, "cpu", index_dtype, seed=1)
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    two_kernels(rotary_emb_fwd_torch, destindex_copy_kv_torch, want_qkv[:, : 3 * 64].view(-1, 3, 64),
+                want_qkv[:, 3 * 64:].view(-1, 2, 64), cos, sin, dest_loc, want_cache)
+    rotary_emb_copy_kv_torch(q, kv, cos, sin, dest_loc, cache)
+    assert torch.equal(qkv, want_qkv) and torch.equal(cache, want_cache)
