@@ -8,6 +8,7 @@ from kernel_test_utils import DEVICE_DTYPES, randn, rng, tol
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from llmserve.kernels.add_rmsnorm import add_rmsnorm_forward_torch, add_rmsnorm_forward_triton
+from llmserve.kernels.rmsnorm import rmsnorm_forward_triton
 
 SHAPES = [(1, 64), (5, 100), (3, 4096), (2, 5000)]  # 5000 > one 4096 block: chunked rows
 
@@ -41,3 +42,18 @@ def test_triton_matches_twin(device, dtype, n, N):
     assert got.dtype == dtype and got.shape == h.shape
     torch.testing.assert_close(h, h_twin, atol=0, rtol=0)       # the residual: one rounded add, both ways
     torch.testing.assert_close(got, want, **tol(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n,N", SHAPES)
+def test_triton_is_an_add_then_the_rmsnorm_kernel_bitwise(device, dtype, n, N):
+    """The layers fuse each residual add into the next norm: that must not change a bit of what
+    ``h += delta`` followed by the plain RMSNorm kernel gives (same ops in the same order)."""
+    g = rng(N + 2)
+    h = randn(g, n, N, dtype=dtype, device=device, scale=3.0)
+    delta = randn(g, n, N, dtype=dtype, device=device)
+    w = randn(g, N, dtype=dtype, device=device)
+    h_plain = h.clone().add_(delta)
+    want = rmsnorm_forward_triton(h_plain, w, 1e-6)
+    got = add_rmsnorm_forward_triton(h, delta, w, 1e-6)
+    assert torch.equal(h, h_plain) and torch.equal(got, want)

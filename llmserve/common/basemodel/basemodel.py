@@ -263,9 +263,10 @@ class TpPartBaseModel:
     def forward_layers(self, input_ids: torch.Tensor, state: InferStateInfo) -> torch.Tensor:
         """The layers over a batch whose slots and state are ready (``input_ids`` on the device)."""
         h = self.pre_infer.forward(input_ids, state, self.pre_post_weight)
+        pending = None  # a layer's output that the next norm adds to h (see TransformerLayerInfer)
         for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
-            h = layer_infer.forward(h, state, layer_weight)
-        return self.post_infer.forward(h, state, self.pre_post_weight)
+            h, pending = layer_infer.forward(h, pending, state, layer_weight)
+        return self.post_infer.forward(h, pending, state, self.pre_post_weight)
 
     @torch.inference_mode()
     def warm_up(self, max_prefill_tokens: int = 8192) -> None:

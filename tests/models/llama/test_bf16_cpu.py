@@ -72,13 +72,14 @@ def hf_hidden_states(hf, ids: list[int], past=None) -> tuple[list[torch.Tensor],
 
 
 def record_our_layers(ours: TpPartBaseModel, monkeypatch) -> list[torch.Tensor]:
-    """Make each of our layers append a copy of its output (the residual stream, updated in place)."""
+    """Make each of our layers append its output, the residual stream: h plus the MLP output the
+    next norm adds to it (in h's dtype, one rounding, as that add)."""
     states: list[torch.Tensor] = []
     for layer in ours.layers_infer:
-        def forward(h, infer_state, weight, _inner=layer.forward):
-            out = _inner(h, infer_state, weight)
-            states.append(out.clone())
-            return out
+        def forward(h, pending, infer_state, weight, _inner=layer.forward):
+            h, pending = _inner(h, pending, infer_state, weight)
+            states.append(h + pending)
+            return h, pending
         monkeypatch.setattr(layer, "forward", forward)
     return states
 

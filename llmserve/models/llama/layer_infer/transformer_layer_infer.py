@@ -20,6 +20,10 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
     def _ffn_norm(self, h: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         return rmsnorm_forward(h, layer_weight.ffn_norm_weight_, self.eps_)
 
+    def _add_att_norm(self, h: torch.Tensor, pending: torch.Tensor, infer_state: LlamaInferStateInfo,
+                      layer_weight) -> torch.Tensor:
+        return add_rmsnorm_forward(h, pending, layer_weight.att_norm_weight_, self.eps_)
+
     def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: LlamaInferStateInfo,
                       layer_weight) -> torch.Tensor:
         return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_)

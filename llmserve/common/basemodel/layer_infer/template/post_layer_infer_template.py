@@ -15,15 +15,28 @@ class PostLayerInferTpl(PostLayerInfer):
     def _norm(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         raise NotImplementedError
 
-    def context_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        if infer_state.logit_rows is not None:
+    def _add_norm(self, h: torch.Tensor, pending: torch.Tensor, infer_state: InferStateInfo,
+                  layer_weight) -> torch.Tensor:
+        """``h += pending`` in place (the last layer's output), then the final norm of ``h``."""
+        h.add_(pending)
+        return self._norm(h, infer_state, layer_weight)
+
+    def context_forward(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo,
+                        layer_weight) -> torch.Tensor:
+        if infer_state.logit_rows is not None:  # the add is per row: adding the chosen rows only is the same
             h = h[infer_state.logit_rows]
-        return self._logits(h, infer_state, layer_weight)
+            pending = None if pending is None else pending[infer_state.logit_rows]
+        return self._logits(h, pending, infer_state, layer_weight)
 
-    def token_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        return self._logits(h, infer_state, layer_weight)  # already one row per request
+    def token_forward(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo,
+                      layer_weight) -> torch.Tensor:
+        return self._logits(h, pending, infer_state, layer_weight)  # already one row per request
 
-    def _logits(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        x = self._norm(h, infer_state, layer_weight)
+    def _logits(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo,
+                layer_weight) -> torch.Tensor:
+        if pending is None:  # a model without layers
+            x = self._norm(h, infer_state, layer_weight)
+        else:
+            x = self._add_norm(h, pending, infer_state, layer_weight)
         logits = all_gather_last_dim(linear(x, layer_weight.lm_head_weight_))
         return logits[:, : self.network_config_.vocab_size].float()

@@ -14,13 +14,14 @@ from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destin
 class TransformerLayerInferTpl(TransformerLayerInfer):
     """A pre-norm decoder layer, the shape Llama and BLOOM share:
 
+        h += pending                                  # the previous layer's MLP output
         h += o_proj(attention(qkv(att_norm(h))))      # writes K/V of the new tokens first
-        h += ffn(ffn_norm(h))
+        pending = ffn(ffn_norm(h))                    # added by the next layer (or the post layer)
 
-    Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary, in ``_store_kv``); ``_add_ffn_norm`` (the
-    first residual add and the norm after it) may be one fused kernel. The heads of this
-    rank are a contiguous slice, so attention itself needs no communication; the two
-    row-parallel projections end in an all-reduce."""
+    Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary, in ``_store_kv``);
+    ``_add_att_norm`` and ``_add_ffn_norm`` (a residual add and the norm after it) may each be
+    one fused kernel. The heads of this rank are a contiguous slice, so attention itself needs
+    no communication; the two row-parallel projections end in an all-reduce."""
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
@@ -37,6 +38,13 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
 
     def _ffn(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         raise NotImplementedError
+
+    def _add_att_norm(self, h: torch.Tensor, pending: torch.Tensor, infer_state: InferStateInfo,
+                      layer_weight) -> torch.Tensor:
+        """``h += pending`` in place (the previous layer's output), then the attention's input
+        norm of ``h``."""
+        h.add_(pending)
+        return self._att_norm(h, infer_state, layer_weight)
 
     def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: InferStateInfo,
                       layer_weight) -> torch.Tensor:
@@ -66,25 +74,36 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         return self._row_parallel_linear(o.view(-1, self.tp_q_head_num_ * self.head_dim_), layer_weight.o_weight_, layer_weight.o_bias_)
 
     # -- the layer --------------------------------------------------------------------
-    def context_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        attn_out = self._attention_block(h, infer_state, layer_weight, self._context_attention_kernel)
-        self._ffn_block(h, attn_out, infer_state, layer_weight)
-        return h
+    def context_forward(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo,
+                        layer_weight) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._layer(h, pending, infer_state, layer_weight, self._context_attention_kernel)
 
-    def token_forward(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        attn_out = self._attention_block(h, infer_state, layer_weight, self._token_attention_kernel)
-        self._ffn_block(h, attn_out, infer_state, layer_weight)
-        return h
+    def token_forward(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo,
+                      layer_weight) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._layer(h, pending, infer_state, layer_weight, self._token_attention_kernel)
 
-    def _attention_block(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight, attend: Callable) -> torch.Tensor:
+    def _layer(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo, layer_weight,
+               attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, pending)`` in, ``(h, this layer's MLP output)`` out (see TransformerLayerInfer)."""
+        attn_out = self._attention_block(h, pending, infer_state, layer_weight, attend)
+        return h, self._ffn_block(h, attn_out, infer_state, layer_weight)
+
+    def _attention_block(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo,
+                         layer_weight, attend: Callable) -> torch.Tensor:
         """The attention's output for the residual stream (not added yet: see ``_ffn_block``)."""
-        q, kv = self._get_qkv(self._att_norm(h, infer_state, layer_weight), infer_state, layer_weight)
+        if pending is None:  # the first layer
+            x = self._att_norm(h, infer_state, layer_weight)
+        else:
+            x = self._add_att_norm(h, pending, infer_state, layer_weight)
+        q, kv = self._get_qkv(x, infer_state, layer_weight)
         self._store_kv(q, kv, infer_state, layer_weight)
         return self._get_o(attend(q, infer_state, layer_weight), infer_state, layer_weight)
 
-    def _ffn_block(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> None:
+    def _ffn_block(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: InferStateInfo,
+                   layer_weight) -> torch.Tensor:
+        """The MLP's output, left for the next norm to add to ``h`` (after adding ``attn_out``)."""
         x = self._add_ffn_norm(h, attn_out, infer_state, layer_weight)
-        h.add_(self._ffn(x, infer_state, layer_weight))
+        return self._ffn(x, infer_state, layer_weight)
 
     def _context_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,94 @@
+"""The Llama layer's fused kernels (rotary + KV store in one launch; each residual add inside the
+next norm) against the same model run through the plain ops, with the Triton kernels: logits
+bitwise equal, over prefill, a chunk with every row's logits, and decode steps. On CPU the
+kernels run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from parity_utils import TEST_DEVICE, BatchDriver, build_tiny_hf_model, load_ours, random_prompts
+
+from llmserve.common.basemodel import PostLayerInferTpl, TransformerLayerInferTpl
+from llmserve.kernels import backend, destindex_copy_kv, rotary_emb_fwd
+
+LAYERS = 2
+VOCAB = 256
+# The interpreter rounds fp32 -> bf16 by truncation where torch rounds to nearest, so there a
+# fused add (in the kernel) and a torch add differ in bf16; compiled Triton rounds to nearest.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if TEST_DEVICE == "cuda" else [])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-fused")
+    build_tiny_hf_model(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                    max_position_embeddings=256), path)
+    return path
+
+
+@pytest.fixture
+def triton_backend():
+    backend.set_backend("triton")
+    yield
+    backend.set_backend(None)
+
+
+def unfuse(model) -> None:
+    """The layers' plain path: rotary, then the store (two launches); each residual add apart
+    from the norm after it (the templates' defaults)."""
+    for layer in model.layers_infer:
+        def store_kv(q, kv, infer_state, layer_weight, _layer=layer):
+            rotary_emb_fwd(q, kv[:, : _layer.tp_kv_head_num_], infer_state.position_cos, infer_state.position_sin)
+            destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[_layer.layer_num_])
+        layer._store_kv = store_kv
+        layer._add_att_norm = TransformerLayerInferTpl._add_att_norm.__get__(layer)
+    model.post_infer._add_norm = PostLayerInferTpl._add_norm.__get__(model.post_infer)
+
+
+def run(model) -> list[torch.Tensor]:
+    driver = BatchDriver(model)
+    logits = [driver.prefill(random_prompts([5, 9, 1], VOCAB))]
+    logits.append(driver.extend([[1, 2, 3], [4], [5, 6]], return_all_logits=True))
+    logits.append(driver.extend([[7, 8], [9, 10, 11], [12]]))  # the post layer picks the last rows
+    logits.append(driver.decode(logits[-1].argmax(-1).tolist()))
+    driver.free()
+    return logits
+
+
+def count_launches(monkeypatch) -> Counter:
+    """Calls of each Triton op the layers may use (their dispatchers look the names up per call)."""
+    calls: Counter = Counter()
+    for module, name in [("rmsnorm", "rmsnorm_forward_triton"), ("add_rmsnorm", "add_rmsnorm_forward_triton"),
+                         ("rotary_emb", "rotary_emb_fwd_triton"), ("destindex_copy_kv", "destindex_copy_kv_triton"),
+                         ("rotary_emb_copy_kv", "rotary_emb_copy_kv_triton")]:
+        # import_module: llmserve.kernels.destindex_copy_kv as an attribute is the function, not the module
+        mod = importlib.import_module(f"llmserve.kernels.{module}")
+
+        def counted(*args, _fn=getattr(mod, name), _name=name, **kwargs):
+            calls[_name.removesuffix("_triton")] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(mod, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_layers_are_the_plain_path_bitwise(model_dir, triton_backend, monkeypatch, dtype):
+    plain = load_ours(model_dir, dtype=dtype, max_req_num=4)
+    unfuse(plain)
+    want = run(plain)
+    calls = count_launches(monkeypatch)
+    got = run(load_ours(model_dir, dtype=dtype, max_req_num=4))
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: {(g != w).sum().item()} logits differ"
+    # The fused ops ran: per forward, one plain norm (the first layer's: nothing to add yet), and
+    # each layer's rotary and store in one launch.
+    forwards = len(got)
+    assert calls == Counter(rmsnorm_forward=forwards, add_rmsnorm_forward=2 * LAYERS * forwards,
+                            rotary_emb_copy_kv=LAYERS * forwards)
