@@ -36,16 +36,17 @@ def _rotary_emb_kernel(
     sin = tl.load(Sin + t * stride_s_t + offs_d * stride_s_d, mask=d_mask, other=0.0).to(dt).to(tl.float32)[None, :]
     p1 = X + t * stride_x_t + offs_h[:, None] * stride_x_h + offs_d[None, :] * stride_x_d
     p2 = p1 + HALF * stride_x_d
-    y1, y2 = rotate_halves(p1, p2, cos, sin, mask, dt)
+    y1, y2 = rotate_halves(p1, p2, cos, sin, mask)
     tl.store(p1, y1, mask=mask)
     tl.store(p2, y2, mask=mask)
 
 
 @triton.jit
-def rotate_halves(P1, P2, cos, sin, mask, dt: tl.constexpr):
-    """The rotated halves (x1', x2') in ``dt`` of the heads whose halves P1, P2 point at; cos and
-    sin are fp32 holding values already rounded to ``dt``. Shared with rotary_emb_copy_kv, so the
-    two kernels round alike."""
+def rotate_halves(P1, P2, cos, sin, mask):
+    """The rotated halves (x1', x2'), in the dtype of x, of the heads of x whose halves P1, P2
+    point at; cos and sin are fp32 holding values already rounded to that dtype. Shared with
+    rotary_emb_copy_kv, so the two kernels round alike."""
+    dt = P1.dtype.element_ty
     x1 = tl.load(P1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(P2, mask=mask, other=0.0).to(tl.float32)
     # Each product rounds to x's dtype before the sum, as HF's eager ops do (see the module doc);

@@ -49,7 +49,7 @@ def _rotary_emb_copy_kv_kernel(
         mask = (offs_h[:, None] < HQ) & d_mask[None, :]
         p1 = Q + t * stride_q_t + offs_h[:, None] * stride_q_h + offs_d[None, :] * stride_q_d
         p2 = p1 + HALF * stride_q_d
-        y1, y2 = rotate_halves(p1, p2, cos, sin, mask, dt)
+        y1, y2 = rotate_halves(p1, p2, cos, sin, mask)
         tl.store(p1, y1, mask=mask)
         tl.store(p2, y2, mask=mask)
     else:
@@ -60,7 +60,7 @@ def _rotary_emb_copy_kv_kernel(
         src = KV + t * stride_kv_t + offs_h[:, None] * stride_kv_h + offs_d[None, :] * stride_kv_d
         dst = Dest + slot * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
         out_dt = Dest.dtype.element_ty
-        k1, k2 = rotate_halves(src, src + HALF * stride_kv_d, cos, sin, mask, dt)
+        k1, k2 = rotate_halves(src, src + HALF * stride_kv_d, cos, sin, mask)
         tl.store(dst, k1.to(out_dt), mask=mask)
         tl.store(dst + HALF * stride_o_d, k2.to(out_dt), mask=mask)
         # V heads follow the K heads, in kv as in the cache; copied as they are, half by half.
