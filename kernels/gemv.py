@@ -23,11 +23,9 @@ import triton.language as tl
 
 from .backend import launcher, next_pow2, use_triton
 
-# From the sweep in benchmarks/decode_linear.py on an H100 (bf16, Llama-3-8B's five weight shapes): the
-# best single choice, within 3% of each shape's best except the LM head (333 µs best, 6% more).
-BLOCK_N = 4
-MAX_BLOCK_K = 2048
-NUM_WARPS = 4
+# (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
+# Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up.
+TILES = (4, 2048, 4)
 
 
 @triton.jit
@@ -57,16 +55,18 @@ def _gemv_kernel(
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of `gemv`."""
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                *, tiles: tuple[int, int, int] = TILES) -> torch.Tensor:
+    """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) for the benchmark's sweep."""
     N, K = weight.shape
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
+    block_n, max_block_k, num_warps = tiles
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    block_k = min(MAX_BLOCK_K, max(16, next_pow2(K)))
-    launcher(_gemv_kernel, x)[(triton.cdiv(N, BLOCK_N),)](
+    block_k = min(max_block_k, max(16, next_pow2(K)))
+    launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        num_warps=NUM_WARPS, num_stages=1,
+        HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=1,
     )
     return y
 

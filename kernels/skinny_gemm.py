@@ -4,10 +4,10 @@ A decode step's linear layers multiply a handful of rows by weights of millions 
 time is the weight's read from memory, as at one row (`gemv.py`), but with enough rows for tensor
 cores to be worth it. cuBLAS reads those weights at 2.0-2.8 TB/s on an H100, with its slowest
 case the LM head (128k x 4096: 422 µs at 32 rows, 2.49 TB/s). This kernel keeps a whole
-[BLOCK_M >= M, BLOCK_N] output tile per program, with its K loop software-pipelined NUM_STAGES
-deep, and reads the same weights at 2.3-3.0 TB/s (the LM head in 356 µs). Split-K never paid in
-the sweep (benchmarks/README.md, `python benchmarks/gemv.py --rows 8,32,64`), so each output
-feature's sum runs over K in one program, in order.
+[BLOCK_M >= M, BLOCK_N] output tile per program, with its K loop software-pipelined 3-5 stages
+deep, and reads them at up to 3.0 TB/s (the LM head in 356 µs); `tiles_for` says where it wins.
+Split-K never paid in the sweep (benchmarks/README.md, `python benchmarks/decode_linear.py`), so
+each output feature's sum runs over K in one program, in order.
 """
 
 from __future__ import annotations
@@ -19,10 +19,21 @@ import triton.language as tl
 
 from .backend import launcher, next_pow2, use_triton
 
-MIN_ROWS, MAX_ROWS = 2, 64
-BLOCK_N = 32
-BLOCK_K = 256
-NUM_WARPS = 4
+# Tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and where they beat cuBLAS, from the H100 sweep
+# (`benchmarks/decode_linear.py --sweep`, Llama-3-8B's weights): up to 16 rows, on every weight
+# but the qkv projection (within 5%) by 2-20%; from 17 to 64 rows, cuBLAS's tensor-core kernels
+# caught up except on the LM head, whose 128k-wide weight cuBLAS still reads at ~2.4 TB/s.
+FEW_ROWS, FEW_ROWS_TILES = 16, (32, 256, 4, 5)
+MAX_ROWS, WIDE_N, WIDE_TILES = 64, 65536, (128, 128, 8, 3)
+
+
+def tiles_for(rows: int, n: int) -> tuple[int, int, int, int] | None:
+    """The tiles for a product of `rows` rows by an [n, K] weight, or None where cuBLAS is faster."""
+    if 2 <= rows <= FEW_ROWS:
+        return FEW_ROWS_TILES
+    if rows <= MAX_ROWS and n >= WIDE_N:
+        return WIDE_TILES
+    return None
 
 
 @triton.jit
@@ -57,22 +68,25 @@ def _skinny_gemm_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of `skinny_gemm`."""
+def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       *, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Triton version of `skinny_gemm`; `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages)
+    overrides `tiles_for`'s choice (the benchmark's sweep)."""
     N, K = weight.shape
     rows = x.reshape(-1, K)
     M = rows.shape[0]
     assert M <= MAX_ROWS and rows.stride(1) == 1 and weight.stride(1) == 1
+    # Shapes cuBLAS would take here still get valid tiles (the tests call this directly).
+    block_n, block_k, num_warps, num_stages = tiles or tiles_for(M, N) or (FEW_ROWS_TILES if M <= FEW_ROWS else WIDE_TILES)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m = max(16, next_pow2(M))
-    block_k = min(BLOCK_K, max(16, next_pow2(K)))
-    launcher(_skinny_gemm_kernel, x)[(triton.cdiv(N, BLOCK_N),)](
+    block_k = min(block_k, max(16, next_pow2(K)))
+    launcher(_skinny_gemm_kernel, x)[(triton.cdiv(N, block_n),)](
         rows, weight, bias if bias is not None else weight, y, M, N, K,
         rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        # 64-row tiles with 5 stages would need 245 KB of shared memory (the H100 has 227).
-        num_warps=NUM_WARPS, num_stages=5 if block_m <= 32 else 4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return y.view(*x.shape[:-1], N)
 
@@ -83,11 +97,11 @@ def skinny_gemm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` should run x @ weight^T here: 2 to 64 half-precision rows on the Triton
-    backend. fp32 stays with cuBLAS, as in `gemv.takes_gemv`; from 65 rows on, cuBLAS was faster."""
-    rows = x.numel() // x.shape[-1]
+    """Whether `linear` should run x @ weight^T here: half-precision rows on the Triton backend,
+    as many as `tiles_for` has tiles for. fp32 stays with cuBLAS, as in `gemv.takes_gemv`."""
     return (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and MIN_ROWS <= rows <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(1) == 1 and use_triton(x))
+            and tiles_for(x.numel() // x.shape[-1], weight.shape[0]) is not None
+            and x.stride(-1) == 1 and weight.stride(1) == 1 and use_triton(x))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

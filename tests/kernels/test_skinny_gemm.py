@@ -1,4 +1,5 @@
-"""skinny_gemm: the Triton kernel against the linear layer it replaces, and `linear`'s routing to it."""
+"""skinny_gemm: the Triton kernel (both tile sets) against the linear layer it replaces, and
+`linear`'s routing to it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from kernel_test_utils import DEVICE_DTYPES, DEVICES, randn, rng
 
 from llmserve.kernels import backend, quantized_linear
-from llmserve.kernels.skinny_gemm import skinny_gemm_triton
+from llmserve.kernels.skinny_gemm import FEW_ROWS_TILES, WIDE_TILES, skinny_gemm_triton
 
 # (M, N, K): one 16-row tile, a ragged one, the most rows (a 64-row tile); K a multiple of the
 # 256-wide chunk, a power of two below it, and ragged; N not a multiple of the 32-column block.
@@ -26,12 +27,13 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 @pytest.mark.parametrize("device,dtype", HALF)
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_skinny_gemm_matches_the_linear_layer(device, dtype, M, N, K, with_bias):
+@pytest.mark.parametrize("tiles", [FEW_ROWS_TILES, WIDE_TILES], ids=["few-rows-tiles", "wide-tiles"])
+def test_skinny_gemm_matches_the_linear_layer(device, dtype, M, N, K, with_bias, tiles):
     g = rng(M * N * K)
     x = randn(g, M, K, dtype=dtype, device=device)
     w = randn(g, N, K, dtype=dtype, device=device, scale=K ** -0.5)
     bias = randn(g, N, dtype=dtype, device=device) if with_bias else None
-    got = skinny_gemm_triton(x, w, bias)
+    got = skinny_gemm_triton(x, w, bias, tiles=tiles)
     assert got.shape == (M, N) and got.dtype == dtype
     # One rounding of an fp32 sum: within a unit in the last place of the exact result, as cuBLAS is.
     torch.testing.assert_close(got, _reference(x, w, bias), atol=1e-2, rtol=1.6e-2)
@@ -47,15 +49,21 @@ def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows(device):
     torch.testing.assert_close(got, _reference(x, w, None), atol=1e-2, rtol=1.6e-2)
 
 
-def test_linear_sends_2_to_64_half_precision_rows_here(monkeypatch):
+def test_linear_sends_what_the_tiles_win_here(monkeypatch):
+    """2-16 rows of any weight; 17-64 rows only of an LM-head-wide one; one row is gemv's, fp32 and
+    anything else cuBLAS's."""
     calls = []
-    monkeypatch.setattr(quantized_linear, "skinny_gemm", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
-    w16 = torch.randn(8, 32, dtype=torch.bfloat16)
+    monkeypatch.setattr(quantized_linear, "skinny_gemm", lambda x, w, b=None: calls.append((x.shape[0], w.shape[0])) or F.linear(x, w, b))
+    monkeypatch.setattr(quantized_linear, "gemv", F.linear)  # as test_gemv's routing test says why
+    narrow = torch.randn(8, 32, dtype=torch.bfloat16)
+    wide = torch.randn(65536, 32, dtype=torch.bfloat16)
     backend.set_backend("triton")
     try:
-        for rows in (1, 2, 64, 65):  # one row is gemv's, 65 cuBLAS's
-            quantized_linear.linear(torch.randn(rows, 32, dtype=torch.bfloat16), w16)
-        quantized_linear.linear(torch.randn(4, 32), w16.float())  # fp32: cuBLAS's
+        for rows in (1, 2, 16, 17, 64):
+            quantized_linear.linear(torch.randn(rows, 32, dtype=torch.bfloat16), narrow)
+        for rows in (17, 64, 65):
+            quantized_linear.linear(torch.randn(rows, 32, dtype=torch.bfloat16), wide)
+        quantized_linear.linear(torch.randn(4, 32), narrow.float())  # fp32
     finally:
         backend.set_backend(None)
-    assert calls == [(2, 32), (64, 32)]
+    assert calls == [(2, 8), (16, 8), (17, 65536), (64, 65536)]
