@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from common import IntervalTimer, synchronize
+from common import IntervalTimer, gc_paused, synchronize
 
 PEERS = ("hf", "hf-compiled")
 
@@ -70,12 +70,13 @@ class HFPeer:
         timer.stop()
         prefill_s = timer.elapsed_ms()[0] / 1e3
         timer = IntervalTimer(device)
-        for s in range(warmup + steps):
-            timer.start()
-            out = self._forward(input_ids=tokens, past_key_values=cache, use_cache=True,
-                                cache_position=torch.tensor([prompt_len + s], device=device))
-            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-            timer.stop()
+        with gc_paused():
+            for s in range(warmup + steps):
+                timer.start()
+                out = self._forward(input_ids=tokens, past_key_values=cache, use_cache=True,
+                                    cache_position=torch.tensor([prompt_len + s], device=device))
+                tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+                timer.stop()
         if not bool(torch.isfinite(out.logits).all()):
             raise RuntimeError(f"{self.mode}: non-finite logits")
         return prefill_s, timer.elapsed_ms()[warmup:]

@@ -53,6 +53,7 @@ from common import (
     add_device_arguments,
     IntervalTimer,
     dtype_name,
+    gc_paused,
     environment,
     markdown_table,
     measure_copy_bandwidth,
@@ -285,12 +286,13 @@ def _run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, 
         lens = [prompt_len] * batch
         ones = [1] * batch
         timer = IntervalTimer(model.device)
-        for _ in range(warmup + steps):
-            timer.start()
-            logits = model.forward(tokens, rows, lens, ones)
-            tokens = logits.argmax(dim=-1)
-            timer.stop()
-            lens = [n + 1 for n in lens]
+        with gc_paused():
+            for _ in range(warmup + steps):
+                timer.start()
+                logits = model.forward(tokens, rows, lens, ones)
+                tokens = logits.argmax(dim=-1)
+                timer.stop()
+                lens = [n + 1 for n in lens]
         step_ms = timer.elapsed_ms()[warmup:]
         check_finite(logits, "decode")
     finally:
