@@ -28,7 +28,6 @@ from llmserve.tool_parsers import FunctionCall, NamedParser, RequiredParser, Too
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128                      # OpenAI's limit
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
 LATEST_DRAFT = jsonschema.Draft202012Validator
 
 
@@ -172,15 +171,39 @@ def tool_use(tools: list[Tool] | None, tool_choice: ToolChoice | None, parallel_
         schema = required_calls_schema(tools, max_calls)
         return ToolUse(template_tools, RequiredParser(), GuidedDecodingParams(json=json.dumps(schema)), max_calls)
     [tool] = [t for t in tools if t.function.name == tool_choice.function.name]
-    schema = tool.function.parameters or ANY_OBJECT
+    schema = arguments_schema(tool.function)
     return ToolUse(template_tools, NamedParser(tool.function.name), GuidedDecodingParams(json=json.dumps(schema)), 1)
+
+
+# OpenAI: "Omitting parameters defines a function with an empty parameter list."
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+# Keywords by which a schema says itself what an object's other keys may be.
+OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def arguments_schema(function: FunctionDefinition) -> dict[str, Any]:
+    """The schema a constrained call's arguments are decoded under: the function's parameters, with
+    no keys beyond the declared ones unless the schema says otherwise (or ``strict`` is false).
+
+    JSON Schema lets an object hold any other key, and tool schemas rarely forbid them (pydantic's
+    and LangChain's do not); decoding under such a schema let SmolLM2-135M write an undeclared
+    ``"description"`` key again and again until the length limit. A function's caller wants its
+    declared arguments, so other keys are closed off at the top level, as OpenAI's strict mode
+    requires schemas to do."""
+    if function.parameters is None:
+        return NO_ARGUMENTS
+    schema = function.parameters
+    if (function.strict is not False and "properties" in schema
+            and not any(key in schema for key in OTHER_KEYS)):
+        return schema | {"additionalProperties": False}
+    return schema
 
 
 def required_calls_schema(tools: list[Tool], max_calls: int | None) -> dict[str, Any]:
     """A JSON array of at least one ``{"name": ..., "arguments": {...}}``, each naming a tool and
-    holding arguments valid for it."""
+    holding arguments valid for it (`arguments_schema`)."""
     calls = [{"type": "object",
-              "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or ANY_OBJECT},
+              "properties": {"name": {"const": t.function.name}, "arguments": arguments_schema(t.function)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if max_calls is not None:

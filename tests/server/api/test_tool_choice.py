@@ -18,6 +18,8 @@ TOOLS = [Tool.model_validate(t) for t in [
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
         "required": ["city"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "get_time"}},
+    # a schema that leaves the object open: any arguments
+    {"type": "function", "function": {"name": "remember", "parameters": {"type": "object"}}},
 ]]
 REQUIRED_SCHEMA = required_calls_schema(TOOLS, None)
 
@@ -33,7 +35,7 @@ def test_none_and_no_tools_mean_plain_text():
 
 def test_auto_uses_the_servers_parser_unconstrained():
     use = tool_use(TOOLS, None, None, tool_parser("hermes"))
-    assert use.guided_decoding is None and use.parser.name == "hermes" and len(use.tools) == 2
+    assert use.guided_decoding is None and use.parser.name == "hermes" and len(use.tools) == 3
     assert tool_use(TOOLS, "auto", False, tool_parser("hermes")).max_calls == 1
     with pytest.raises(APIError, match="--tool-call-parser"):
         tool_use(TOOLS, "auto", None, None)
@@ -43,8 +45,33 @@ def test_named_constrains_to_the_functions_arguments():
     use = tool_use(TOOLS, named("get_weather"), None, None)
     assert json.loads(use.guided_decoding.json) == TOOLS[0].function.parameters
     assert use.parse('{"city": "Paris"}') == (None, [FunctionCall("get_weather", '{"city": "Paris"}')])
-    # a function without parameters takes any object
-    assert json.loads(tool_use(TOOLS, named("get_time"), None, None).guided_decoding.json) == {"type": "object"}
+    # a function without parameters takes no arguments (OpenAI: "an empty parameter list")
+    no_args = json.loads(tool_use(TOOLS, named("get_time"), None, None).guided_decoding.json)
+    assert jsonschema.Draft202012Validator(no_args).is_valid({})
+    assert not jsonschema.Draft202012Validator(no_args).is_valid({"x": 1})
+
+
+def _open_tool(**overrides) -> Tool:
+    """A tool whose schema, as pydantic and LangChain write them, says nothing of other keys."""
+    function = {"name": "lookup", "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                 "required": ["query"]}}
+    return Tool.model_validate({"type": "function", "function": function | overrides})
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_constrained_arguments_hold_only_the_declared_keys(choice):
+    """An undeclared key is closed off (a small model once repeated one until the length limit),
+    unless the function says strict: false or its schema speaks of other keys itself."""
+    def allows_extra_key(tool: Tool) -> bool:
+        use = tool_use([tool], "required" if choice == "required" else named("lookup"), None, None)
+        args = {"query": "x", "description": "y"}
+        answer = [{"name": "lookup", "arguments": args}] if choice == "required" else args
+        return jsonschema.Draft202012Validator(json.loads(use.guided_decoding.json)).is_valid(answer)
+
+    assert not allows_extra_key(_open_tool())
+    assert allows_extra_key(_open_tool(strict=False))
+    assert allows_extra_key(_open_tool(parameters={"type": "object", "properties": {"query": {"type": "string"}},
+                                                   "additionalProperties": {"type": "string"}}))
 
 
 def test_required_schema():
@@ -62,14 +89,15 @@ def test_required_schema():
 
 WEATHER_CALLS = st.fixed_dictionaries({"name": st.just("get_weather"), "arguments": st.fixed_dictionaries(
     {"city": st.text()}, optional={"days": st.integers(min_value=1)})})
-TIME_CALLS = st.fixed_dictionaries({"name": st.just("get_time"), "arguments": st.dictionaries(
+TIME_CALLS = st.fixed_dictionaries({"name": st.just("get_time"), "arguments": st.just({})})
+OPEN_CALLS = st.fixed_dictionaries({"name": st.just("remember"), "arguments": st.dictionaries(
     st.text(max_size=5), st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False, allow_infinity=False)
                                       | st.text(), lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
                                       max_leaves=5), max_size=3)})
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(WEATHER_CALLS | TIME_CALLS, min_size=1, max_size=3))
+@given(st.lists(WEATHER_CALLS | TIME_CALLS | OPEN_CALLS, min_size=1, max_size=3))
 def test_every_answer_the_required_schema_allows_parses(calls):
     jsonschema.validate(calls, REQUIRED_SCHEMA)
     use = tool_use(TOOLS, "required", None, None)

@@ -247,3 +247,15 @@ def test_none_leaves_a_call_in_the_text(oai):
     r = chat(oai, QUESTION, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=60, extra_body=FORCED)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == FORCED_ANSWER
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_small_model_writes_only_the_declared_arguments(embedded_server):
+    """SmolLM2-135M under tool_choice "required", with a tool schema that says nothing of other keys
+    (as pydantic's do): once it wrote an undeclared "description" key over and over until the length
+    limit. Other keys are now closed off, so the call ends and holds the declared argument only."""
+    client = embedded_server.openai_client(timeout=120)
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, tools=[WEATHER_TOOL],
+                                       tool_choice="required", max_tokens=60, temperature=0)
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert set(json.loads(call.function.arguments)) <= {"city"}
