@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from common import environment, markdown_table, remove_script_dir_from_sys_path, write_json
@@ -110,6 +111,25 @@ def result_of(engine: LLMEngine, run: Run, concurrency: int) -> Result:
                   statistics.fmean(tpots) if tpots else float("nan"), statistics.fmean(ttfts))
 
 
+def start_engine(args: argparse.Namespace, max_running_requests: int) -> LLMEngine:
+    """The offline engine on ``--model`` / ``--dtype`` / ``--max-total-token-num`` (this script's
+    and structured_output.py's flags)."""
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_running_requests=max_running_requests,
+                          max_total_token_num=args.max_total_token_num)
+    return LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
+
+
+def random_prompts(vocab_size: int, length: int) -> Callable[[int], list[list[int]]]:
+    """A maker of n prompts of random token ids, the same sequence of them on every run."""
+    rng = random.Random(0)
+    return lambda n: [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def loops_to_time(loops: str | None, engine: LLMEngine) -> list[str]:
+    """``--loops`` as a list, by default the step loop the engine chose for itself."""
+    return loops.split(",") if loops else ["overlap" if engine.overlap else "plain"]
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
@@ -135,20 +155,12 @@ def main() -> int:
         counts *= len(levels)
     if len(counts) != len(levels):
         raise SystemExit("--num-prompts: one number, or one per --concurrency value")
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_running_requests=max(levels),
-                          max_total_token_num=args.max_total_token_num)
-    engine = LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
-    vocab = engine.info.vocab_size
-    rng = random.Random(0)
-
-    def prompts(n: int) -> list[list[int]]:
-        return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(n)]
-
+    engine = start_engine(args, max(levels))
+    prompts = random_prompts(engine.info.vocab_size, args.input_len)
     print(f"{engine.summary()}; in {args.input_len} / out {args.output_len}", file=sys.stderr)
-    loops = args.loops.split(",") if args.loops else ["overlap" if engine.overlap else "plain"]
     results = []
     try:
-        for loop in loops:
+        for loop in loops_to_time(args.loops, engine):
             engine.overlap = loop == "overlap"
             for c, n in zip(levels, counts):
                 run_requests(engine, prompts(c), args.output_len, c)          # warm-up

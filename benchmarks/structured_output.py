@@ -38,13 +38,13 @@ from dataclasses import asdict, dataclass
 
 from common import environment, markdown_table, remove_script_dir_from_sys_path, write_json
 from grammar_libraries import pctl, random_schema, with_ref
-from engine import Result, keep_in_flight, result_of  # last: importing it takes this folder off sys.path
+from engine import Result, keep_in_flight, loops_to_time, random_prompts, result_of, start_engine  # last: importing it takes this folder off sys.path
 
 remove_script_dir_from_sys_path()
 
 import torch  # noqa: E402
 
-from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resolve_model_path  # noqa: E402
+from llmserve.engine.engine import LLMEngine  # noqa: E402
 from llmserve.grammar import GrammarCompiler, check_guided_decoding, tokenizer_json  # noqa: E402
 from llmserve.sampling_params import GuidedDecodingParams, SamplingParams  # noqa: E402
 from llmserve.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
@@ -126,15 +126,9 @@ def main() -> int:
     args = parse_args()
     c = args.concurrency
     n = args.num_prompts or 2 * c
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_running_requests=c,
-                          max_total_token_num=args.max_total_token_num)
-    model_path = resolve_model_path(args.model)
-    engine = LLMEngine(config, inspect_model(config, load_tokenizer(model_path)))
+    engine = start_engine(args, c)
     vocab = engine.info.vocab_size
-    rng = random.Random(0)
-
-    def prompts(count: int) -> list[list[int]]:
-        return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(count)]
+    prompts = random_prompts(vocab, args.input_len)
 
     serial = iter(range(10**9))
 
@@ -146,10 +140,9 @@ def main() -> int:
         return [SamplingParams(guided_decoding=GuidedDecodingParams(json=json.dumps(long_schema(t))), **base) for t in tags]
 
     print(f"{engine.summary()}; in {args.input_len} / out {args.output_len}, C={c}, {n} requests", file=sys.stderr)
-    loops = args.loops.split(",") if args.loops else ["overlap" if engine.overlap else "plain"]
     results = []
     try:
-        for loop in loops:
+        for loop in loops_to_time(args.loops, engine):
             engine.overlap = loop == "overlap"
             for mode in ["unconstrained", "json-schema"]:
                 run_requests(engine, prompts(c), params(mode, c), c, mode)   # warm-up
@@ -163,7 +156,7 @@ def main() -> int:
             results += best.values()
     finally:
         engine.shutdown()
-    times = compile_times(model_path, vocab, args.compile_schemas)
+    times = compile_times(engine.model_path, vocab, args.compile_schemas)
 
     print(f"\n### Structured output, offline engine, in {args.input_len} / out {args.output_len}, C={c}, "
           f"{engine.info.dtype} on {engine.info.device}, vocab {vocab}, schemas {args.schemas}\n")

@@ -53,6 +53,14 @@ def use_triton(t: torch.Tensor) -> bool:
     return name == "triton"
 
 
+def half_precision_on_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether our half-precision linear kernels (`gemv`, `skinny_gemm`) may compute x @ weight^T:
+    fp16/bf16 operands of one dtype with unit-stride rows, on the Triton backend. fp32 stays with
+    cuBLAS (the GPU's fp32 parity tests hold it to HF within 1e-4)."""
+    return (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and x.stride(-1) == 1 and weight.stride(1) == 1 and use_triton(x))
+
+
 def launcher(kernel: Any, t: torch.Tensor) -> Any:
     """The `@triton.jit` kernel to launch for tensors on `t`'s device: `kernel` itself.
 

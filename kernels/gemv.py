@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
 
 # (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
 # Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up.
@@ -77,11 +77,9 @@ def gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` should run x @ weight^T here: one half-precision row on the Triton backend.
-    fp32 stays with cuBLAS (the GPU's fp32 parity tests hold it to HF within 1e-4), and two rows
-    or more are `skinny_gemm`'s or cuBLAS's."""
-    return (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and x.numel() == x.shape[-1] and x.is_contiguous() and weight.stride(1) == 1 and use_triton(x))
+    """Whether `linear` should run x @ weight^T here: one contiguous row that our half-precision
+    kernels may take (`half_precision_on_triton`); two rows or more are `skinny_gemm`'s or cuBLAS's."""
+    return x.numel() == x.shape[-1] and x.is_contiguous() and half_precision_on_triton(x, weight)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

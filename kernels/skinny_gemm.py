@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
 
 # Tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and where they beat cuBLAS, from the H100 sweep
 # (`benchmarks/decode_linear.py --sweep`, Llama-3-8B's weights): up to 16 rows, on every weight
@@ -76,8 +76,9 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rows = x.reshape(-1, K)
     M = rows.shape[0]
     assert M <= MAX_ROWS and rows.stride(1) == 1 and weight.stride(1) == 1
-    # Shapes cuBLAS would take here still get valid tiles (the tests call this directly).
-    block_n, block_k, num_warps, num_stages = tiles or tiles_for(M, N) or (FEW_ROWS_TILES if M <= FEW_ROWS else WIDE_TILES)
+    tiles = tiles or tiles_for(M, N)
+    assert tiles is not None, f"no tiles for {M} rows x {N} columns: cuBLAS's (see tiles_for)"
+    block_n, block_k, num_warps, num_stages = tiles
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m = max(16, next_pow2(M))
     block_k = min(block_k, max(16, next_pow2(K)))
@@ -97,11 +98,10 @@ def skinny_gemm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` should run x @ weight^T here: half-precision rows on the Triton backend,
-    as many as `tiles_for` has tiles for. fp32 stays with cuBLAS, as in `gemv.takes_gemv`."""
-    return (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and tiles_for(x.numel() // x.shape[-1], weight.shape[0]) is not None
-            and x.stride(-1) == 1 and weight.stride(1) == 1 and use_triton(x))
+    """Whether `linear` should run x @ weight^T here: as many rows as `tiles_for` has tiles for,
+    that our half-precision kernels may take (`half_precision_on_triton`)."""
+    return (tiles_for(x.numel() // x.shape[-1], weight.shape[0]) is not None
+            and half_precision_on_triton(x, weight))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

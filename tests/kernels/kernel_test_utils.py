@@ -86,6 +86,13 @@ def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: str, sc
     return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
 
 
+def linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T (+ bias) computed in float64, rounded once to x's dtype: what the linear kernels
+    (gemv, skinny_gemm) are held to."""
+    y = x.double() @ w.double().t()
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
 def cos_sin(g: torch.Generator, n: int, D: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama-style rotary cos/sin [n, D // 2] (fp32) at random (non-consecutive) positions."""
     pos = torch.randint(0, 4096, (n,), generator=g).float()

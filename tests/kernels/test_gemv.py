@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICES, randn, rng
+from kernel_test_utils import DEVICES, linear_reference, randn, rng
 
 from llmserve.kernels import backend, quantized_linear
 from llmserve.kernels.gemv import gemv_triton, takes_gemv
@@ -13,11 +13,6 @@ from llmserve.kernels.gemv import gemv_triton, takes_gemv
 # (N, K): K a multiple of the 2048-wide chunk, a power of two below it, ragged K, N not a multiple of
 # the 4-row block, one output feature.
 SHAPES = [(8, 4096), (12, 64), (37, 100), (5, 2100), (1, 48)]
-
-
-def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = x.double() @ w.double().t()
-    return (y if bias is None else y + bias.double()).to(x.dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -32,7 +27,7 @@ def test_gemv_matches_the_linear_layer(device, dtype, N, K, with_bias):
     got = gemv_triton(x, w, bias)
     assert got.shape == (1, N) and got.dtype == dtype
     # One rounding of an fp32 sum: within a unit in the last place of the exact result, as cuBLAS is.
-    torch.testing.assert_close(got, _reference(x, w, bias), atol=1e-5 if dtype == torch.float32 else 1e-2,
+    torch.testing.assert_close(got, linear_reference(x, w, bias), atol=1e-5 if dtype == torch.float32 else 1e-2,
                                rtol=1e-5 if dtype == torch.float32 else 1.6e-2)
 
 
@@ -44,7 +39,7 @@ def test_gemv_keeps_leading_dims_and_reads_a_row_strided_weight(device):
     x = randn(g, 1, 1, 96, dtype=torch.bfloat16, device=device)
     got = gemv_triton(x, w)
     assert got.shape == (1, 1, 24)
-    torch.testing.assert_close(got, _reference(x, w, None), atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, linear_reference(x, w, None), atol=1e-2, rtol=1.6e-2)
 
 
 def test_linear_sends_only_one_half_precision_row_to_gemv(monkeypatch):

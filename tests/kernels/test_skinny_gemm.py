@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE_DTYPES, DEVICES, randn, rng
+from kernel_test_utils import DEVICE_DTYPES, DEVICES, linear_reference, randn, rng
 
 from llmserve.kernels import backend, quantized_linear
 from llmserve.kernels.skinny_gemm import FEW_ROWS_TILES, WIDE_TILES, skinny_gemm_triton
@@ -17,11 +17,6 @@ SHAPES = [(2, 64, 512), (5, 37, 100), (16, 96, 64), (33, 40, 300), (64, 8, 48)]
 # Half precision only (`linear` keeps fp32 on cuBLAS); no bf16 on CPU, where Triton's interpreter
 # multiplies bf16 tiles wrong (tl.dot of raw bf16 operands).
 HALF = [p for p in DEVICE_DTYPES if p.values[1] != torch.float32]
-
-
-def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = x.double() @ w.double().t()
-    return (y if bias is None else y + bias.double()).to(x.dtype)
 
 
 @pytest.mark.parametrize("device,dtype", HALF)
@@ -36,7 +31,7 @@ def test_skinny_gemm_matches_the_linear_layer(device, dtype, M, N, K, with_bias,
     got = skinny_gemm_triton(x, w, bias, tiles=tiles)
     assert got.shape == (M, N) and got.dtype == dtype
     # One rounding of an fp32 sum: within a unit in the last place of the exact result, as cuBLAS is.
-    torch.testing.assert_close(got, _reference(x, w, bias), atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, linear_reference(x, w, bias), atol=1e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -46,7 +41,7 @@ def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows(device):
     x = randn(g, 3, 2, 200, dtype=torch.float16, device=device)[..., :96]  # rows 200 apart
     got = skinny_gemm_triton(x, w)
     assert got.shape == (3, 2, 24)
-    torch.testing.assert_close(got, _reference(x, w, None), atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, linear_reference(x, w, None), atol=1e-2, rtol=1.6e-2)
 
 
 def test_linear_sends_what_the_tiles_win_here(monkeypatch):
