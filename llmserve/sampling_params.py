@@ -86,6 +86,9 @@ class SamplingParams:
     ``typical_p`` is locally typical sampling (HF's ``TypicalLogitsWarper``, TGI's
     ``typical_p``; 1.0: off). ``min_tokens`` is vLLM's: until that many tokens are out, EOS
     and ``stop_token_ids`` cannot be sampled and no stop rule but the length ends the request.
+
+    ``speculate``: whether the request may take prompt-lookup drafts when the server runs with
+    ``--speculate K`` (False: it decodes one token per step, whatever the server's setting).
     """
 
     max_new_tokens: int = 16
@@ -104,6 +107,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,6 +143,7 @@ class SamplingParams:
         _require(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
                  f"`prompt_logprobs` must be >= 0, got {self.prompt_logprobs}")
         _require(all(self.stop), "stop", "`stop` sequences must be non-empty strings")
+        _require(isinstance(self.speculate, bool), "speculate", f"`speculate` must be true or false, got {self.speculate!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -55,6 +55,12 @@ class EngineConfig:
     # rank, where it hides the host's work; True also on the CPU (tests: same tokens either way).
     overlap: bool | None = None
     dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
+    # Prompt-lookup speculation (see scheduler.py): draft tokens per decoding request per step
+    # (0: off), the largest decode batch that still drafts, and the n-gram sizes matched.
+    speculate: int = 0
+    speculate_max_batch: int = 32
+    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_max_ngram: int = 3
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,7 @@ class LLMEngine:
         before it knows the model, so that they import torch meanwhile); else started here."""
         if config.overlap and config.tp > 1:   # before any worker loads a model
             raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
+        _check_speculation(config)
         self.config = config
         self.model = model
         self.model_path = model.path
@@ -134,6 +141,8 @@ class LLMEngine:
             max_total_token_num=self.info.max_total_token_num,
             max_running_requests=min(config.max_running_requests, self.info.max_req_num),
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
+            speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
+            prompt_lookup_min_ngram=config.prompt_lookup_min_ngram, prompt_lookup_max_ngram=config.prompt_lookup_max_ngram,
         ))
         self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.tp == 1
         self.requests: dict[int, Request] = {}
@@ -144,6 +153,11 @@ class LLMEngine:
         # a preemption), and the tokens the last step fed (decodes and prompt tokens).
         self.num_prefill_tokens = 0
         self.last_step_num_tokens = 0
+        # Speculation, since start: draft tokens verified, those accepted, and how many verifies
+        # accepted 0, 1, ..., speculate of their draft tokens.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_length_counts = [0] * (config.speculate + 1)
         # LLMSERVE_STEP_TRACE=FILE: one JSON line per step (times and batch shape), to see where
         # a serving run's time goes (benchmarks/step_trace.py summarizes it).
         trace = os.environ.get("LLMSERVE_STEP_TRACE")
@@ -196,12 +210,18 @@ class LLMEngine:
         Without overlap that is this step's. With it, the workers answer once this step is
         queued on the device, with the output of the step before: the host reads those tokens
         and schedules the next step while the device computes, and a request that ended (an
-        EOS) in the step read has run one step more, whose token is dropped."""
+        EOS) in the step read has run one step more, whose token is dropped.
+
+        While requests draft (speculation), steps run without look-ahead: a draft continues a
+        request's last token, and the next step's draft the tokens this one accepts, so the
+        engine reads each step's output before it schedules the next."""
+        drafting = self.scheduler.drafting()
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = 0
         entries = [self._batch_entry(s) for s in plan.scheduled]
+        overlap = self.overlap and not drafting and not plan.has_drafts
         step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted],
-                         overlap=self.overlap)
+                         overlap=overlap)
         self._to_free = []
         if not entries and not step.finished_req_ids and not step.preempted_req_ids and not self._in_flight:
             return []
@@ -214,19 +234,20 @@ class LLMEngine:
                                           "prefill": plan.num_prefill_tokens, "waiting": self.scheduler.num_waiting}) + "\n")
         if entries:
             self._in_flight.append(plan)
-            self._sent(plan)
+            self._sent(plan, overlap)
         # The steps these outputs are of, taken off first: whatever goes wrong below, what stays
         # in flight is what the workers still owe.
         done = [self._in_flight.popleft() for _ in outputs]
         return [delta for plan, output in zip(done, outputs) for delta in self._take_step(plan, output)]
 
-    def _sent(self, plan: SchedulerOutput) -> None:
-        """The workers have the step: its tokens are in the KV cache, or on their way there."""
+    def _sent(self, plan: SchedulerOutput, overlap: bool = False) -> None:
+        """The workers have the step: its tokens are in the KV cache, or on their way there (a
+        draft's are, until its verification drops those rejected: see ``_take_output``)."""
         self.scheduler.update_after_step(plan)
         for s in plan.scheduled:
             req = s.request
             req.num_pending_tokens += s.samples
-            if self.overlap and req.final_token_pending and self.scheduler.retire(req):
+            if overlap and req.final_token_pending and self.scheduler.retire(req):
                 # Its last token is drawn: free its KV with the next step, as the plain loop does
                 # once it reads that token, so that the next batches are the plain loop's too.
                 self._to_free.append(req.req_id)
@@ -239,13 +260,16 @@ class LLMEngine:
             return self._run_again(plan)
         updated = []
         for i, s in enumerate(plan.scheduled):
-            if s.request.is_finished:    # ended while the step ran (aborted, or stopped by the step before)
+            req = s.request
+            if req.is_finished:    # ended while the step ran (aborted, or stopped by the step before)
                 continue
+            num_before = req.num_output_tokens
             error = result.errors[i] or self._take_output(s, result, i)
             if error is not None:
-                self._fail(s.request, error)
-            if error is not None or s.samples:
-                updated.append(RequestDelta.of(s.request))
+                self._fail(req, error)
+                updated.append(RequestDelta.of(req))
+            elif s.samples:   # one delta per new token (a verify step brings several), in order
+                updated += [RequestDelta.of_token(req, j) for j in range(num_before, req.num_output_tokens)]
         return updated
 
     def _run_again(self, plan: SchedulerOutput) -> list[RequestDelta]:
@@ -284,8 +308,16 @@ class LLMEngine:
                 req.set_prompt_logprobs(result.prompt_logprobs[i], result.prompt_top_logprobs[i])
             if not s.samples:      # a chunk of a prompt still being prefilled: no token yet
                 return None
-            reason = req.append_token(result.token_ids[i], eos_token_ids=self.eos_token_ids,
-                                      logprob=result.logprobs[i], top_logprobs=result.top_logprobs[i])
+            run = result.run_of(i)
+            if s.draft_token_ids:
+                self._verified(s, len(run.token_ids) - 1)
+            reason = None
+            for j, token_id in enumerate(run.token_ids):
+                reason = req.append_token(token_id, eos_token_ids=self.eos_token_ids,
+                                          logprob=run.logprobs[j] if run.logprobs else None,
+                                          top_logprobs=run.top_logprobs[j] if run.top_logprobs else None)
+                if reason is not None:     # a stop inside an accepted run: the tokens after it are dropped
+                    break
         except Exception as e:     # output the worker got wrong for this entry: its failure, not the engine's
             logger.exception("request %d: its output could not be taken", req.req_id)
             return error_line(e)
@@ -293,6 +325,17 @@ class LLMEngine:
             self.scheduler.finish_request(req, reason)
             self._release(req)
         return None
+
+    def _verified(self, s: ScheduledRequest, num_accepted: int) -> None:
+        """A draft was verified: the step cached the request's sampled token and the whole draft,
+        and the worker kept only the accepted part of it."""
+        num_drafted = len(s.draft_token_ids)
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"the worker accepted {num_accepted} tokens of a draft of {num_drafted}")
+        s.request.num_cached -= num_drafted - num_accepted
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self.accepted_length_counts[num_accepted] += 1
 
     def _fail(self, req: Request, error: str) -> None:
         """End a request with an error; the engine goes on without it."""
@@ -303,10 +346,11 @@ class LLMEngine:
 
     def _batch_entry(self, s: ScheduledRequest) -> BatchEntry:
         req, start = s.request, s.request.num_cached
-        end = start + s.num_new_tokens
+        end = start + s.num_new_tokens - len(s.draft_token_ids)   # the request's own tokens end here
         first = start == 0   # first chunk, or the first after a preemption: (re)send the sampling setup
         return BatchEntry(
-            req_id=req.req_id, token_ids=req.token_slice(start, min(end, req.num_tokens)), num_cached=start,
+            req_id=req.req_id, token_ids=req.token_slice(start, min(end, req.num_tokens)) + s.draft_token_ids,
+            num_cached=start, num_draft_tokens=len(s.draft_token_ids),
             params=req.params if first else None, prompt_token_ids=req.prompt_token_ids if first else None,
             want_prompt_logprobs=first and req.needs_prompt_logprobs, sample=s.samples,
             pending_token=end > req.num_tokens,   # its last token is the one in flight
@@ -332,6 +376,16 @@ class LLMEngine:
         self.workers.close()
         if self._trace is not None:
             self._trace.close()
+
+
+def _check_speculation(config: EngineConfig) -> None:
+    if config.speculate < 0:
+        raise ValueError(f"speculate must be >= 0 (draft tokens per step; 0: off), got {config.speculate}")
+    if config.speculate_max_batch < 1:
+        raise ValueError(f"speculate_max_batch must be >= 1, got {config.speculate_max_batch}")
+    if not 1 <= config.prompt_lookup_min_ngram <= config.prompt_lookup_max_ngram:
+        raise ValueError(f"need 1 <= prompt_lookup_min_ngram <= prompt_lookup_max_ngram, got "
+                         f"{config.prompt_lookup_min_ngram} and {config.prompt_lookup_max_ngram}")
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -20,6 +20,8 @@ from llmserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import numpy as np
 
+    from llmserve.engine.prompt_lookup import PromptLookup
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued: nothing of it is in the KV cache
@@ -70,6 +72,8 @@ class Request:
     finish_reason: FinishReason | None = None
     # Why the request failed (finish_reason ERROR): one line, fit for the client.
     error: str | None = None
+    # Its n-gram index for drafts (speculation), made by the scheduler on its first draft.
+    prompt_lookup: PromptLookup | None = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -190,14 +194,21 @@ class RequestDelta:
         """The delta of a request the engine's last step updated (``LLMEngine.step`` returns them)."""
         if req.error is not None:
             return cls(req.req_id, None, finish_reason=req.finish_reason, error=req.error)
-        first = req.num_output_tokens == 1   # prompt logprobs are ready by the first token: send them once
+        return cls.of_token(req, req.num_output_tokens - 1)
+
+    @classmethod
+    def of_token(cls, req: Request, index: int) -> RequestDelta:
+        """The delta of output token ``index`` (a verify step emits several: one delta each, in
+        order); the request's finish reason goes with its last token only."""
+        first = index == 0   # prompt logprobs are ready by the first token: send them once
+        last = index == req.num_output_tokens - 1
         scheduled = req.first_scheduled_time
         now = time.monotonic() if first and scheduled is not None else None
         return cls(
-            req.req_id, token_id=req.output_token_ids[-1],
-            logprob=req.output_logprobs[-1] if req.output_logprobs else None,
-            top_logprobs=req.output_top_logprobs[-1] if req.output_top_logprobs else None,
-            finish_reason=req.finish_reason,
+            req.req_id, token_id=req.output_token_ids[index],
+            logprob=req.output_logprobs[index] if req.output_logprobs else None,
+            top_logprobs=req.output_top_logprobs[index] if req.output_top_logprobs else None,
+            finish_reason=req.finish_reason if last else None,
             prompt_logprobs=req.prompt_logprobs if first else None,
             prompt_top_logprobs=req.prompt_top_logprobs if first else None,
             queue_time=scheduled - req.arrival_time if now is not None else None,

@@ -19,14 +19,25 @@ With the overlapped loop the engine schedules a step before it has read the toke
 still running: a request's tokens then include the one in flight (``num_pending_tokens``), which
 its decode feeds like any other. A request whose final token (``max_new_tokens``) is in flight
 is retired at once (``retire``): the batches are then the plain loop's, step for step.
+
+Speculation (``speculate`` > 0): a decoding request whose tokens are all known (none in flight)
+may bring a prompt-lookup draft (``prompt_lookup.py``) after its sampled token, so that one
+forward verifies them all. Drafts come last, from what the step leaves: the prefill budget's
+rest, and the KV slots left once the prompts under way and one next decode per running request
+are provided for; a draft is shortened or dropped when room is short, so it never causes a
+preemption. A draft never takes a request past ``max_new_tokens`` (at most
+``max_new_tokens - num_output - 1`` tokens, the verify step's own token being the last). Batches
+of more than ``speculate_max_batch`` decodes take no drafts: there, verifying costs the device
+more than the accepted tokens save.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llmserve.engine.prompt_lookup import PromptLookup
 from llmserve.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -38,6 +49,12 @@ class SchedulerConfig:
     # Split prompts over steps to stay within max_prefill_tokens. Off: a prompt runs whole, and
     # one larger than the budget runs alone.
     chunked_prefill: bool = True
+    # Draft tokens per decoding request per step, from prompt lookup; 0: no speculation.
+    speculate: int = 0
+    # More decodes than this in a step: no drafts (verifying a large batch costs more than it saves).
+    speculate_max_batch: int = 32
+    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_max_ngram: int = 3
 
 
 @dataclass
@@ -48,6 +65,9 @@ class ScheduledRequest:
     # The step reaches the end of the request's tokens, so it samples the next one (false for
     # every chunk of a split prompt but the last).
     samples: bool = True
+    # A decode's draft: fed after its sampled token (they are part of num_new_tokens), verified
+    # by the step's sampler, which keeps the prefix the model agrees with.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -60,10 +80,15 @@ class SchedulerOutput:
     # the periodic log line and the step trace).
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens
+        return self.num_decode_tokens + self.num_prefill_tokens + self.num_draft_tokens
+
+    @property
+    def has_drafts(self) -> bool:
+        return self.num_draft_tokens > 0
 
 
 class Scheduler:
@@ -129,7 +154,56 @@ class Scheduler:
                     break
                 scheduled.append(self._scheduled(req, chunk))
         scheduled += self._admit_waiting(budget)
-        return SchedulerOutput(scheduled, preempted, num_decodes, budget.taken)
+        num_drafts = self._add_drafts(scheduled[:num_decodes], budget.left)
+        return SchedulerOutput(scheduled, preempted, num_decodes, budget.taken, num_drafts)
+
+    def drafting(self) -> bool:
+        """Whether the next step may carry drafts (speculation is on and the batch is small enough).
+        The engine then runs it without look-ahead: a draft continues tokens it must have read."""
+        return (0 < self.config.speculate and 0 < len(self.running) <= self.config.speculate_max_batch
+                and any(self._draftable(req) for req in self.running))
+
+    def _add_drafts(self, decodes: list[ScheduledRequest], token_budget: int) -> int:
+        """Give the step's decodes their drafts, within ``token_budget`` and the KV slots to spare;
+        returns how many draft tokens they took."""
+        if not self.config.speculate or len(decodes) > self.config.speculate_max_batch:
+            return 0
+        # One slot per running request stays free for its next decode: a draft never forces a preemption.
+        room = min(token_budget, self._num_uncommitted_slots() - len(decodes) - len(self.running))
+        total = 0
+        for s in decodes:
+            req = s.request
+            if room <= 0:
+                break
+            if not self._may_draft(req):
+                continue
+            k = min(self.config.speculate, req.params.max_new_tokens - req.num_output_tokens - 1, room)
+            draft = self._prompt_lookup(req).propose(k)
+            s.draft_token_ids = draft
+            s.num_new_tokens += len(draft)
+            room -= len(draft)
+            total += len(draft)
+        return total
+
+    @staticmethod
+    def _draftable(req: Request) -> bool:
+        # A grammar would have to judge each draft token in its state after the ones before: such
+        # requests decode one token per step.
+        return req.params.speculate and req.params.guided_decoding is None
+
+    def _may_draft(self, req: Request) -> bool:
+        # A token in flight (overlapped step) is not known yet: nothing can continue it.
+        return self._draftable(req) and req.num_pending_tokens == 0
+
+    def _prompt_lookup(self, req: Request) -> PromptLookup:
+        """The request's n-gram index, made on its first draft and brought up to its last token."""
+        lookup = req.prompt_lookup
+        if lookup is None:
+            lookup = req.prompt_lookup = PromptLookup(
+                req.prompt_token_ids, self.config.prompt_lookup_min_ngram, self.config.prompt_lookup_max_ngram)
+        if lookup.num_tokens < req.num_tokens:
+            lookup.extend(req.output_token_ids[lookup.num_tokens - req.num_prompt_tokens :])
+        return lookup
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The step ran: everything it fed is in the KV cache now."""

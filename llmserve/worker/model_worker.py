@@ -23,7 +23,7 @@ from rpyc.utils.server import ThreadedServer
 from llmserve.common.logs import adopt_library_logging
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.protocol import (
-    RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
+    RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerInfo, WorkerInitArgs, error_line, socket_path,
 )
 
 if TYPE_CHECKING:
@@ -83,6 +83,9 @@ class ModelWorker:
         self._last_sampled_row: dict[int, int] = {}
         # req_id -> its image features, from its first prefill until it finishes (see images.py)
         self.req_images: dict[int, RequestImages] = {}
+        # Requests whose draft the last step cached whole, on a rank that does not verify (only
+        # rank 0 samples): their next entry's num_cached says how much of it was kept.
+        self._unverified: set[int] = set()
 
     def info(self) -> WorkerInfo:
         from llmserve.kernels import QuantizedWeight
@@ -113,6 +116,7 @@ class ModelWorker:
             if self.sampler is not None:
                 self.sampler.remove_request(req_id)
         owed, self._owed = self._owed, None
+        self._drop_rejected(step.entries)
         if not step.entries:
             return _outputs_of(owed)
 
@@ -121,8 +125,9 @@ class ModelWorker:
         # same batch (only rank 0 has a sampler), and their rows harm no one.
         errors = self._add_to_sampler(step.entries)
         q_lens = [e.num_new_tokens for e in step.entries]
-        # The same flag on every rank: the lm_head's all-gather is a collective.
-        all_logits = [e.want_prompt_logprobs for e in step.entries]
+        # The same flag on every rank: the lm_head's all-gather is a collective. A draft is verified
+        # from the logits of all its entry's rows.
+        all_logits = [e.want_prompt_logprobs or e.num_draft_tokens > 0 for e in step.entries]
         try:
             input_embeds = self._input_embeds(step.entries)
             logits = self.model.forward(self._input_ids(step.entries), rows, [e.num_cached for e in step.entries],
@@ -130,7 +135,9 @@ class ModelWorker:
         except Exception as e:
             failed = self._forward_failed(step.entries, rows, e)
             return [*_outputs_of(owed), failed]
+        drafting = [e for e in step.entries if e.num_draft_tokens]
         if self.sampler is None:
+            self._unverified.update(e.req_id for e in drafting)
             return []
         # The forward is queued: now read the owed step's tokens (the device is busy meanwhile),
         # which also counts them for the penalties before this step samples.
@@ -141,6 +148,12 @@ class ModelWorker:
         # Not an entry whose sampling setup failed, in this step or (overlapped) in the one
         # before, whose failure the engine has not read yet: it ends the request then.
         sampling = [i for i, e in enumerate(step.entries) if e.sample and errors[i] is None and e.req_id in self.sampler]
+        if drafting:
+            # Synchronous: the engine reads how much of each draft was kept before it drafts again.
+            assert not step.overlap, "a step with drafts is never overlapped"
+            done.append(self._verify(logits, step.entries, row_ends, sampling, prompt_lps, prompt_tops, errors))
+            self._last_sampled, self._last_sampled_row = None, {}
+            return done
         if sampling and row_ends[-1] != len(sampling):
             # Keep the last row of each entry that samples. (The common step, one row per entry
             # and all sampling, skips this.)
@@ -155,6 +168,50 @@ class ModelWorker:
         else:
             done.append(launched.output())
         return done
+
+    def _verify(self, logits: torch.Tensor, entries: list[BatchEntry], row_ends: list[int], sampling: list[int],
+                prompt_lps: list, prompt_tops: list, errors: list[str | None]) -> StepOutput:
+        """Sample the step's entries, verifying the drafts of those that bring one (``Sampler.verify``),
+        and free the KV slots of the rejected draft tokens at once. A drafting entry's rows are
+        its sampled token's and one per draft token; another's, its last."""
+        n = len(entries)
+        token_ids: list[int | None] = [None] * n
+        logprobs: list[float | None] = [None] * n
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * n
+        runs: list[TokenRun | None] = [None] * n
+        keep = [r for i in sampling for r in range(row_ends[i] - 1 - entries[i].num_draft_tokens, row_ends[i])]
+        drafts = [entries[i].token_ids[len(entries[i].token_ids) - entries[i].num_draft_tokens :] for i in sampling]
+        try:
+            result = self.sampler.verify(logits[torch.tensor(keep, dtype=torch.long).to(logits.device)],
+                                         [entries[i].req_id for i in sampling], drafts)
+        except Exception as err:   # a request's parameters the sampler cannot use: its batch fails with it
+            logger.exception("verifying a step's drafts failed")
+            for i in sampling:
+                errors[i] = error_line(err)
+            result = None
+        for m, i in enumerate(sampling if result is not None else []):
+            emitted, lps, tops = result.token_ids[m], result.logprobs[m], result.top_logprobs[m]
+            token_ids[i], logprobs[i], top_logprobs[i] = emitted[0], lps[0] if lps else None, tops[0] if tops else None
+            e = entries[i]
+            if e.num_draft_tokens:
+                runs[i] = TokenRun(emitted, lps, tops)
+                try:
+                    # What stays cached: the sampled token fed and the accepted draft tokens.
+                    self.model.req_manager.truncate(self.req_rows[e.req_id], e.num_cached + len(emitted))
+                except ValueError as err:
+                    errors[i] = error_line(err)
+        return StepOutput(token_ids, logprobs, top_logprobs, prompt_lps, prompt_tops, errors, runs=runs)
+
+    def _drop_rejected(self, entries: list[BatchEntry]) -> None:
+        """On a rank that does not verify, drop the rejected draft tokens of the last step: an
+        entry's num_cached is how much of it the verifier kept."""
+        if not self._unverified:
+            return
+        for e in entries:
+            row = self.req_rows.get(e.req_id) if e.req_id in self._unverified else None
+            if row is not None and self.model.req_manager.seq_len(row) > e.num_cached:
+                self.model.req_manager.truncate(row, e.num_cached)
+        self._unverified.clear()
 
     def _input_ids(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The step's new tokens, those the engine sent and those still only on the device

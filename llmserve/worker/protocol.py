@@ -106,6 +106,9 @@ class BatchEntry:
     # every prefill from position 0; a worker encodes them the first time only and keeps the
     # features until the request finishes (preemption keeps them too).
     pixel_values: list[np.ndarray] | None = None
+    # The last this many of token_ids are a draft (speculation), fed after the request's sampled
+    # token: the worker verifies them from every row's logits and keeps the accepted prefix.
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -123,6 +126,15 @@ class StepInput:
 
 
 @dataclass
+class TokenRun:
+    """The tokens a drafting entry emitted in one verify step: its accepted draft tokens, then one
+    more; the logprobs are None unless its request asked for them."""
+    token_ids: list[int]
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
 class StepOutput:
     # Per entry; None where the entry did not sample (a chunk of a prompt that continues) or failed.
     token_ids: list[int | None]
@@ -137,6 +149,9 @@ class StepOutput:
     # worker has undone the step (the KV slots it took), so the entries can run again, fewer
     # at a time, to find out which.
     forward_failed: bool = False
+    # Verify steps only: per entry, every token a drafting entry emitted (token_ids and the
+    # logprobs fields hold its first), None for an entry without a draft.
+    runs: list[TokenRun | None] | None = None
 
     @classmethod
     def failed_forward(cls, num_entries: int, error: str) -> StepOutput:
@@ -148,8 +163,17 @@ class StepOutput:
     @classmethod
     def concat(cls, parts: list[StepOutput]) -> StepOutput:
         """The outputs of consecutive slices of one batch, as one output of the whole batch."""
+        runs = None
+        if any(p.runs is not None for p in parts):
+            runs = sum((p.runs if p.runs is not None else [None] * len(p.token_ids) for p in parts), [])
         return cls(*(sum((getattr(p, name) for p in parts), []) for name in (
-            "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "errors")))
+            "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "errors")), runs=runs)
+
+    def run_of(self, i: int) -> TokenRun:
+        """Every token entry ``i`` emitted (one, unless it drafted), with its logprobs."""
+        if self.runs is not None and self.runs[i] is not None:
+            return self.runs[i]
+        return TokenRun([self.token_ids[i]], [self.logprobs[i]], [self.top_logprobs[i]])
 
 
 def error_line(e: BaseException) -> str:
