@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +64,20 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]
     # Per row: None, or why this row got no token (the request must fail).
     errors: list[str | None]
+
+
+@dataclass
+class VerifyResult:
+    """``Sampler.verify``'s answer, per request of the batch."""
+    # The accepted prefix of the draft, then one more token (at least one token), or [] where
+    # the request failed (see errors).
+    token_ids: list[list[int]]
+    # Per emitted token, as SampleResult has them (raw logits); None unless params.logprobs.
+    logprobs: list[list[float] | None]
+    top_logprobs: list[list[list[tuple[int, float]]] | None]
+    # Per request: None, or why it must fail (its grammar refused a token, or its parameters
+    # broke the step: then it has no tokens).
+    errors: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -165,6 +179,56 @@ class Sampler:
             for snapshot in saved:
                 snapshot.restore()
         return PendingSample.of(self._sample_row_by_row(logits, states))
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, req_ids: list[int], draft_token_ids: list[list[int]]) -> VerifyResult:
+        """Check each request's draft against the model and emit the tokens it keeps, plus one.
+
+        ``logits``: for request i, ``1 + len(draft_token_ids[i])`` consecutive rows, requests back
+        to back; row j of request i holds the logits after feeding draft token j - 1 (row 0:
+        after the request's last token). Row j is processed as ``sample`` would process it had
+        draft tokens 0..j-1 been emitted (grammar, min_tokens, penalties counting them). Greedy
+        requests keep the longest draft prefix equal to the argmax, then the argmax of the next
+        row: token for token what ``sample`` gives step by step. Sampling requests keep draft
+        token t at row j with probability p_j(t); at the first rejection the next token is drawn
+        from p_j with t removed, after a full acceptance from the last row (speculative sampling
+        with a one-hot draft), so the tokens are distributed exactly as ``sample``'s are. A
+        request with an empty draft is an ordinary one-token sample (the very token ``sample``
+        would draw). Each request's state advances by exactly the emitted tokens. Synchronous.
+        """
+        states = [self._requests[req_id] for req_id in req_ids]
+        saved = [_RandomState.save(s) for s in states]
+        fed = [0] * len(states)
+        try:
+            return _verify_batch(logits.clone(), states, draft_token_ids, fed)
+        except Exception:
+            for snapshot in saved:
+                snapshot.restore()
+            _unfeed(states, fed)
+        return self._verify_one_by_one(logits, states, draft_token_ids)
+
+    @staticmethod
+    def _verify_one_by_one(logits: torch.Tensor, states: list[_RequestState],
+                           draft_token_ids: list[list[int]]) -> VerifyResult:
+        """The slow path after a failed batch: each request alone, its failure its own."""
+        result = VerifyResult([], [], [], [])
+        start = 0
+        for state, draft in zip(states, draft_token_ids):
+            end = start + 1 + len(draft)
+            saved, fed = _RandomState.save(state), [0]
+            try:
+                one = _verify_batch(logits[start:end].clone(), [state], [draft], fed)
+                token_ids, logprobs, top, error = one.token_ids[0], one.logprobs[0], one.top_logprobs[0], one.errors[0]
+            except Exception as e:
+                saved.restore()
+                _unfeed([state], fed)
+                token_ids, logprobs, top, error = [], None, None, error_line(e)
+            result.token_ids.append(token_ids)
+            result.logprobs.append(logprobs)
+            result.top_logprobs.append(top)
+            result.errors.append(error)
+            start = end
+        return result
 
     @staticmethod
     def _sample_row_by_row(logits: torch.Tensor, states: list[_RequestState]) -> SampleResult:
@@ -293,8 +357,19 @@ def _apply_grammar(logits: torch.Tensor, states: list[_RequestState]) -> None:
     rows = [i for i, s in enumerate(states) if s.matcher is not None]
     if not rows:
         return
+    words = _grammar_bitmask([states[i].matcher for i in rows], _mask_words(logits.shape[-1]))
+    _mask_disallowed(logits, rows, words)
+
+
+def _mask_words(vocab_size: int) -> int:
+    """How many int32 words a bitmask over ``vocab_size`` tokens takes."""
+    return (vocab_size + 31) // 32
+
+
+def _mask_disallowed(logits: torch.Tensor, rows: list[int], words) -> None:
+    """Mask to -inf, in place, in each of ``rows``, the tokens its bitmask (a row of ``words``,
+    [len(rows), num_words] int32, numpy) does not allow."""
     vocab_size = logits.shape[-1]
-    words = _grammar_bitmask([states[i].matcher for i in rows], (vocab_size + 31) // 32)
     # Bit b of word w allows token 32 w + b (llguidance's layout, little-endian words).
     if logits.is_cuda:
         # 1/32 of the bytes cross to the device; unpacked there.
@@ -307,7 +382,7 @@ def _apply_grammar(logits: torch.Tensor, states: list[_RequestState]) -> None:
 
         unpacked = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
         allowed = torch.from_numpy(np.ascontiguousarray(unpacked)).view(torch.bool)
-    if len(rows) == len(states):
+    if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
         return
     index = _on(rows, logits.device, torch.long)
@@ -542,6 +617,206 @@ def _topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _pairs(values: torch.Tensor, token_ids: torch.Tensor) -> list[list[tuple[int, float]]]:
     """``_topk``'s rows as lists of (token id, logprob) pairs."""
     return [list(zip(ids, vals)) for ids, vals in zip(token_ids.tolist(), values.tolist())]
+
+
+# --------------------------------------------------------------------------------------
+# Speculative verification
+# --------------------------------------------------------------------------------------
+
+
+def _verify_batch(logits: torch.Tensor, states: list[_RequestState], drafts: list[list[int]],
+                  fed: list[int]) -> VerifyResult:
+    """``Sampler.verify`` over all requests at once (``logits`` is modified in place). ``fed[i]``
+    counts the draft tokens request i's matcher has taken so far, so that a failure can undo them."""
+    device = logits.device
+    starts = [0]
+    for draft in drafts:
+        starts.append(starts[-1] + 1 + len(draft))
+    num_rows = starts[-1]
+    if logits.shape[0] != num_rows:
+        raise ValueError(f"verify: {logits.shape[0]} rows of logits for {num_rows} (1 + draft per request)")
+    rows = [_row_state(state, draft[:j]) for state, draft in zip(states, drafts) for j in range(len(draft) + 1)]
+    raw_logprobs = _raw_logprobs(logits, rows)  # before the penalties touch logits
+    _apply_draft_grammar(logits, states, drafts, starts, fed)
+    _ban_stop_tokens_below_min_tokens(logits, rows)
+    _apply_penalties(logits, rows)
+
+    # The token each row checks: draft token j at row j; none (0, never accepted) at the last row.
+    vocab_size = logits.shape[-1]
+    checked = [t for draft in drafts for t in (*draft, 0)]
+    has_draft = [j < len(draft) for draft in drafts for j in range(len(draft) + 1)]
+    checked_ids = _on(checked, device, torch.long).clamp_(0, vocab_size - 1)
+    # A token the processing banned (grammar, min_tokens) is never accepted, even by an argmax
+    # over a row where every token is banned.
+    accepted = (_on([d and 0 <= t < vocab_size for d, t in zip(has_draft, checked)], device, torch.bool)
+                & (logits.gather(1, checked_ids.unsqueeze(1)).squeeze(1) > float("-inf")))
+
+    greedy = [s.is_greedy for s in states]
+    greedy_row = _on([g for g, draft in zip(greedy, drafts) for _ in range(len(draft) + 1)], device, torch.bool)
+    keeps = torch.zeros_like(accepted)
+    best = probs = noise = None
+    if any(greedy):
+        best = logits.argmax(dim=-1)
+        keeps |= greedy_row & (best == checked_ids)
+    if not all(greedy):
+        probs = _verify_probs(logits, rows, greedy_row, all(not g for g in greedy))
+        uniforms, noise = _verify_noise(states, drafts, vocab_size, device)
+        keeps |= ~greedy_row & (uniforms < probs.gather(1, checked_ids.unsqueeze(1)).squeeze(1))
+    accepted &= keeps
+
+    num_accepted = _leading_run(accepted, starts, drafts)
+    last_rows = _on(starts[:-1], device, torch.long) + num_accepted
+    next_ids = torch.zeros(len(states), dtype=torch.long, device=device)
+    if best is not None:
+        next_ids = best[last_rows]
+    if probs is not None:
+        # At a rejection (stopped short of the draft's end) the rejected token is removed; the
+        # exponential race draws from what is left in proportion, so renormalising is implicit.
+        last_probs = probs[last_rows]
+        rejected = num_accepted < _on([len(d) for d in drafts], device, torch.long)
+        rejected_ids = checked_ids[last_rows].unsqueeze(1)
+        last_probs.scatter_(1, rejected_ids, last_probs.gather(1, rejected_ids) * (~rejected).unsqueeze(1))
+        drawn = (last_probs / noise).argmax(dim=-1)
+        next_ids = torch.where(_on([not g for g in greedy], device, torch.bool), drawn, next_ids)
+
+    emitted_ids = checked_ids.clone()
+    emitted_ids[last_rows] = next_ids
+    device_out, logprob_rows = _gather_logprobs(raw_logprobs, emitted_ids, rows)
+    device_out |= {"num_accepted": num_accepted, "next_ids": next_ids}
+    host = {name: t.cpu() for name, t in device_out.items()}
+    return _verify_result(host, logprob_rows, states, drafts, starts, fed)
+
+
+def _verify_probs(logits: torch.Tensor, rows: list[_RequestState], greedy_row: torch.Tensor,
+                  all_random: bool) -> torch.Tensor:
+    """The distribution ``sample`` draws from at each sampling row (warped); zeros at greedy rows."""
+    if all_random:
+        return torch.softmax(_warp(logits, rows), dim=-1)
+    random_rows = [r for r, state in enumerate(rows) if not state.is_greedy]
+    index = _on(random_rows, logits.device, torch.long)
+    probs = torch.zeros_like(logits)
+    probs[index] = torch.softmax(_warp(logits[index], [rows[r] for r in random_rows]), dim=-1)
+    return probs
+
+
+def _leading_run(accepted: torch.Tensor, starts: list[int], drafts: list[list[int]]) -> torch.Tensor:
+    """Per request, how many of its draft rows in a row, from the first, are accepted."""
+    num_rows, max_draft = starts[-1], max(len(d) for d in drafts)
+    # [requests, longest draft] row indices; past a request's draft, a row that is never accepted.
+    padded = [[starts[i] + j if j < len(d) else num_rows for j in range(max_draft)] for i, d in enumerate(drafts)]
+    index = _on(padded, accepted.device, torch.long).view(len(drafts), max_draft)
+    return torch.cat([accepted, accepted.new_zeros(1)])[index].long().cumprod(dim=1).sum(dim=1)
+
+
+def _row_state(state: _RequestState, prefix: list[int]) -> _RequestState:
+    """The request's state as ``sample`` would see it had ``prefix`` (draft tokens) been emitted:
+    counted by the penalties and towards min_tokens. Read only; shares the generator and matcher."""
+    if not prefix:
+        return state
+    token_counts = state.token_counts
+    if state.has_penalties:
+        token_counts = dict(token_counts)
+        for token_id in prefix:
+            token_counts[token_id] = token_counts.get(token_id, 0) + 1
+    return replace(state, token_counts=token_counts, num_sampled=state.num_sampled + len(prefix))
+
+
+def _apply_draft_grammar(logits: torch.Tensor, states: list[_RequestState], drafts: list[list[int]],
+                         starts: list[int], fed: list[int]) -> None:
+    """Mask each constrained request's rows by its grammar, feeding its matcher the draft on the way
+    (row j's mask is the one after draft tokens 0..j-1). The first draft token the grammar refuses
+    ends the walk: it cannot be accepted, so the rows after it are never reached and stay unmasked.
+    A matcher that has stopped (its grammar complete) takes no more tokens and allows only its
+    end from then on, as ``sample`` would find it step after step."""
+    import numpy as np
+
+    constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+    if not constrained:
+        return
+    vocab_size = logits.shape[-1]
+    rows: list[int] = []
+    masks: list = []
+    for i in constrained:
+        matcher, draft = states[i].matcher, drafts[i]
+        for j in range(len(draft) + 1):
+            if fed[i] == j:    # else the matcher stopped at an earlier row: its mask stands
+                words = np.zeros(_mask_words(vocab_size), dtype=np.int32)
+                matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            rows.append(starts[i] + j)
+            masks.append(words)
+            if j == len(draft) or not _allows(words, draft[j], vocab_size):
+                break
+            if not matcher.is_stopped():
+                if not matcher.consume_token(draft[j]):
+                    raise RuntimeError(f"the grammar refused draft token {draft[j]} its mask allowed: "
+                                       f"{matcher.get_error()}")
+                fed[i] += 1
+    _mask_disallowed(logits, rows, np.stack(masks))
+
+
+def _allows(words, token_id: int, vocab_size: int) -> bool:
+    """Whether a bitmask (one row of int32 words, llguidance's layout) allows ``token_id``."""
+    return 0 <= token_id < vocab_size and bool((int(words[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
+def _unfeed(states: list[_RequestState], fed: list[int]) -> None:
+    """Take back the draft tokens a failed attempt fed the matchers."""
+    for i, state in enumerate(states):
+        if state.matcher is not None and fed[i]:
+            state.matcher.rollback(fed[i])
+        fed[i] = 0
+
+
+def _verify_noise(states: list[_RequestState], drafts: list[list[int]], vocab_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, a uniform that decides its draft token; per request, the exponential noise of its
+    last draw (_draw's). Each sampling request takes them from its own generator, uniforms first,
+    so a seeded request draws the same whatever its batch; greedy requests take none (ones)."""
+    uniforms: list[torch.Tensor] = []
+    noise: list[torch.Tensor] = []
+    for state, draft in zip(states, drafts):
+        if state.is_greedy:
+            uniforms.append(torch.ones(len(draft) + 1, device=device))
+            noise.append(torch.ones(vocab_size, device=device))
+            continue
+        generator = state.generator_on(device)
+        uniforms.append(torch.rand(len(draft), generator=generator, device=device))
+        uniforms.append(torch.ones(1, device=device))   # the last row has no draft token
+        noise.append(torch.empty(vocab_size, device=device).exponential_(generator=generator))
+    stacked = torch.stack(noise)
+    # q == 0 would turn a masked token's 0 / 0 into NaN, and argmax picks NaN.
+    return torch.cat(uniforms), stacked.clamp_(min=torch.finfo(stacked.dtype).tiny)
+
+
+def _verify_result(host: dict[str, torch.Tensor], logprob_rows: list[int], states: list[_RequestState],
+                   drafts: list[list[int]], starts: list[int], fed: list[int]) -> VerifyResult:
+    """The emitted tokens per request, counted into its state: the penalties' counts, min_tokens,
+    and its matcher (rolled back to the accepted prefix, then fed the rest)."""
+    num_accepted = host["num_accepted"].tolist()
+    next_ids = host["next_ids"].tolist()
+    rows = [state for state, draft in zip(states, drafts) for _ in range(len(draft) + 1)]
+    row_logprobs, row_top_logprobs = _logprob_lists(host, logprob_rows, rows)
+    result = VerifyResult([], [], [], [])
+    for i, (state, draft) in enumerate(zip(states, drafts)):
+        n = num_accepted[i]
+        token_ids = [*draft[:n], next_ids[i]]
+        error = None
+        if state.matcher is not None:
+            kept = min(n, fed[i])
+            if fed[i] > kept:
+                state.matcher.rollback(fed[i] - kept)
+            fed[i] = kept
+            for token_id in token_ids[kept:]:   # past a stop, or the last token
+                error = error or _advance_matcher(state.matcher, token_id)
+        for token_id in token_ids:
+            state.token_counts[token_id] = state.token_counts.get(token_id, 0) + 1
+        state.num_sampled += len(token_ids)
+        emitted_rows = range(starts[i], starts[i] + n + 1)
+        result.token_ids.append(token_ids)
+        result.logprobs.append([row_logprobs[r] for r in emitted_rows] if state.wants_logprobs else None)
+        result.top_logprobs.append([row_top_logprobs[r] for r in emitted_rows] if state.wants_logprobs else None)
+        result.errors.append(error)
+    return result
 
 
 def prompt_logprobs(
