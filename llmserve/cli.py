@@ -52,12 +52,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on one GPU, wait for each step's tokens before scheduling the next, instead of "
                         "scheduling it while the GPU runs (as SGLang's flag); same tokens, slower")
+    p.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="prompt-lookup speculation: draft up to K tokens per decoding request per step from "
+                        "n-grams of its own prompt and output, and verify them in one forward; the same tokens, "
+                        "faster on outputs that copy their input (TGI's flag) (default: 0, off)")
+    p.add_argument("--speculate-max-batch", type=int, default=32, metavar="N",
+                   help="steps of more than N decoding requests draft nothing: there verifying costs more than "
+                        "it saves (default: 32)")
+    p.add_argument("--prompt-lookup-max-ngram", type=int, default=3, metavar="N",
+                   help="longest n-gram of a sequence's end looked up for a draft (default: 3)")
+    p.add_argument("--prompt-lookup-min-ngram", type=int, default=1, metavar="N",
+                   help="shortest n-gram looked up when no longer one recurs (default: 1)")
 
 
 def _step_options(args: argparse.Namespace) -> dict:
-    """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, quantized weights."""
+    """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, quantized weights,
+    speculation."""
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
-                overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize)
+                overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize,
+                speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
+                prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -142,8 +142,11 @@ class EngineCore:
     # -- to the HTTP process -------------------------------------------------------------
     def _stats(self) -> EngineStats:
         s = self.engine.scheduler
+        e = self.engine
         return EngineStats(num_waiting=s.num_waiting, num_running=s.num_running, num_used_slots=s.num_used_slots,
-                           num_preemptions=s.num_preemptions, num_prefill_tokens=self.engine.num_prefill_tokens)
+                           num_preemptions=s.num_preemptions, num_prefill_tokens=e.num_prefill_tokens,
+                           num_draft_tokens=e.num_draft_tokens, num_accepted_tokens=e.num_accepted_tokens,
+                           accepted_length_counts=tuple(e.accepted_length_counts))
 
     def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
         """One message per step; between steps, only when the stats changed (an abort, say)."""

@@ -85,6 +85,11 @@ class EngineStats:
     # Counts since the engine started (the HTTP process turns them into counters and rates).
     num_preemptions: int = 0
     num_prefill_tokens: int = 0       # prompt tokens computed, again after a preemption
+    # Speculation: draft tokens verified, those accepted, and how many verifies accepted 0, 1, ...
+    # of their draft tokens (LLMEngine.accepted_length_counts).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_length_counts: tuple[int, ...] = ()
 
 
 @dataclass

@@ -25,7 +25,8 @@ may bring a prompt-lookup draft (``prompt_lookup.py``) after its sampled token, 
 forward verifies them all. Drafts come last, from what the step leaves: the prefill budget's
 rest, and the KV slots left once the prompts under way and one next decode per running request
 are provided for; a draft is shortened or dropped when room is short, so it never causes a
-preemption. A draft never takes a request past ``max_new_tokens`` (at most
+preemption. (Constrained requests draft too: the verifier judges each draft token in the grammar's
+state after the ones before it.) A draft never takes a request past ``max_new_tokens`` (at most
 ``max_new_tokens - num_output - 1`` tokens, the verify step's own token being the last). Batches
 of more than ``speculate_max_batch`` decodes take no drafts: there, verifying costs the device
 more than the accepted tokens save.
@@ -187,9 +188,7 @@ class Scheduler:
 
     @staticmethod
     def _draftable(req: Request) -> bool:
-        # A grammar would have to judge each draft token in its state after the ones before: such
-        # requests decode one token per step.
-        return req.params.speculate and req.params.guided_decoding is None
+        return req.params.speculate
 
     def _may_draft(self, req: Request) -> bool:
         # A token in flight (overlapped step) is not known yet: nothing can continue it.

@@ -17,12 +17,14 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from llmserve.engine.messages import EngineOutputs
+from llmserve.engine.messages import EngineOutputs, EngineStats
 from llmserve.engine.request import FinishReason
 
 # Latency buckets in seconds: TTFT spans a decode step (ms) to a long queue (tens of s).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 # Between two tokens: a decode step (ms), or a long stall (a preemption, a burst of long prompts).
+# Draft tokens accepted per verify: 0 up to --speculate (10 is TGI's and the seed's choice).
+_ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 64)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5,
                 5.0, 10.0, 20.0, 40.0, 60.0)
 # A request's phases: a queue wait or a prefill (ms to minutes), a long generation (minutes).
@@ -121,6 +123,14 @@ class ServerMetrics:
         self.preemptions = counter("llmserve_num_preemptions",
                                    "Requests taken out of the running batch to free KV cache (prefilled again later).")
         self._num_preemptions = 0
+        # -- speculation (--speculate) ------------------------------------------------------------
+        self.spec_draft_tokens = counter("llmserve_spec_draft_tokens", "Prompt-lookup draft tokens verified.")
+        self.spec_accepted_tokens = counter("llmserve_spec_accepted_tokens",
+                                            "Draft tokens the model agreed with (emitted without a step of their own).")
+        self.spec_accepted_length = histogram("llmserve_spec_accepted_length",
+                                              "Draft tokens accepted per verified draft (0 to --speculate).",
+                                              _ACCEPTED_LENGTH_BUCKETS)
+        self._spec_counts: tuple[int, int, tuple[int, ...]] = (0, 0, ())   # the engine's, as last observed
 
     def track_engine(self, num_waiting: Callable[[], int], num_running: Callable[[], int],
                      kv_used: Callable[[], int], kv_total: int) -> None:
@@ -139,6 +149,19 @@ class ServerMetrics:
         if preemptions > self._num_preemptions:
             self.preemptions.inc(preemptions - self._num_preemptions)
             self._num_preemptions = preemptions
+        self._observe_speculation(outputs.stats)
+
+    def _observe_speculation(self, stats: EngineStats) -> None:
+        """The engine's speculation counts are totals since start: add what grew since the last message."""
+        drafted, accepted, lengths = self._spec_counts
+        if stats.num_draft_tokens == drafted:
+            return
+        self.spec_draft_tokens.inc(stats.num_draft_tokens - drafted)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens - accepted)
+        for length, count in enumerate(stats.accepted_length_counts):
+            for _ in range(count - (lengths[length] if length < len(lengths) else 0)):
+                self.spec_accepted_length.observe(length)
+        self._spec_counts = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_length_counts)
 
     def observe_first_token(self, queue_time: float | None, prefill_time: float | None) -> None:
         if queue_time is not None:

@@ -191,6 +191,9 @@ class ModelWorker:
             result = None
         for m, i in enumerate(sampling if result is not None else []):
             emitted, lps, tops = result.token_ids[m], result.logprobs[m], result.top_logprobs[m]
+            errors[i] = errors[i] or (result.errors[m] if result.errors else None)
+            if not emitted:        # the request failed (errors says why)
+                continue
             token_ids[i], logprobs[i], top_logprobs[i] = emitted[0], lps[0] if lps else None, tops[0] if tops else None
             e = entries[i]
             if e.num_draft_tokens:

@@ -471,3 +471,90 @@ def test_a_request_preempted_with_its_token_in_flight_waits_for_it():
     req.num_pending_tokens = 0
     req.append_token(TOKEN)
     assert scheduled_ids(scheduler.schedule()) == [0]
+
+
+# --------------------------------------------------------------------------------------
+# Drafts (speculation)
+# --------------------------------------------------------------------------------------
+
+
+def decoding(scheduler: Scheduler, *reqs: Request) -> None:
+    """Prefill the requests and give each its first token: the next step decodes them."""
+    for req in reqs:
+        scheduler.add_request(req)
+    run_step(scheduler)
+
+
+def drafts(output: SchedulerOutput) -> dict[int, int]:
+    return {s.request.req_id: len(s.draft_token_ids) for s in output.scheduled if s.draft_token_ids}
+
+
+def test_a_decode_drafts_from_its_prompt_up_to_k():
+    scheduler = make_scheduler(200, speculate=4)
+    req = make_request(0, prompt_len=20, max_new_tokens=50)
+    decoding(scheduler, req)
+    output = scheduler.schedule()
+    [s] = output.scheduled
+    assert s.draft_token_ids == [TOKEN] * 4 and s.num_new_tokens == 5 and output.num_draft_tokens == 4
+    assert output.num_tokens == 5
+
+
+def test_drafts_stop_short_of_max_new_tokens_the_kv_pool_and_the_token_budget():
+    # max_new_tokens: 3 left, one of which the step's own token takes
+    scheduler = make_scheduler(200, speculate=10)
+    decoding(scheduler, make_request(0, 20, max_new_tokens=4))
+    assert drafts(scheduler.schedule()) == {0: 2}
+    # KV: 26 slots, 20 cached, the decode's 1, one kept for the next decode: 4 left for the draft
+    scheduler = make_scheduler(26, speculate=10)
+    decoding(scheduler, make_request(0, 20, max_new_tokens=6))
+    assert drafts(scheduler.schedule()) == {0: 4}
+    # the step's token budget (max_prefill_tokens) left by a prompt prefilled in the same step
+    scheduler = make_scheduler(400, speculate=10, max_prefill_tokens=40)
+    decoding(scheduler, make_request(0, 20, max_new_tokens=50))
+    scheduler.add_request(make_request(1, 35))
+    output = scheduler.schedule()
+    assert drafts(output) == {0: 5} and output.num_prefill_tokens == 35
+
+
+def test_no_drafts_for_large_batches_or_requests_that_opt_out():
+    scheduler = make_scheduler(1000, speculate=4, speculate_max_batch=2)
+    decoding(scheduler, *[make_request(i, 10, max_new_tokens=50) for i in range(3)])
+    assert drafts(scheduler.schedule()) == {} and not scheduler.drafting()
+    scheduler = make_scheduler(1000, speculate=4)
+    opted_out = make_request(1, 10, max_new_tokens=50)
+    opted_out.params.speculate = False
+    decoding(scheduler, make_request(0, 10, max_new_tokens=50), opted_out)
+    assert drafts(scheduler.schedule()) == {0: 4}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(40, 160), st.lists(st.tuples(st.integers(1, 30), st.integers(1, 40)), min_size=1, max_size=6),
+       st.integers(0, 10))
+def test_drafts_never_cause_a_preemption(pool, shapes, accept):
+    """However much of each draft is kept (``accept`` tokens at most), the step after a step with
+    drafts preempts nobody: the drafts left each running request its next decode's slot."""
+    scheduler = make_scheduler(pool, speculate=6, max_prefill_tokens=64)
+    for i, (p, n) in enumerate(shapes):
+        if p < pool:
+            scheduler.add_request(make_request(i, p, min(n, pool - p)))
+    drafted = False
+    while scheduler.has_unfinished():
+        before = scheduler.num_preemptions
+        output = scheduler.schedule()
+        assert not (drafted and scheduler.num_preemptions > before)
+        for s in output.scheduled:
+            assert len(s.draft_token_ids) <= s.request.params.max_new_tokens - s.request.num_output_tokens - 1
+        scheduler.update_after_step(output)
+        assert scheduler.num_used_slots <= pool
+        for s in output.scheduled:
+            req = s.request
+            kept = min(accept, len(s.draft_token_ids))
+            req.num_cached -= len(s.draft_token_ids) - kept     # what the worker truncates
+            if not s.samples:
+                continue
+            for token in [TOKEN] * (kept + 1):
+                if req.append_token(token, eos_token_ids={EOS}) is not None:
+                    scheduler.finish_request(req, req.finish_reason)
+                    break
+        drafted = output.num_draft_tokens > 0
+        event(f"drafted: {drafted}")

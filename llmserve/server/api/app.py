@@ -98,6 +98,10 @@ def create_app(state: ServerState) -> FastAPI:
             "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
             "chunked_prefill": state.engine.config.chunked_prefill,
             "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
+            # prompt-lookup speculation (--speculate; 0: off)
+            "speculate": state.engine.config.speculate,
+            "speculate_max_batch": state.engine.config.speculate_max_batch,
+            "prompt_lookup_ngram": [state.engine.config.prompt_lookup_min_ngram, state.engine.config.prompt_lookup_max_ngram],
             "chat_template": state.chat_template.describe() if state.chat_template else None,
             # what reads tool calls in answers to tool_choice "auto" (--tool-call-parser, or the template's)
             "tool_call_parser": state.tool_parser.name if state.tool_parser else None,

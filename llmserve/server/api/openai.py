@@ -80,6 +80,8 @@ class SamplingFields(APIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # ours: false keeps this request off prompt-lookup drafts (--speculate)
+    speculate: bool = True
 
 
 class CompletionRequest(SamplingFields):
@@ -182,6 +184,7 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
             seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
             stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs, guided_decoding=guided_decoding,
+            speculate=body.speculate,
         ))
     except InvalidRequest as e:
         raise fields.error(e) from None

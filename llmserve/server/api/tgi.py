@@ -54,6 +54,7 @@ class TGIParameters(APIModel):
     truncate: int | None = None
     typical_p: float | None = None
     watermark: bool = False   # accepted and ignored: no watermarking here
+    speculate: bool = True    # ours: false keeps this request off prompt-lookup drafts (--speculate)
 
 
 class ImageURL(APIModel):
@@ -154,7 +155,7 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
             stop=stop,
             logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
             prompt_logprobs=0 if p.decoder_input_details else None,
-            guided_decoding=guided_decoding,
+            guided_decoding=guided_decoding, speculate=p.speculate,
         )
     except InvalidRequest as e:
         raise TGI_FIELDS.error(e) from None

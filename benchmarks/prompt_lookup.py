@@ -1,0 +1,282 @@
+"""Prompt-lookup speculation (``--speculate K``): what it gains on input-grounded prompts.
+
+Two modes.
+
+``engine`` (the default; CPU, the embedded model)
+  Greedy requests on prompts whose answers copy from them, built from text that ships with this
+  repository: edit a Python source file ("rename X to Y, output the whole file"), repeat a
+  passage, answer from a passage, summarise it. Each workload runs at batch 1, 8 and 32 (the
+  batch's prompts cycle through the workload's texts), once with drafts and once without (the
+  same engine; ``SamplingParams.speculate`` off), the outputs checked equal token for token.
+
+  Columns: tokens per forward (a request's output tokens over the steps it took part in),
+  mean accepted length (draft tokens accepted per verify), out tok/s on and off, speed-up.
+  It also times the prompt-lookup proposal itself at a 32k-token context.
+
+``step`` (``--device cuda --model PATH``; the 8B checkpoint of make_random_model.py)
+  Random weights accept nothing, so this times one step instead: a verify step, where each of B
+  requests feeds 1 + K tokens on a cached context and the sampler verifies them, against a plain
+  decode step (one token each, CUDA graphs as the server replays them). With the acceptance the
+  engine mode measured on a real model (``--accepted-len X``), a step emits 1 + X tokens per
+  request instead of 1, so the projected speed-up is (1 + X) * t_decode / t_verify.
+
+Run (CPU):  python benchmarks/prompt_lookup.py
+Run (GPU):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
+            python benchmarks/prompt_lookup.py --device cuda --model /tmp/llama3-8b-random --accepted-len 2.6
+Smoke (CPU, step mode):  python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
+            python benchmarks/prompt_lookup.py --device cpu --model /tmp/tiny --mode step --batches 1,2 --context 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from common import environment, markdown_table, remove_script_dir_from_sys_path, synchronize, write_json
+
+remove_script_dir_from_sys_path()
+
+import torch  # noqa: E402
+
+from llmserve import LLM  # noqa: E402
+from llmserve.engine.engine import LLMEngine, resolve_model_path  # noqa: E402
+from llmserve.engine.prompt_lookup import PromptLookup  # noqa: E402
+from llmserve.sampling_params import SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- the prompts -------------------------------------------------------------------------------
+
+def code_edit_asks() -> list[str]:
+    """Rename a function in a source file of this repository and print the file back."""
+    asks = []
+    for rel, old, new in [("llmserve/engine/prompt_lookup.py", "propose", "draft"),
+                          ("llmserve/engine/admission.py", "check_request", "validate_request"),
+                          ("llmserve/detokenize.py", "step", "push"),
+                          ("benchmarks/common.py", "markdown_table", "md_table")]:
+        source = (REPO / rel).read_text()[:2500]      # a screenful or two: room for the answer in the context
+        asks.append(f"Here is a Python file:\n\n```python\n{source}\n```\n\nRename `{old}` to `{new}` everywhere "
+                    "in this file. Output the whole file, nothing else.")
+    return asks
+
+
+def passages() -> list[str]:
+    """Module docstrings of this repository: prose about its own workings."""
+    from llmserve.engine import core, engine, request, scheduler
+
+    return [inspect.getdoc(m) for m in (scheduler, request, core, engine)]
+
+
+WORKLOADS = {
+    "code-edit": code_edit_asks,
+    "repeat": lambda: [f"Repeat the following text exactly.\n\n{p}" for p in passages()],
+    "answer": lambda: [f"Passage:\n{p}\n\nAnswer from the passage, quoting it: what does it say happens at each step?"
+                       for p in passages()],
+    "summarise": lambda: [f"Passage:\n{p}\n\nSummarise the passage." for p in passages()],
+}
+
+
+# -- engine mode -------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    workload: str
+    batch: int
+    output_tokens: int
+    tokens_per_forward_on: float
+    mean_accepted_len: float         # draft tokens accepted per verify
+    tok_per_s_off: float
+    tok_per_s_on: float
+    speedup: float
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float, int]:
+    """Run the prompts together to their end: their outputs, the wall time, and the (request,
+    step) pairs in which a request got tokens (its forwards)."""
+    reqs = [engine.add_request(p, params) for p in prompts]
+    forwards = 0
+    start = time.perf_counter()
+    while any(not r.is_finished for r in reqs):
+        forwards += len({d.req_id for d in engine.step()})
+    seconds = time.perf_counter() - start
+    engine.flush()
+    return [r.output_token_ids for r in reqs], seconds, forwards
+
+
+def engine_mode(args: argparse.Namespace) -> list[Result]:
+    llm = LLM(args.model, dtype=args.dtype, speculate=args.speculate, speculate_max_batch=max(args.batch_list),
+              max_running_requests=max(args.batch_list))
+    engine = llm.engine
+    print(engine.summary(), file=sys.stderr)
+    results = []
+    try:
+        for name in args.workload_list:
+            texts = [llm.chat_prompt([{"role": "user", "content": t}]) for t in WORKLOADS[name]()]
+            for batch in args.batch_list:
+                prompts = [texts[i % len(texts)] for i in range(batch)]
+                on = SamplingParams(max_new_tokens=args.output_len, temperature=0)
+                off = SamplingParams(max_new_tokens=args.output_len, temperature=0, speculate=False)
+                run_batch(engine, prompts[:1], on)                                    # warm-up
+                drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+                verifies = sum(engine.accepted_length_counts)
+                out_on, s_on, forwards = run_batch(engine, prompts, on)
+                verifies = sum(engine.accepted_length_counts) - verifies
+                accepted = engine.num_accepted_tokens - accepted
+                out_off, s_off, _ = run_batch(engine, prompts, off)
+                if out_on != out_off:
+                    raise SystemExit(f"{name} batch {batch}: speculation changed the greedy output")
+                tokens = sum(map(len, out_on))
+                results.append(Result(name, batch, tokens, tokens / forwards, accepted / verifies if verifies else 0.0,
+                                      tokens / s_off, tokens / s_on, s_off / s_on))
+                r = results[-1]
+                print(f"{name} batch {batch}: {r.tokens_per_forward_on:.2f} tok/forward, accepted {r.mean_accepted_len:.2f}, "
+                      f"{r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x)", file=sys.stderr)
+    finally:
+        llm.close()
+    return results
+
+
+def proposal_us(context: int = 32768, calls: int = 2000) -> float:
+    """Microseconds to index one appended token and propose a draft, at ``context`` tokens."""
+    rng = random.Random(0)
+    lookup = PromptLookup([rng.randrange(49152) for _ in range(context)])
+    start = time.perf_counter()
+    for _ in range(calls):
+        lookup.extend([rng.randrange(49152)])
+        lookup.propose(10)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+# -- step mode ---------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    batch: int
+    context: int
+    decode_ms: float
+    verify_ms: float                 # 1 + K tokens per request, logits of every row, Sampler.verify
+    ratio: float                     # verify / decode
+    projected_speedup: float | None  # (1 + accepted_len) / ratio
+
+
+def step_mode(args: argparse.Namespace) -> list[StepResult]:
+    from llmserve.common.basemodel import ModelInitParams
+    from llmserve.models.registry import get_model_class, peek_model_config
+    from llmserve.worker.sampler import Sampler
+
+    device = torch.device(args.device)
+    dtype = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype or "auto"]
+    path = resolve_model_path(args.model)
+    max_batch = max(args.batch_list)
+    max_len = args.context + args.speculate + 8
+    model = get_model_class(peek_model_config(path)["model_type"])(ModelInitParams(
+        model_path=path, device=str(device), dtype=dtype, max_total_token_num=max_batch * max_len + 64,
+        max_req_num=max_batch, max_seq_len=max_len, cuda_graph_max_bs=max_batch if device.type == "cuda" else 0))
+    sampler = Sampler()
+    results = []
+    for batch in args.batch_list:
+        rows = [model.req_manager.alloc_req() for _ in range(batch)]
+        ids = torch.randint(model.vocab_size, (batch * args.context,), device=device)
+        model.forward(ids, rows, [0] * batch, [args.context] * batch)          # the cached context
+        for r in rows:
+            sampler.add_request(r, SamplingParams(temperature=0), [])
+        k = args.speculate
+        drafts = [[int(t) for t in torch.randint(model.vocab_size, (k,))] for _ in rows]
+        decode_ids = torch.randint(model.vocab_size, (batch,), device=device)
+        verify_ids = torch.tensor([t for d in drafts for t in [0, *d]], device=device)
+
+        def decode() -> None:
+            model.forward(decode_ids, rows, [args.context] * batch, [1] * batch).argmax(-1).tolist()
+
+        def verify() -> None:
+            logits = model.forward(verify_ids, rows, [args.context] * batch, [1 + k] * batch, return_all_logits=True)
+            sampler.verify(logits, rows, drafts)
+
+        def timed(step) -> float:
+            times = []
+            for i in range(args.warmup + args.iters):
+                synchronize(device)
+                start = time.perf_counter()
+                step()
+                synchronize(device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+                for r in rows:   # back to the context alone, as the worker's truncation leaves a rejected draft
+                    model.req_manager.truncate(r, args.context)
+            return statistics.median(times) * 1e3
+
+        decode_ms, verify_ms = timed(decode), timed(verify)
+        ratio = verify_ms / decode_ms
+        projected = (1 + args.accepted_len) / ratio if args.accepted_len is not None else None
+        results.append(StepResult(batch, args.context, decode_ms, verify_ms, ratio, projected))
+        print(f"batch {batch}: decode {decode_ms:.2f} ms, verify 1+{k} {verify_ms:.2f} ms ({ratio:.2f}x)", file=sys.stderr)
+        for r in rows:
+            sampler.remove_request(r)
+            model.req_manager.free_req(r)
+    return results
+
+
+# -- main --------------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["engine", "step"], default=None,
+                   help="engine: the CPU table on real prompts; step: verify vs decode step cost (default: step "
+                        "with --device cuda, else engine)")
+    p.add_argument("--device", default="cpu", help="step mode's device: cuda or cpu (the engine mode picks its own)")
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--speculate", type=int, default=10, help="draft tokens per step, K (default: 10)")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default: 1,8,32)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--output-len", type=int, default=256, help="engine mode: most tokens per answer (default: 256)")
+    p.add_argument("--context", type=int, default=1024, help="step mode: cached tokens per request (default: 1024)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--accepted-len", type=float, default=None,
+                   help="step mode: mean accepted draft tokens per verify, measured in engine mode, for the projection")
+    p.add_argument("--json", default=None, help="also write every number here")
+    args = p.parse_args()
+    args.batch_list = [int(b) for b in args.batches.split(",") if b.strip()]
+    args.workload_list = [w for w in args.workloads.split(",") if w.strip()]
+    args.mode = args.mode or ("step" if args.device.startswith("cuda") else "engine")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.mode == "step":
+        results = step_mode(args)
+        print(f"\n### Verify step (1 + {args.speculate} tokens per request) vs decode step, context {args.context}, "
+              f"{args.device}\n")
+        print(markdown_table(["batch", "decode ms", "verify ms", "verify / decode", "projected speed-up"],
+                             [[r.batch, f"{r.decode_ms:.2f}", f"{r.verify_ms:.2f}", f"{r.ratio:.2f}",
+                               "-" if r.projected_speedup is None else f"{r.projected_speedup:.2f}x"] for r in results]))
+        if args.accepted_len is not None:
+            print(f"\nprojected = (1 + {args.accepted_len}) / (verify / decode): {args.accepted_len} accepted draft tokens "
+                  "per verify (measured on the embedded model on CPU), random weights accepting nothing here")
+    else:
+        results = engine_mode(args)
+        print(f"\n### Prompt lookup, K = {args.speculate}, greedy, up to {args.output_len} tokens; proposal at a "
+              f"32k context: {proposal_us():.1f} us\n")
+        print(markdown_table(["workload", "batch", "tokens", "tokens / forward", "accepted / verify", "off tok/s",
+                              "on tok/s", "speed-up"],
+                             [[r.workload, r.batch, r.output_tokens, f"{r.tokens_per_forward_on:.2f}",
+                               f"{r.mean_accepted_len:.2f}", f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
+                               f"{r.speedup:.2f}x"] for r in results]))
+    if args.json:
+        write_json(args.json, {"benchmark": "prompt_lookup", "mode": args.mode,
+                               "environment": environment(torch.device(args.device)),
+                               "results": [asdict(r) for r in results]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Prompt-lookup speculation (``EngineConfig.speculate``) gives exactly the greedy output of
+decoding one token per step: on tiny random models of each architecture, and on the embedded
+model's input-grounded prompts, where drafts are accepted, mixed with requests that do not draft,
+with stop ids, stop strings and max_new_tokens falling inside accepted runs, under a KV cache
+small enough to preempt, chunked prefill, and the overlapped loop.
+
+The plain side of each comparison is the same engine with ``SamplingParams.speculate=False``
+(the request-level switch), so the two differ only in the drafts."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from transformers import BloomConfig, LlamaConfig, Qwen2Config
+
+from llmserve import LLM, SamplingParams
+from llmserve.engine.engine import LLMEngine
+from parity_utils import build_tiny_hf_model, build_tiny_llava
+
+SPECULATE = 10
+# Small vocabularies: a random model's greedy output soon cycles, and its prompt's n-grams recur,
+# so drafts are proposed and some are accepted.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
+            max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+ARCHITECTURES = {
+    "llama-tied": lambda: LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2": lambda: Qwen2Config(**TINY, num_key_value_heads=2),
+    "bloom": lambda: BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=512, bos_token_id=1, eos_token_id=2),
+}
+
+
+def plain(params: list[SamplingParams]) -> list[SamplingParams]:
+    return [dataclasses.replace(p, speculate=False) for p in params]
+
+
+def generate_counting(llm: LLM, prompts, params) -> tuple[list, int]:
+    """Outputs, and how many draft tokens the engine accepted meanwhile."""
+    before = llm.engine.num_accepted_tokens
+    outs = llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.num_used_slots == 0
+    return outs, llm.engine.num_accepted_tokens - before
+
+
+def assert_same_tokens(got, want) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), i
+
+
+def random_workload(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        chunk = [rng.randrange(3, vocab) for _ in range(rng.choice([4, 9, 30]))]
+        prompts.append(chunk * rng.choice([1, 2, 3]) + [rng.randrange(3, vocab) for _ in range(rng.choice([1, 5]))])
+    params = [SamplingParams(max_new_tokens=rng.choice([3, 12, 24]), temperature=0, ignore_eos=i % 2 == 0,
+                             speculate=i % 4 != 3) for i in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module", params=[*ARCHITECTURES, "llava"])
+def tiny_model_dir(request, tmp_path_factory, smollm2_tokenizer) -> str:
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "llava":
+        build_tiny_llava(path, smollm2_tokenizer)
+    else:
+        build_tiny_hf_model(ARCHITECTURES[request.param](), path)
+        smollm2_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_greedy_equals_plain_on_each_architecture(tiny_model_dir):
+    with LLM(tiny_model_dir, speculate=SPECULATE, max_prefill_tokens=48) as llm:
+        prompts, params = random_workload(512, 8, seed=0)
+        want = llm.generate(prompts, plain(params))
+        got, accepted = generate_counting(llm, prompts, params)
+    assert_same_tokens(got, want)
+    assert llm.engine.num_draft_tokens > 0
+
+
+
+def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
+    # Only rank 0 verifies: rank 1 learns what was kept from its next step's num_cached. The tied
+    # model's output cycles, so drafts are accepted and rejected.
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("tp=2 needs 2 GPUs")
+    build_tiny_hf_model(ARCHITECTURES["llama-tied"](), tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    with LLM(str(tmp_path), tp=2, speculate=SPECULATE) as llm:
+        prompts, params = random_workload(512, 6, seed=1)
+        want = llm.generate(prompts, plain(params))
+        got, accepted = generate_counting(llm, prompts, params)
+    assert_same_tokens(got, want)
+    assert accepted > 0 and llm.engine.num_draft_tokens > accepted
+
+
+# -- the embedded model, on prompts whose answers copy from them ----------------------------------
+
+def grounded_prompts(llm: LLM) -> list[list[int]]:
+    """Chat prompts built from this repository's own text: edit a code file, repeat a passage,
+    answer from it."""
+    import inspect
+
+    from llmserve.engine import request, scheduler
+
+    source = inspect.getsource(request.Request.append_token)
+    doc_start, doc_end = source.index('"""'), source.rindex('"""') + 3
+    code = source[:doc_start].rstrip() + source[doc_end:]          # the function without its docstring
+    passage, other = inspect.getdoc(request).split("\n\n")[1], inspect.getdoc(scheduler).split("\n\n")[0]
+    asks = [f"Here is a Python function:\n\n{code}\nRename the argument token_id to new_token and output the whole function.",
+            f"Repeat the following text exactly.\n\n{passage}",
+            f"Repeat the following text exactly.\n\n{other}",
+            f"Passage:\n{passage}\n\nSummarise the passage in one sentence."]
+    return [llm.chat_prompt([{"role": "user", "content": ask}]) for ask in asks]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path):
+    with LLM(default_model_path, speculate=SPECULATE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def free_run(llm):
+    """The grounded prompts (the last one never drafts) run plain and speculating, with the
+    tokens each request got per step of the speculating run."""
+    prompts = grounded_prompts(llm)
+    params = [SamplingParams(max_new_tokens=32, temperature=0, speculate=i < len(prompts) - 1) for i in range(len(prompts))]
+    want = llm.generate(prompts, plain(params))
+    counts: dict[int, list[int]] = {}     # req_id -> its number of tokens per step
+    step = LLMEngine.step
+
+    def recording_step(self):
+        deltas = step(self)
+        per_request: dict[int, int] = {}
+        for d in deltas:
+            per_request[d.req_id] = per_request.get(d.req_id, 0) + 1
+        for req_id, n in per_request.items():
+            counts.setdefault(req_id, []).append(n)
+        return deltas
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(LLMEngine, "step", recording_step)
+    try:
+        got, accepted = generate_counting(llm, prompts, params)
+    finally:
+        mp.undo()
+    runs = [counts[req_id] for req_id in sorted(counts)]   # ids are given in prompt order
+    return prompts, params, want, got, accepted, runs
+
+
+def test_grounded_prompts_accept_drafts_and_equal_plain(free_run):
+    prompts, params, want, got, accepted, runs = free_run
+    assert_same_tokens(got, want)
+    assert accepted >= 10, "grounded prompts should have drafts accepted"
+    assert max(runs[-1]) == 1, "the request with speculate=False never drafts"
+    assert max(max(r) for r in runs[:-1]) >= 3
+
+
+def run_starts(counts: list[int]) -> list[tuple[int, int]]:
+    """(first output index, length) of each step's tokens."""
+    starts, at = [], 0
+    for n in counts:
+        starts.append((at, n))
+        at += n
+    return starts
+
+
+def test_stops_and_lengths_inside_accepted_runs_under_preemption_and_chunking(llm, free_run):
+    # A stop id, a stop string and max_new_tokens placed inside runs the free run accepted; the
+    # KV cache too small for the batch (preemptions) and prompts prefilled in chunks.
+    prompts, params, want, got, _, runs = free_run
+    params = [dataclasses.replace(p) for p in params]
+    placed = []
+    text_of = llm.tokenizer.decode
+    for i, p in enumerate(params[:-1]):
+        tokens = got[i].token_ids
+        # A token inside an accepted run that neither occurs nor (as text) shows earlier.
+        at = next(start + 1 for start, n in run_starts(runs[i]) if n >= 3 and tokens[start + 1] not in tokens[: start + 1]
+                  and text_of(tokens[start + 1 : start + 2]).strip()
+                  and text_of(tokens[start + 1 : start + 2]) not in text_of(tokens[: start + 1]))
+        if i % 3 == 0:
+            p.stop_token_ids = [tokens[at]]
+        elif i % 3 == 1:
+            p.stop = [text_of(tokens[at : at + 1])]
+        else:
+            p.max_new_tokens = at + 1
+        placed.append(at)
+    scheduler = llm.engine.scheduler
+    saved = dataclasses.replace(scheduler.config)
+    preemptions = scheduler.num_preemptions
+    scheduler.config.max_total_token_num = max(len(p) for p in prompts) + 48
+    scheduler.config.max_prefill_tokens = 64
+    try:
+        want = llm.generate(prompts, plain(params))
+        got, accepted = generate_counting(llm, prompts, params)
+        llm.engine.overlap = True
+        overlapped, _ = generate_counting(llm, prompts, params)
+    finally:
+        scheduler.config = saved
+        llm.engine.overlap = False
+    assert_same_tokens(got, want)
+    assert_same_tokens(overlapped, want)
+    assert scheduler.num_preemptions > preemptions and accepted > 0
+    for i, at in enumerate(placed):
+        assert len(want[i].token_ids) == at + 1 and want[i].finish_reason in ("stop_sequence", "length"), i
