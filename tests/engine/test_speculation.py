@@ -37,9 +37,16 @@ def plain(params: list[SamplingParams]) -> list[SamplingParams]:
 
 
 def generate_counting(llm: LLM, prompts, params) -> tuple[list, int]:
-    """Outputs, and how many draft tokens the engine accepted meanwhile."""
+    """Outputs, and how many draft tokens the engine accepted meanwhile. No forward may fail: the
+    engine would run the step again and hide, say, a KV row the worker left too long."""
     before = llm.engine.num_accepted_tokens
-    outs = llm.generate(prompts, params)
+
+    def no_failed_forward(self, plan):
+        raise AssertionError("a forward failed")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LLMEngine, "_run_again", no_failed_forward)
+        outs = llm.generate(prompts, params)
     assert not llm.engine.has_unfinished() and llm.engine.scheduler.num_used_slots == 0
     return outs, llm.engine.num_accepted_tokens - before
 
