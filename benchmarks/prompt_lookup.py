@@ -9,8 +9,9 @@ Two modes.
   batch's prompts cycle through the workload's texts), once with drafts and once without (the
   same engine; ``SamplingParams.speculate`` off), the outputs checked equal token for token.
 
-  Columns: tokens per forward (a request's output tokens over the steps it took part in),
-  mean accepted length (draft tokens accepted per verify), out tok/s on and off, speed-up.
+  Columns, over the decode phase (from the step that gave every request its first token):
+  tokens per forward (output tokens over the (request, step) pairs that made them), mean
+  accepted length (draft tokens accepted per verify), out tok/s on and off, speed-up.
   It also times the prompt-lookup proposal itself at a 32k-token context.
 
 ``step`` (``--device cuda --model PATH``; the 8B checkpoint of make_random_model.py)
@@ -61,7 +62,7 @@ def code_edit_asks() -> list[str]:
                           ("llmserve/engine/admission.py", "check_request", "validate_request"),
                           ("llmserve/detokenize.py", "step", "push"),
                           ("benchmarks/common.py", "markdown_table", "md_table")]:
-        source = (REPO / rel).read_text()[:2500]      # a screenful or two: room for the answer in the context
+        source = (REPO / rel).read_text()[:1500]      # a screenful: 32 of them fit the CPU's default KV cache
         asks.append(f"Here is a Python file:\n\n```python\n{source}\n```\n\nRename `{old}` to `{new}` everywhere "
                     "in this file. Output the whole file, nothing else.")
     return asks
@@ -98,13 +99,18 @@ class Result:
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float, int]:
-    """Run the prompts together to their end: their outputs, the wall time, and the (request,
-    step) pairs in which a request got tokens (its forwards)."""
+    """Run the prompts together to their end: their outputs, the seconds from the step that gave
+    every request its first token to the end (the decode phase: prefill costs the same either
+    way), and the (request, step) pairs of that phase in which a request got tokens (its forwards)."""
     reqs = [engine.add_request(p, params) for p in prompts]
     forwards = 0
-    start = time.perf_counter()
+    start = None
     while any(not r.is_finished for r in reqs):
-        forwards += len({d.req_id for d in engine.step()})
+        got = {d.req_id for d in engine.step()}
+        if start is None and all(r.num_output_tokens for r in reqs):
+            start = time.perf_counter()
+        elif start is not None:
+            forwards += len(got)
     seconds = time.perf_counter() - start
     engine.flush()
     return [r.output_token_ids for r in reqs], seconds, forwards
@@ -132,7 +138,7 @@ def engine_mode(args: argparse.Namespace) -> list[Result]:
                 out_off, s_off, _ = run_batch(engine, prompts, off)
                 if out_on != out_off:
                     raise SystemExit(f"{name} batch {batch}: speculation changed the greedy output")
-                tokens = sum(map(len, out_on))
+                tokens = sum(map(len, out_on)) - batch     # those after each request's first
                 results.append(Result(name, batch, tokens, tokens / forwards, accepted / verifies if verifies else 0.0,
                                       tokens / s_off, tokens / s_on, s_off / s_on))
                 r = results[-1]
