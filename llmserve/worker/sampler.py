@@ -646,10 +646,12 @@ def _verify_batch(logits: torch.Tensor, states: list[_RequestState], drafts: lis
     checked = [t for draft in drafts for t in (*draft, 0)]
     has_draft = [j < len(draft) for draft in drafts for j in range(len(draft) + 1)]
     checked_ids = _on(checked, device, torch.long).clamp_(0, vocab_size - 1)
+    # Rows with a draft token the vocabulary has (a draft is the request's own tokens, so always,
+    # but an id past the logits must not stand for another).
+    checkable = _on([d and 0 <= t < vocab_size for d, t in zip(has_draft, checked)], device, torch.bool)
     # A token the processing banned (grammar, min_tokens) is never accepted, even by an argmax
     # over a row where every token is banned.
-    accepted = (_on([d and 0 <= t < vocab_size for d, t in zip(has_draft, checked)], device, torch.bool)
-                & (logits.gather(1, checked_ids.unsqueeze(1)).squeeze(1) > float("-inf")))
+    accepted = checkable & (logits.gather(1, checked_ids.unsqueeze(1)).squeeze(1) > float("-inf"))
 
     greedy = [s.is_greedy for s in states]
     greedy_row = _on([g for g, draft in zip(greedy, drafts) for _ in range(len(draft) + 1)], device, torch.bool)
@@ -673,7 +675,7 @@ def _verify_batch(logits: torch.Tensor, states: list[_RequestState], drafts: lis
         # At a rejection (stopped short of the draft's end) the rejected token is removed; the
         # exponential race draws from what is left in proportion, so renormalising is implicit.
         last_probs = probs[last_rows]
-        rejected = num_accepted < _on([len(d) for d in drafts], device, torch.long)
+        rejected = (num_accepted < _on([len(d) for d in drafts], device, torch.long)) & checkable[last_rows]
         rejected_ids = checked_ids[last_rows].unsqueeze(1)
         last_probs.scatter_(1, rejected_ids, last_probs.gather(1, rejected_ids) * (~rejected).unsqueeze(1))
         drawn = (last_probs / noise).argmax(dim=-1)

@@ -14,7 +14,6 @@ from collections import Counter
 import pytest
 import torch
 
-import llmserve.worker.sampler as sampler_module
 from llmserve.sampling_params import GuidedDecodingParams, SamplingParams
 from llmserve.worker.sampler import Sampler
 from sampler_test_utils import (
@@ -342,3 +341,11 @@ def test_a_request_that_breaks_the_step_fails_alone(grammar_compiler):
     assert got.token_ids[:3] == expected.token_ids and got.errors[:3] == [None] * 3
     assert got.token_ids[3] == [] and got.logprobs[3] is None and got.errors[3]
     assert len(got.token_ids[1]) == 3 and got.token_ids[1][-1] < 10, "the matcher was rolled back for the retry"
+
+
+def test_a_draft_token_past_the_logits_is_rejected_and_removes_nothing():
+    logits = random_logits(2, VOCAB, seed=6)
+    logits[0, VOCAB - 1] += 40   # the clamp's stand-in for an id past the logits: removing it would show
+    sampler = make_sampler({0: SamplingParams(temperature=1.0, seed=0), 1: SamplingParams(temperature=0.0)})
+    result = sampler.verify(torch.cat([logits[:1], logits]), [0, 1], [[VOCAB + 5], []])
+    assert result.token_ids == [[VOCAB - 1], [int(logits[1].argmax())]]
