@@ -200,7 +200,9 @@ class Sampler:
         saved = [_RandomState.save(s) for s in states]
         fed = [0] * len(states)
         try:
-            return _verify_batch(logits.clone(), states, draft_token_ids, fed)
+            # On a copy where the processing writes to the rows, as launch; a greedy or plainly
+            # sampled batch only reads them, and its rows are (1 + draft) times a step's.
+            return _verify_batch(logits.clone() if _edits_logits(states) else logits, states, draft_token_ids, fed)
         except Exception:
             for snapshot in saved:
                 snapshot.restore()
@@ -708,6 +710,12 @@ def _leading_run(accepted: torch.Tensor, starts: list[int], drafts: list[list[in
     padded = [[starts[i] + j if j < len(d) else num_rows for j in range(max_draft)] for i, d in enumerate(drafts)]
     index = _on(padded, accepted.device, torch.long).view(len(drafts), max_draft)
     return torch.cat([accepted, accepted.new_zeros(1)])[index].long().cumprod(dim=1).sum(dim=1)
+
+
+def _edits_logits(states: list[_RequestState]) -> bool:
+    """Whether processing these requests' rows writes to the logits: grammar masks, min_tokens
+    bans, penalties (the warpers make new tensors)."""
+    return any(s.matcher is not None or s.below_min_tokens or s.has_penalties for s in states)
 
 
 def _row_state(state: _RequestState, prefix: list[int]) -> _RequestState:

@@ -78,7 +78,9 @@ def speculative_run(sampler: Sampler, requests: dict[int, SamplingParams], promp
         drafts = [draft_for(rng, reference[r][len(tokens[r]) :], vocab_size) for r in live]
         rows = [history_logits(r, prompts[r] + tokens[r] + draft[:j], vocab_size)
                 for r, draft in zip(live, drafts) for j in range(len(draft) + 1)]
-        result = sampler.verify(torch.stack(rows), live, drafts)
+        logits = torch.stack(rows)
+        result = sampler.verify(logits, live, drafts)
+        assert torch.equal(logits, torch.stack(rows)), "the caller's logits are left as they are"
         verified += len(live)
         assert result.errors == [None] * len(live)
         for n, r in enumerate(live):
