@@ -27,6 +27,13 @@ gets exactly the token it would have got, and the culprit gets an error instead.
 Drawing and reading are two calls (``Sampler.launch``, then ``PendingSample.result``), so that
 on a GPU the host can queue the next step's forward before it waits for this step's tokens
 (the worker's overlapped loop); ``Sampler.sample`` does both at once.
+
+Speculative decoding (prompt lookup) checks drafts with ``Sampler.verify``: a request with k draft
+tokens brings k + 1 rows of logits, and row j goes through the pipeline above as if draft tokens
+0..j-1 had been emitted (its matcher fed them, min_tokens and the penalties count them). Greedy
+rows keep the draft while it is the argmax; sampling rows keep draft token t with probability p(t)
+and, at the first rejection, draw from p without t (speculative sampling with a one-hot draft:
+the tokens come out as ``sample`` would draw them). All rows at once, one read of the device.
 """
 
 from __future__ import annotations
