@@ -203,6 +203,8 @@ class Sampler:
         request with an empty draft is an ordinary one-token sample (the very token ``sample``
         would draw). Each request's state advances by exactly the emitted tokens. Synchronous.
         """
+        if len(draft_token_ids) != len(req_ids):
+            raise ValueError(f"verify: {len(draft_token_ids)} drafts for {len(req_ids)} requests")
         states = [self._requests[req_id] for req_id in req_ids]
         saved = [_RandomState.save(s) for s in states]
         fed = [0] * len(states)
