@@ -159,6 +159,38 @@ def chi_square(counts: Counter[int], expected_probs: torch.Tensor, num_samples: 
     return sum((counts.get(t, 0) - e) ** 2 / e for t, e in enumerate(expected_counts) if e > 0)
 
 
+def test_top_k_top_p_among_the_largest_cuts_where_the_whole_sort_does(monkeypatch: pytest.MonkeyPatch):
+    """The CPU's shortcut (the cut among the largest logits) against the sort of whole rows: the
+    same tokens kept, but where a token's cumulative probability is top_p to float rounding."""
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 64)
+    vocab_size = 2000
+    top_k = torch.tensor([0, 5, 64, 65, 1500, 0, 0, 0, 3, 0, 0, 100] * 6)
+    top_p = torch.tensor([0.9, 1.0, 0.95, 1.0, 1.0, 0.5, 0.99, 1.0, 0.7, 0.999, 0.1, 0.8] * 6)
+    logits = random_logits(len(top_k), vocab_size, seed=12)
+    logits[:24] *= 0.1          # flat rows: nuclei wider than the candidates
+    logits[48:, :20] += 20      # peaked rows: nuclei of a few tokens
+    sorted_rows: list[int] = []
+    whole_sort = sampler_module._sort_top_k_top_p
+
+    def spy(rows: torch.Tensor, *args) -> torch.Tensor:
+        sorted_rows.append(len(rows))
+        return whole_sort(rows, *args)
+
+    monkeypatch.setattr(sampler_module, "_sort_top_k_top_p", spy)
+    got = sampler_module._apply_top_k_top_p(logits, top_k, top_p)
+    assert 0 < sorted_rows[0] < len(top_k), "some rows cut among the candidates, some sorted whole"
+    expected = whole_sort(logits, top_k, top_p)
+    for row in range(len(top_k)):
+        differ = (got[row].isinf() != expected[row].isinf()).nonzero().flatten().tolist()
+        kept = ~got[row].isinf()
+        assert torch.equal(got[row][kept], logits[row][kept])
+        if differ:   # one token at the nucleus' edge
+            assert len(differ) == 1 and top_p[row] < 1.0, row
+            probs = torch.softmax(logits[row].double(), dim=-1)
+            before = probs[probs > probs[differ[0]]].sum().item()
+            assert before == pytest.approx(top_p[row].item(), abs=1e-4)
+
+
 @pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.6, 0), (1.8, 0), (0.8, 4)])
 def test_empirical_distribution_matches_softmax(temperature: float, top_k: int):
     vocab_size, num_samples = 8, 8000
