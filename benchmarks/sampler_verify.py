@@ -4,8 +4,10 @@ decode step's ``Sampler.sample``, for the sampler alone (the forward is not incl
 What is measured
   A batch of ``--batch`` requests, each with a ``--draft``-token draft, so ``verify`` takes
   ``batch * (1 + draft)`` rows of logits; ``sample`` takes ``batch`` rows (one decode step), and
-  ``sample x rows`` as many rows as ``verify`` (the per-row work ``verify`` cannot avoid). The
-  drafts are the rows' argmax chain: greedy requests accept them whole (the longest path through
+  ``sample x rows`` as many rows as ``verify`` (the per-row work ``verify`` cannot avoid). Rows
+  are peaked as a trained model's are, not flat as random weights': a Zipf law of exponent 1.5
+  over a random order of the vocabulary, plus noise (the largest 1024 logits hold ~98% of the
+  probability, so top-p's cut on the CPU falls among them). The drafts are the rows' argmax chain: greedy requests accept them whole (the longest path through
   verify), sampling ones accept what p gives. Median wall time per call (synchronised), ms.
   Settings: greedy; sampling (temperature 0.8, top-p 0.95); sampling with penalties
   (repetition 1.1, frequency 0.2, over a ``--context``-token prompt); greedy with logprobs=5.
@@ -47,6 +49,15 @@ def fresh_sampler(params: SamplingParams, batch: int, prompt: list[int]) -> Samp
     return sampler
 
 
+def peaked_logits(rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Per row, log p(rank r) = -1.5 log r (up to a constant) at a random token order, plus noise."""
+    generator = torch.Generator().manual_seed(0)
+    zipf = -1.5 * torch.arange(1, vocab_size + 1, dtype=torch.float32).log()
+    order = torch.rand(rows, vocab_size, generator=generator).argsort(dim=-1)
+    logits = zipf[order] + 0.1 * torch.randn(rows, vocab_size, generator=generator)
+    return logits.to(device)
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     fn()   # warm-up (generators, kernels)
     times = []
@@ -64,7 +75,7 @@ def measure(setting: str, args: argparse.Namespace, device: torch.device) -> lis
     rng = random.Random(0)
     prompt = [rng.randrange(args.vocab) for _ in range(args.context)]
     rows = args.batch * (1 + args.draft)
-    logits = torch.randn(rows, args.vocab, device=device) * 3
+    logits = peaked_logits(rows, args.vocab, device)
     chain = logits.argmax(dim=-1).view(args.batch, 1 + args.draft)[:, :-1].tolist()
     req_ids = list(range(args.batch))
     # A fresh sampler per call would time add_request too; one sampler's state grows by a few
