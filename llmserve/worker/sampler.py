@@ -575,7 +575,9 @@ def _top_k_top_p_among_largest(logits: torch.Tensor, top_k: torch.Tensor, top_p:
     values = values.masked_fill(rank >= k, float("-inf"))
     # Probabilities over the row after top-k: its mass lies among the candidates where top-k
     # does, else over the whole row where there is no top-k (a top-k between the two: sorted).
-    normaliser = torch.where(within_k, values.logsumexp(dim=-1, keepdim=True), logits.logsumexp(dim=-1, keepdim=True))
+    normaliser = values.logsumexp(dim=-1, keepdim=True)
+    if not bool(within_k.all()):   # (this runs on the CPU: no device to wait for)
+        normaliser = torch.where(within_k, normaliser, logits.logsumexp(dim=-1, keepdim=True))
     probs = (values - normaliser).exp()
     cumulative = torch.cumsum(probs, dim=-1)
     has_top_p = (top_p < 1.0).unsqueeze(1)
