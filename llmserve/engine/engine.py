@@ -144,6 +144,10 @@ class LLMEngine:
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet
+        # Requests whose step just sent completes their prefill, or draws their last token (retired
+        # from the scheduler): their tokens go in the prefix cache (see _cache_prefilled).
+        self._prefilled: list[Request] = []
+        self._retired: list[Request] = []
         self._ids = itertools.count()
         # For /metrics and the periodic log line: prompt tokens computed since start (again after
         # a preemption), and the tokens the last step fed (decodes and prompt tokens).
@@ -241,7 +245,11 @@ class LLMEngine:
             # its tokens in the prefix cache) sees only the tokens really cached.
             for s in done[-1].scheduled:
                 s.request.num_cached -= s.num_new_tokens
-        return [delta for plan, output in zip(done, outputs) for delta in self._take_step(plan, output)]
+            self._prefilled.clear()
+        self._cache_prefilled()
+        deltas = [delta for plan, output in zip(done, outputs) for delta in self._take_step(plan, output)]
+        self._cache_retired()
+        return deltas
 
     def _sent(self, plan: SchedulerOutput) -> None:
         """The workers have the step: its tokens are in the KV cache, or on their way there."""
@@ -249,13 +257,27 @@ class LLMEngine:
         for s in plan.scheduled:
             req = s.request
             req.num_pending_tokens += s.samples
-            if self.overlap and req.final_token_pending and req in self.scheduler.running:
+            if s.prefill and s.samples:
+                self._prefilled.append(req)
+            if self.overlap and req.final_token_pending and self.scheduler.retire(req):
                 # Its last token is drawn: free its KV with the next step, as the plain loop does
                 # once it reads that token, so that the next batches are the plain loop's too.
-                # Its tokens go in the prefix cache first, all but this step's (which may yet fail).
-                self.scheduler.leave_cache(req, keep=True, upto=req.num_cached - s.num_new_tokens)
-                self.scheduler.retire(req)
                 self._to_free.append(req.req_id)
+                self._retired.append(req)
+
+    # The prefix cache learns of a step's tokens once the step is known to have run (its forward
+    # did not fail): a completed prefill's once the step is sent (the overlapped loop) or read
+    # (the plain one), and a retired request's once the token before its last is read. So both
+    # loops put the same tokens in the tree in the same order, and make the same batches.
+    def _cache_prefilled(self) -> None:
+        for req in self._prefilled:
+            self.scheduler.cache_prefill(req, min(req.num_cached, req.num_tokens))
+        self._prefilled.clear()
+
+    def _cache_retired(self) -> None:
+        for req in self._retired:
+            self.scheduler.leave_cache(req, keep=True)
+        self._retired.clear()
 
     def _take_step(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestDelta]:
         """Give a step's output to its requests; the deltas of those that got a token or failed."""
@@ -283,6 +305,7 @@ class LLMEngine:
             return []
         result = self._run_in_halves([self._batch_entry(s) for s in live.scheduled])
         self._sent(live)
+        self._cache_prefilled()
         return self._take_step(live, result)
 
     def _run_in_halves(self, entries: list[BatchEntry]) -> StepOutput:
@@ -309,8 +332,6 @@ class LLMEngine:
                 req.set_prompt_logprobs(result.prompt_logprobs[i], result.prompt_top_logprobs[i])
             if not s.samples:      # a chunk of a prompt still being prefilled: no token yet
                 return None
-            if s.prefill:          # its prefill is complete: its tokens go in the prefix cache
-                self.scheduler.cache_prefill(req, req.num_tokens)
             reason = req.append_token(result.token_ids[i], eos_token_ids=self.eos_token_ids,
                                       logprob=result.logprobs[i], top_logprobs=result.top_logprobs[i])
         except Exception as e:     # output the worker got wrong for this entry: its failure, not the engine's

@@ -118,7 +118,9 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
             self._queued_at.pop(req, None)
-        self.leave_cache(req, keep=reason is not FinishReason.ERROR)
+        # What it fed, bar its last token: the plain loop never feeds that one (the overlapped one
+        # may have), and both must leave the same tree.
+        self.leave_cache(req, keep=reason is not FinishReason.ERROR, upto=req.num_tokens - 1)
         req.finish(reason)
 
     def retire(self, req: Request) -> bool:
