@@ -158,7 +158,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._num_steps += 1
         preempted = self._preempt_until_decodes_fit()
-        scheduled = [ScheduledRequest(req, 1) for req in self.running if self.is_decoding(req)]
+        # (A prompt whose last chunk is one token looks like a decode: it is that prompt's prefill.)
+        scheduled = [ScheduledRequest(req, 1, prefill=req.num_output_tokens == 0 and not req.num_pending_tokens)
+                     for req in self.running if self.is_decoding(req)]
         num_decodes = len(scheduled)
         budget = _PrefillBudget(self.config.max_prefill_tokens)
         for req in self.running:   # prompts under way first: they are older than any waiting one
