@@ -2,7 +2,7 @@
 plain dataclasses, one verb each, pickled and framed by an 8-byte length.
 
 HTTP -> core: ``StartEngine`` and then a ``ModelSpec`` (once each, on the core's stdin), then over
-the socket ``AddRequest``, ``AbortRequests``, ``Shutdown``.
+the socket ``AddRequest``, ``AbortRequests``, ``EndSession``, ``Shutdown``.
 Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
 step (every request's ``RequestDelta`` of that step, token ids and no text, plus a stats
 snapshot), ``StepFailed`` when a step raised for no request of its own, and ``EngineDead`` last
@@ -49,11 +49,20 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     pixel_values: list[np.ndarray] | None = None   # the images of a multimodal prompt (Request.pixel_values)
+    # An interactive session's id: the request's tokens stay pinned in the prefix cache for the
+    # session's next turn once it finishes (until EndSession, or until the cache needs the room).
+    session_id: str | None = None
 
 
 @dataclass
 class AbortRequests:
     req_ids: list[int]
+
+
+@dataclass
+class EndSession:
+    """The session is over: unpin its tokens in the prefix cache."""
+    session_id: str
 
 
 @dataclass
@@ -90,6 +99,11 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_length_counts: tuple[int, ...] = ()
+    # The prefix cache: slots only it holds (evictable), and since start the tokens admissions
+    # looked up in it and found there.
+    num_cached_slots: int = 0
+    num_cache_queried_tokens: int = 0
+    num_cache_hit_tokens: int = 0
 
 
 @dataclass

@@ -97,6 +97,7 @@ def create_app(state: ServerState) -> FastAPI:
             "max_total_tokens": lim.max_total_tokens, "max_top_n_tokens": lim.max_top_n_tokens,
             "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
             "chunked_prefill": state.engine.config.chunked_prefill,
+            "prefix_cache": state.engine.config.prefix_cache,
             "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
             # prompt-lookup speculation (--speculate; 0: off)
             "speculate": state.engine.config.speculate,
