@@ -49,11 +49,18 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     pixel_values: list[np.ndarray] | None = None   # the images of a multimodal prompt (Request.pixel_values)
+    session_id: str | None = None     # an interactive session's: its tokens stay pinned in the prefix cache once it ends
 
 
 @dataclass
 class AbortRequests:
     req_ids: list[int]
+
+
+@dataclass
+class EndSession:
+    """The session is over: unpin what its last request left in the prefix cache."""
+    session_id: str
 
 
 @dataclass

@@ -184,6 +184,7 @@ class RequestDelta:
     # engine to its first scheduling (queue time), and from then to this token (prefill time).
     queue_time: float | None = None
     prefill_time: float | None = None
+    num_cached_tokens: int | None = None   # with the first token: its prompt tokens that came from the prefix cache
 
     @classmethod
     def of(cls, req: Request) -> RequestDelta:
