@@ -46,6 +46,8 @@ class RequestOutput:
     # Why this prompt failed (finish_reason "error"), e.g. parameters the sampler cannot use; the
     # other prompts of the call are unaffected. Its text and tokens are what came before.
     error: str | None = None
+    # Prompt tokens taken from the prefix cache (not computed again), as vLLM's RequestOutput.
+    num_cached_tokens: int | None = None
 
     @classmethod
     def from_request(cls, req: ClientRequest) -> RequestOutput:
@@ -55,6 +57,7 @@ class RequestOutput:
             logprobs=list(req.output_logprobs) if wants else None, finish_reason=req.finish_reason.value,
             prompt_token_ids=list(req.prompt_token_ids), top_logprobs=list(req.output_top_logprobs) if wants else None,
             prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs, error=req.error,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
 
@@ -166,6 +169,12 @@ class LLM:
         params = self._chat_stop.add_to(params or self.default_sampling_params())
         (out,) = self.generate([self.chat_prompt(messages)], params)
         return out
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (as vLLM's ``LLM.reset_prefix_cache``); the slots freed."""
+        freed = self.engine.reset_prefix_cache()
+        self.engine.flush()   # the workers drop the slots now
+        return freed
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -46,6 +46,9 @@ class ClientRequest:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None          # why the request failed (finish_reason ERROR)
+    # Prompt tokens the engine took from its prefix cache (RequestDelta.num_cached_tokens); None
+    # until the first token.
+    num_cached_tokens: int | None = None
 
     # The detokenized output. A matched stop string and everything after it are cut off,
     # and the text of a stop token or EOS token is never added.
@@ -100,6 +103,8 @@ class ClientRequest:
             return False
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
         assert delta.token_id is not None, delta     # only a failed request's delta has no token
         hidden = delta.finish_reason in (FinishReason.STOP_SEQUENCE, FinishReason.EOS_TOKEN)
         try:

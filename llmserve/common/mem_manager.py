@@ -290,6 +290,28 @@ class ReqManager:
         self._seq_len[rows] = starts + counts
         return slots
 
+    def share_prefix(self, req_idx: int, slots: torch.Tensor) -> None:
+        """Start an empty row with slots that another holder keeps too (a cached prefix):
+        positions [0, n) get ``slots``, each one more reference. ``ValueError`` (nothing
+        changes) if the row is not empty, is too short, or a slot is free."""
+        req_idx = self._check_in_use(req_idx)
+        n = int(slots.numel())
+        if int(self._seq_len[req_idx]) != 0:
+            raise ValueError(f"request {req_idx} already holds {int(self._seq_len[req_idx])} tokens: a prefix goes first")
+        if n > self.max_sequence_length:
+            raise ValueError(f"a prefix of {n} tokens exceeds max_sequence_length={self.max_sequence_length}")
+        self.mem_manager.incref(slots)
+        self.req_to_token[req_idx, :n] = slots.to(self.device, _SLOT_DTYPE, non_blocking=True)
+        self._seq_len[req_idx] = n
+
+    def slots(self, req_idx: int, start: int, end: int) -> torch.Tensor:
+        """The slots of the row's positions [start, end) (a copy); ``ValueError`` past its length."""
+        req_idx = self._check_in_use(req_idx)
+        if not 0 <= start <= end <= int(self._seq_len[req_idx]):
+            raise ValueError(f"positions [{start}, {end}) are not all in request {req_idx}'s row "
+                             f"of {int(self._seq_len[req_idx])} tokens")
+        return self.req_to_token[req_idx, start:end].clone()
+
     def truncate(self, req_idx: int, new_len: int) -> None:
         """Drop the tokens at positions >= ``new_len`` and free their slots (e.g. rejected drafts)."""
         req_idx = self._check_in_use(req_idx)

@@ -26,8 +26,8 @@ from typing import TypeVar
 
 from llmserve.engine.engine import LLMEngine, ModelSpec
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
-    StartEngine, StartupFailed, StepFailed, encode,
+    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer,
+    Shutdown, StartEngine, StartupFailed, StepFailed, encode,
 )
 from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.worker_client import ModelWorkerGroup
@@ -95,13 +95,16 @@ class EngineCore:
         elif isinstance(message, AbortRequests):
             for req_id in message.req_ids:
                 self.engine.abort_request(req_id)
+        elif isinstance(message, EndSession):
+            self.engine.end_session(message.session_id)
         else:
             raise TypeError(f"unexpected message from the HTTP process: {type(message).__name__}")
 
     def _add(self, message: AddRequest) -> None:
         # Admitted by check_request at the API edge; the engine only asserts, and a failed
         # assertion here is a bug of ours that costs this request only.
-        req = Request(message.req_id, message.prompt_token_ids, message.params, pixel_values=message.pixel_values)
+        req = Request(message.req_id, message.prompt_token_ids, message.params, pixel_values=message.pixel_values,
+                      session_id=message.session_id)
         try:
             self.engine.enqueue(req)
         except Exception as e:
@@ -143,7 +146,9 @@ class EngineCore:
     def _stats(self) -> EngineStats:
         s = self.engine.scheduler
         return EngineStats(num_waiting=s.num_waiting, num_running=s.num_running, num_used_slots=s.num_used_slots,
-                           num_preemptions=s.num_preemptions, num_prefill_tokens=self.engine.num_prefill_tokens)
+                           num_preemptions=s.num_preemptions, num_prefill_tokens=self.engine.num_prefill_tokens,
+                           num_cached_slots=s.num_cached_slots, num_cache_queried_tokens=s.num_cache_queried_tokens,
+                           num_cache_hit_tokens=s.num_cache_hit_tokens)
 
     def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
         """One message per step; between steps, only when the stats changed (an abort, say)."""

@@ -55,6 +55,9 @@ class EngineConfig:
     # rank, where it hides the host's work; True also on the CPU (tests: same tokens either way).
     overlap: bool | None = None
     dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
+    # Keep computed tokens' KV in a radix tree and start requests from their longest cached prefix
+    # (engine/radix_cache.py); off: every prompt is prefilled in full.
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -134,11 +137,17 @@ class LLMEngine:
             max_total_token_num=self.info.max_total_token_num,
             max_running_requests=min(config.max_running_requests, self.info.max_req_num),
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
+            prefix_cache=config.prefix_cache, image_token_id=self.info.image_token_id,
+            tokens_per_image=self.info.tokens_per_image,
         ))
         self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.tp == 1
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet
+        # Requests whose step just sent completes their prefill, or draws their last token (retired
+        # from the scheduler): their tokens go in the prefix cache (see _cache_prefilled).
+        self._prefilled: list[Request] = []
+        self._retired: list[Request] = []
         self._ids = itertools.count()
         # For /metrics and the periodic log line: prompt tokens computed since start (again after
         # a preemption), and the tokens the last step fed (decodes and prompt tokens).
@@ -160,11 +169,23 @@ class LLMEngine:
                 f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    pixel_values: list[np.ndarray] | None = None) -> Request:
-        """Queue a request; ``InvalidRequest`` (a ``ValueError``) if it can never run."""
+                    pixel_values: list[np.ndarray] | None = None, session_id: str | None = None) -> Request:
+        """Queue a request; ``InvalidRequest`` (a ``ValueError``) if it can never run.
+        ``session_id``: when it finishes, its tokens stay pinned in the prefix cache for the
+        session's next turn (until ``end_session``, or until the cache needs the room)."""
         req = self.new_request(prompt_token_ids, params, pixel_values)
+        req.session_id = session_id
         self.enqueue(req)
         return req
+
+    def end_session(self, session_id: str) -> None:
+        """Unpin the session's tokens in the prefix cache, and drop those only it used."""
+        self.scheduler.end_session(session_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache of everything no running request uses (session pins too), as
+        vLLM's ``reset_prefix_cache``; the slots freed (the workers free them with the next step)."""
+        return self.scheduler.evict_all()
 
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     pixel_values: list[np.ndarray] | None = None) -> Request:
@@ -201,9 +222,10 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         entries = [self._batch_entry(s) for s in plan.scheduled]
         step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted],
-                         overlap=self.overlap)
+                         overlap=self.overlap, cache_ops=self._take_cache_ops())
         self._to_free = []
-        if not entries and not step.finished_req_ids and not step.preempted_req_ids and not self._in_flight:
+        if (not entries and not step.finished_req_ids and not step.preempted_req_ids and not step.cache_ops
+                and not self._in_flight):
             return []
         self.num_prefill_tokens += plan.num_prefill_tokens
         self.last_step_num_tokens = plan.num_tokens
@@ -218,7 +240,16 @@ class LLMEngine:
         # The steps these outputs are of, taken off first: whatever goes wrong below, what stays
         # in flight is what the workers still owe.
         done = [self._in_flight.popleft() for _ in outputs]
-        return [delta for plan, output in zip(done, outputs) for delta in self._take_step(plan, output)]
+        if outputs and outputs[-1].forward_failed:
+            # Undone first, so that reading the steps before it (a request that stops there puts
+            # its tokens in the prefix cache) sees only the tokens really cached.
+            for s in done[-1].scheduled:
+                s.request.num_cached -= s.num_new_tokens
+            self._prefilled.clear()
+        self._cache_prefilled()
+        deltas = [delta for plan, output in zip(done, outputs) for delta in self._take_step(plan, output)]
+        self._cache_retired()
+        return deltas
 
     def _sent(self, plan: SchedulerOutput) -> None:
         """The workers have the step: its tokens are in the KV cache, or on their way there."""
@@ -226,10 +257,27 @@ class LLMEngine:
         for s in plan.scheduled:
             req = s.request
             req.num_pending_tokens += s.samples
+            if s.prefill and s.samples:
+                self._prefilled.append(req)
             if self.overlap and req.final_token_pending and self.scheduler.retire(req):
                 # Its last token is drawn: free its KV with the next step, as the plain loop does
                 # once it reads that token, so that the next batches are the plain loop's too.
                 self._to_free.append(req.req_id)
+                self._retired.append(req)
+
+    # The prefix cache learns of a step's tokens once the step is known to have run (its forward
+    # did not fail): a completed prefill's once the step is sent (the overlapped loop) or read
+    # (the plain one), and a retired request's once the token before its last is read. So both
+    # loops put the same tokens in the tree in the same order, and make the same batches.
+    def _cache_prefilled(self) -> None:
+        for req in self._prefilled:
+            self.scheduler.cache_prefill(req, min(req.num_cached, req.num_tokens))
+        self._prefilled.clear()
+
+    def _cache_retired(self) -> None:
+        for req in self._retired:
+            self.scheduler.leave_cache(req, keep=True)
+        self._retired.clear()
 
     def _take_step(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestDelta]:
         """Give a step's output to its requests; the deltas of those that got a token or failed."""
@@ -250,14 +298,14 @@ class LLMEngine:
 
     def _run_again(self, plan: SchedulerOutput) -> list[RequestDelta]:
         """A step whose forward raised, which the workers have undone: undo it here too, and run
-        its live entries again at once, in halves (see ``_run_in_halves``)."""
-        for s in plan.scheduled:
-            s.request.num_cached -= s.num_new_tokens
+        its live entries again at once, in halves (see ``_run_in_halves``). (``step`` has taken
+        the step's tokens off the requests' ``num_cached`` already.)"""
         live = SchedulerOutput([s for s in plan.scheduled if not s.request.is_finished], [])
         if not live.scheduled:
             return []
         result = self._run_in_halves([self._batch_entry(s) for s in live.scheduled])
         self._sent(live)
+        self._cache_prefilled()
         return self._take_step(live, result)
 
     def _run_in_halves(self, entries: list[BatchEntry]) -> StepOutput:
@@ -304,14 +352,23 @@ class LLMEngine:
     def _batch_entry(self, s: ScheduledRequest) -> BatchEntry:
         req, start = s.request, s.request.num_cached
         end = start + s.num_new_tokens
-        first = start == 0   # first chunk, or the first after a preemption: (re)send the sampling setup
+        # First chunk, or the first after a preemption: (re)send the sampling setup, and the
+        # cached prefix the request starts from.
+        first = start == req.num_cached_prefix
+        cache = self.scheduler.cache
         return BatchEntry(
             req_id=req.req_id, token_ids=req.token_slice(start, min(end, req.num_tokens)), num_cached=start,
             params=req.params if first else None, prompt_token_ids=req.prompt_token_ids if first else None,
             want_prompt_logprobs=first and req.needs_prompt_logprobs, sample=s.samples,
             pending_token=end > req.num_tokens,   # its last token is the one in flight
             pixel_values=req.pixel_values if first else None,
+            prefix_node_ids=[node.id for node in cache.path(req.cache_node)] if first and start and cache else None,
         )
+
+    def _take_cache_ops(self) -> list:
+        """The prefix cache's changes the workers have yet to mirror."""
+        cache = self.scheduler.cache
+        return cache.take_ops() if cache is not None else []
 
     def _release(self, req: Request) -> None:
         self._to_free.append(req.req_id)
@@ -321,8 +378,8 @@ class LLMEngine:
         """The caller is going idle: read the step still in flight (``generate`` is done once its
         own requests are, and a step may be running for one that stopped) and hand the workers
         the pending frees, scheduling nothing new."""
-        while self._in_flight or self._to_free:
-            step = StepInput([], finished_req_ids=self._to_free, overlap=self.overlap)
+        while self._in_flight or self._to_free or (self.scheduler.cache is not None and self.scheduler.cache.ops):
+            step = StepInput([], finished_req_ids=self._to_free, overlap=self.overlap, cache_ops=self._take_cache_ops())
             self._to_free = []
             outputs = self.workers.step(step)
             for plan, output in [(self._in_flight.popleft(), output) for output in outputs]:

@@ -2,7 +2,7 @@
 plain dataclasses, one verb each, pickled and framed by an 8-byte length.
 
 HTTP -> core: ``StartEngine`` and then a ``ModelSpec`` (once each, on the core's stdin), then over
-the socket ``AddRequest``, ``AbortRequests``, ``Shutdown``.
+the socket ``AddRequest``, ``AbortRequests``, ``EndSession``, ``Shutdown``.
 Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
 step (every request's ``RequestDelta`` of that step, token ids and no text, plus a stats
 snapshot), ``StepFailed`` when a step raised for no request of its own, and ``EngineDead`` last
@@ -49,7 +49,9 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     pixel_values: list[np.ndarray] | None = None   # the images of a multimodal prompt (Request.pixel_values)
-    session_id: str | None = None     # an interactive session's: its tokens stay pinned in the prefix cache once it ends
+    # An interactive session's id: the request's tokens stay pinned in the prefix cache for the
+    # session's next turn once it finishes (until EndSession, or until the cache needs the room).
+    session_id: str | None = None
 
 
 @dataclass
@@ -59,7 +61,7 @@ class AbortRequests:
 
 @dataclass
 class EndSession:
-    """The session is over: unpin what its last request left in the prefix cache."""
+    """The session is over: unpin its tokens in the prefix cache."""
     session_id: str
 
 
@@ -92,6 +94,11 @@ class EngineStats:
     # Counts since the engine started (the HTTP process turns them into counters and rates).
     num_preemptions: int = 0
     num_prefill_tokens: int = 0       # prompt tokens computed, again after a preemption
+    # The prefix cache: slots only it holds (evictable), and since start the tokens admissions
+    # looked up in it and found there.
+    num_cached_slots: int = 0
+    num_cache_queried_tokens: int = 0
+    num_cache_hit_tokens: int = 0
 
 
 @dataclass

@@ -10,6 +10,7 @@ front end's (``llmserve.output.ClientRequest``), which aborts the request when o
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from collections.abc import Set
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from llmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from llmserve.engine.radix_cache import Node
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +73,18 @@ class Request:
     finish_reason: FinishReason | None = None
     # Why the request failed (finish_reason ERROR): one line, fit for the client.
     error: str | None = None
+    # An interactive session's id: when the request finishes, the prefix cache keeps its tokens
+    # pinned for the session's next turn.
+    session_id: str | None = None
+
+    # The prefix cache's view (scheduler.py): the deepest tree node of the request's cached tokens
+    # (it locks the node's path), None when it holds none; how many of its cached tokens' slots are
+    # the tree's (the rest are its own); and how many tokens its latest admission took from the
+    # cache (reported with its first token).
+    cache_node: Node | None = field(default=None, repr=False)
+    num_in_tree: int = 0
+    num_cached_prefix: int = 0
+    _image_keys: list[int] | None = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -82,6 +97,22 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : stop - n_prompt]
         return self.prompt_token_ids[start:stop] + self.output_token_ids[: max(0, stop - n_prompt)]
+
+    def cache_key(self, n: int, image_token_id: int | None = None, tokens_per_image: int = 0) -> list[int]:
+        """The first ``n`` tokens as the prefix cache keys them: token ids, but an image's
+        placeholders (all alike) by a hash of that image's pixels, so that prompts with different
+        images never share their KV."""
+        key = self.token_slice(0, n)
+        if not self.pixel_values or image_token_id is None or not tokens_per_image:
+            return key
+        if self._image_keys is None:
+            self._image_keys = [_image_key(px) for px in self.pixel_values]
+        seen = 0
+        for i, token in enumerate(key):
+            if token == image_token_id:
+                key[i] = self._image_keys[min(seen // tokens_per_image, len(self._image_keys) - 1)]
+                seen += 1
+        return key
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +199,13 @@ class Request:
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
 
+def _image_key(pixel_values: np.ndarray) -> int:
+    """A negative int (token ids are not) that stands for one image in a prefix-cache key."""
+    digest = hashlib.blake2b(repr((pixel_values.shape, str(pixel_values.dtype))).encode(), digest_size=8)
+    digest.update(pixel_values.tobytes())
+    return -1 - int.from_bytes(digest.digest(), "big") // 2
+
+
 @dataclass
 class RequestDelta:
     """What one step did to one request: the engine's whole report of it to the front end."""
@@ -184,7 +222,9 @@ class RequestDelta:
     # engine to its first scheduling (queue time), and from then to this token (prefill time).
     queue_time: float | None = None
     prefill_time: float | None = None
-    num_cached_tokens: int | None = None   # with the first token: its prompt tokens that came from the prefix cache
+    # Sent once, with the request's first token: its prompt tokens that came from the prefix
+    # cache (0 on a miss; None in every later delta).
+    num_cached_tokens: int | None = None
 
     @classmethod
     def of(cls, req: Request) -> RequestDelta:
@@ -203,4 +243,5 @@ class RequestDelta:
             prompt_top_logprobs=req.prompt_top_logprobs if first else None,
             queue_time=scheduled - req.arrival_time if now is not None else None,
             prefill_time=now - scheduled if now is not None else None,
+            num_cached_tokens=min(req.num_cached_prefix, req.num_prompt_tokens) if first else None,
         )

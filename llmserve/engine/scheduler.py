@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from llmserve.engine.radix_cache import Node, RadixCache
 from llmserve.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -38,6 +39,20 @@ class SchedulerConfig:
     # Split prompts over steps to stay within max_prefill_tokens. Off: a prompt runs whole, and
     # one larger than the budget runs alone.
     chunked_prefill: bool = True
+    # Keep requests' tokens in a radix tree (radix_cache.py) and start each request from its
+    # longest cached prefix. (The engine's default is on; bare schedulers in tests run without.)
+    prefix_cache: bool = False
+    # Cache-aware admission: waiting requests with longer cached prefixes go first, but one that
+    # has waited this many steps goes before every younger one (no starvation).
+    prefix_wait_steps: int = 64
+    # How prompts with images are keyed (Request.cache_key); None: a text-only model.
+    image_token_id: int | None = None
+    tokens_per_image: int = 0
+
+
+# Cache-aware ordering looks at this many waiting requests at most (the rest wait in arrival
+# order): matching costs a walk of the tree per request and step.
+_MAX_RANKED_WAITING = 128
 
 
 @dataclass
@@ -48,6 +63,9 @@ class ScheduledRequest:
     # The step reaches the end of the request's tokens, so it samples the next one (false for
     # every chunk of a split prompt but the last).
     samples: bool = True
+    # A chunk of a prompt (or of a preempted request's tokens), not a decode: the step that
+    # samples after one completes a prefill, whose tokens then join the prefix cache.
+    prefill: bool = False
 
 
 @dataclass
@@ -72,6 +90,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0     # since start, for /metrics
+        self.cache = RadixCache() if config.prefix_cache else None
+        # session id -> the node its pin holds, oldest pin first (released first under pressure)
+        self.sessions: dict[str, Node] = {}
+        # Since start, for /metrics: tokens looked up in the cache at admission, and found.
+        self.num_cache_queried_tokens = 0
+        self.num_cache_hit_tokens = 0
+        self._num_steps = 0
+        self._queued_at: dict[Request, int] = {}    # waiting fresh requests -> the step they arrived at
 
     # ----------------------------------------------------------------------------------
     # Requests in and out
@@ -83,6 +109,7 @@ class Scheduler:
         assert req.num_prompt_tokens + req.params.max_new_tokens <= self.config.max_total_token_num, req.req_id
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+        self._queued_at[req] = self._num_steps
 
     def finish_request(self, req: Request, reason: FinishReason) -> None:
         """Drop a request; its KV slots count as free from now on."""
@@ -90,6 +117,10 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+            self._queued_at.pop(req, None)
+        # What it fed, bar its last token: the plain loop never feeds that one (the overlapped one
+        # may have), and both must leave the same tree.
+        self.leave_cache(req, keep=reason is not FinishReason.ERROR, upto=req.num_tokens - 1)
         req.finish(reason)
 
     def retire(self, req: Request) -> bool:
@@ -118,6 +149,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._num_steps += 1
         preempted = self._preempt_until_decodes_fit()
         scheduled = [ScheduledRequest(req, 1) for req in self.running if self.is_decoding(req)]
         num_decodes = len(scheduled)
@@ -139,6 +171,10 @@ class Scheduler:
     def _preempt_until_decodes_fit(self) -> list[Request]:
         preempted = []
         while self._num_decode_tokens() > self._num_uncommitted_slots():
+            # The cache's unused entries go first; then requests.
+            self._make_room(self._num_decode_tokens() - self._num_uncommitted_slots())
+            if self._num_decode_tokens() <= self._num_uncommitted_slots():
+                break
             newest = max(self.running, key=lambda req: req.arrival_time)
             self._preempt(newest)
             preempted.append(newest)
@@ -147,6 +183,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.num_preemptions += 1
         self.running.remove(req)
+        self.leave_cache(req, keep=True)   # what it computed stays in the tree: its re-prefill matches it
         req.num_cached = 0
         req.status = RequestStatus.WAITING
         # At the front, so it resumes before every request that arrived after it.
@@ -155,28 +192,37 @@ class Scheduler:
     def _admit_waiting(self, budget: _PrefillBudget) -> list[ScheduledRequest]:
         """Move waiting requests into the running batch, in order, while they fit."""
         admitted: list[ScheduledRequest] = []
-        free_after_step = self._num_uncommitted_slots() - self._num_decode_tokens()
+        self._order_waiting()
         while self.waiting:
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break   # preempted while its token was in flight: it waits for the step that reads it
-            num_uncached = self._num_uncached(req)  # the whole sequence: num_cached is 0
             if len(self.running) >= self.config.max_running_requests:
                 break
-            # Room for the whole prompt, plus one slot per running request (this one included)
-            # for the next decode, so that admitting it does not force a preemption right away.
-            if free_after_step - num_uncached < len(self.running) + 1:
-                break
-            chunk = self._chunk(req, budget)
+            node, num_hit = self._match(req)
+            req.num_cached = num_hit
+            # Room for the rest of its tokens (all of them but a cached prefix), plus one slot per
+            # running request (this one included) for the next decode, so that admitting it does
+            # not force a preemption right away. The cache's unused entries make room first.
+            need = self._num_uncached(req) + len(self.running) + 1
+            self._make_room(need - self._num_free_after_step())
+            chunk = self._chunk(req, budget) if self._num_free_after_step() >= need else 0
             if chunk == 0:
+                req.num_cached = 0
+                if node is not None:
+                    self.cache.unlock(node)
                 break
             self.waiting.popleft()
+            self._queued_at.pop(req, None)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+            if node is not None:
+                req.cache_node, req.num_in_tree, req.num_cached_prefix = node, num_hit, num_hit
+                self.num_cache_queried_tokens += req.num_tokens
+                self.num_cache_hit_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(self._scheduled(req, chunk))
-            free_after_step -= num_uncached
         return admitted
 
     def _chunk(self, req: Request, budget: _PrefillBudget) -> int:
@@ -195,7 +241,115 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(req: Request, num_new_tokens: int) -> ScheduledRequest:
-        return ScheduledRequest(req, num_new_tokens, samples=req.num_cached + num_new_tokens == req.num_tokens_with_pending)
+        return ScheduledRequest(req, num_new_tokens, samples=req.num_cached + num_new_tokens == req.num_tokens_with_pending,
+                                prefill=True)
+
+    # ----------------------------------------------------------------------------------
+    # The prefix cache
+    # ----------------------------------------------------------------------------------
+
+    def _key(self, req: Request, n: int) -> list[int]:
+        return req.cache_key(n, self.config.image_token_id, self.config.tokens_per_image)
+
+    def _match(self, req: Request) -> tuple[Node | None, int]:
+        """The request's longest cached prefix, locked: (its node, its length); (None, 0) with no
+        cache. At least the last token stays uncached: its logits sample the next one. A request
+        that wants prompt logprobs needs every prompt row computed: it matches nothing."""
+        if self.cache is None:
+            return None, 0
+        if req.needs_prompt_logprobs:
+            node, n = self.cache.root, 0
+        else:
+            node, n = self.cache.match(self._key(req, req.num_tokens - 1))
+        self.cache.lock(node)
+        return node, n
+
+    def cache_prefill(self, req: Request, n: int) -> None:
+        """A step that fed the request's first ``n`` tokens is done (its prefill is complete): put
+        them in the tree now, so that requests arriving while it decodes share them."""
+        if self.cache is None or req.cache_node is None:
+            return
+        node, added = self.cache.insert(self._key(req, n), req.req_id)
+        if node is not req.cache_node:   # the lock moves down to the new deepest node
+            self.cache.lock(node)
+            self.cache.unlock(req.cache_node)
+            req.cache_node = node
+        req.num_in_tree += added
+
+    def leave_cache(self, req: Request, keep: bool, upto: int | None = None) -> None:
+        """The request stops using the tree (it finished, was preempted or retired): with
+        ``keep``, its computed tokens (at most ``upto``, what it fed, and what it knows: never a
+        token in flight) go in first, and a session's request pins them for the session's next
+        turn."""
+        if self.cache is None or req.cache_node is None:
+            return
+        if keep:
+            n = min(req.num_cached, req.num_tokens, req.num_cached if upto is None else upto)
+            if n > self.cache.depth(req.cache_node):
+                self.cache_prefill(req, n)
+            if req.session_id is not None:
+                self._pin(req.session_id, req.cache_node)
+        self.cache.unlock(req.cache_node)
+        req.cache_node, req.num_in_tree = None, 0
+
+    def _pin(self, session_id: str, node: Node) -> None:
+        """Hold the session's conversation in the tree, in place of its previous turn's pin."""
+        old = self.sessions.pop(session_id, None)
+        self.cache.pin(node)
+        if old is not None:
+            self.cache.unpin(old)
+        self.sessions[session_id] = node
+
+    def end_session(self, session_id: str) -> int:
+        """Unpin the session's conversation and drop what only it used; the slots freed."""
+        node = self.sessions.pop(session_id, None) if self.cache is not None else None
+        if node is None:
+            return 0
+        self.cache.unpin(node)
+        return self.cache.evict_branch(node)
+
+    def _make_room(self, num_slots: int) -> None:
+        """Evict the tree's least recently used entries until ``num_slots`` more slots are free,
+        or nothing unused is left; then release session pins, oldest first, and evict again.
+        (Pins are soft: the session's next turn just prefills more.)"""
+        if self.cache is None or num_slots <= 0:
+            return
+        freed = self.cache.evict(num_slots)
+        while freed < num_slots and self.sessions:
+            oldest = next(iter(self.sessions))
+            self.cache.unpin(self.sessions.pop(oldest))
+            freed += self.cache.evict(num_slots - freed)
+
+    def evict_all(self) -> int:
+        """Evict every entry that no running request uses (session pins too); the slots freed."""
+        if self.cache is None:
+            return 0
+        for node in self.sessions.values():
+            self.cache.unpin(node)
+        self.sessions.clear()
+        return self.cache.evict(self.cache.num_tokens)
+
+    def _order_waiting(self) -> None:
+        """Cache-aware admission order (SGLang's longest-prefix-match, with an age bound): the
+        preempted requests stay first, in their order; then the fresh ones that have waited
+        ``prefix_wait_steps`` steps, oldest first; then the others, longest cached prefix first
+        (arrival order among equals)."""
+        if self.cache is None or self.cache.num_tokens == 0 or len(self.waiting) < 2:
+            return
+        waiting = list(self.waiting)
+        first_fresh = next((i for i, r in enumerate(waiting) if r.first_scheduled_time is None), len(waiting))
+        fresh = waiting[first_fresh : first_fresh + _MAX_RANKED_WAITING]
+        if len(fresh) < 2:
+            return
+
+        def rank(req: Request) -> tuple:
+            if self._num_steps - self._queued_at.get(req, self._num_steps) >= self.config.prefix_wait_steps:
+                return (0, 0, req.arrival_time)
+            n = 0 if req.needs_prompt_logprobs else self.cache.prefix_length(self._key(req, req.num_tokens - 1))
+            return (1, -n, req.arrival_time)
+
+        fresh.sort(key=rank)
+        self.waiting = deque(waiting[:first_fresh] + fresh + waiting[first_fresh + len(fresh):])
 
     # ----------------------------------------------------------------------------------
     # Accounting
@@ -219,13 +373,27 @@ class Scheduler:
         committed = sum(self._num_uncached(req) for req in self.running if not self.is_decoding(req))
         return self.num_free_slots - committed
 
+    def _num_free_after_step(self) -> int:
+        return self._num_uncommitted_slots() - self._num_decode_tokens()
+
+    def _num_own_slots(self) -> int:
+        """Slots the running requests hold that the prefix tree does not."""
+        return sum(req.num_cached - req.num_in_tree for req in self.running)
+
     @property
     def num_used_slots(self) -> int:
-        return sum(req.num_cached for req in self.running)
+        """Slots held by running requests (their own, and the tree's they use)."""
+        return self._num_own_slots() + (self.cache.num_locked_tokens if self.cache is not None else 0)
+
+    @property
+    def num_cached_slots(self) -> int:
+        """Slots held only by the prefix tree: evictable (a session's pinned ones too, last)."""
+        return self.cache.num_tokens - self.cache.num_locked_tokens if self.cache is not None else 0
 
     @property
     def num_free_slots(self) -> int:
-        return self.config.max_total_token_num - self.num_used_slots
+        tree = self.cache.num_tokens if self.cache is not None else 0
+        return self.config.max_total_token_num - self._num_own_slots() - tree
 
     @property
     def num_waiting(self) -> int:

@@ -21,6 +21,7 @@ import torch
 from rpyc.utils.server import ThreadedServer
 
 from llmserve.common.logs import adopt_library_logging
+from llmserve.worker.prefix_slots import PrefixSlots
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
@@ -76,6 +77,7 @@ class ModelWorker:
                                       args.eos_token_ids)
             self.sampler = Sampler(eos_token_ids=args.eos_token_ids, grammar=grammar)
         self.req_rows: dict[int, int] = {}   # req_id -> row of req_to_token
+        self.prefix_slots = PrefixSlots(self.model.req_manager)   # the prefix cache's slots
         self._owed: _LaunchedStep | None = None   # an overlapped step whose output is not sent yet
         # The last step's draw, on the device, and each sampling request's row in it: where a
         # pending token of the next step comes from.
@@ -105,6 +107,8 @@ class ModelWorker:
         sent: this one's, after the one still owed (an overlapped step before it). An overlapped
         step is only queued here, and its output owed to the next call, unless its forward
         failed. Ranks other than 0 return nothing (rank 0 samples)."""
+        # Cache first: a finished or preempted request's tokens join the tree before its row goes.
+        self.prefix_slots.apply(step.cache_ops, self.req_rows)
         for req_id in step.preempted_req_ids:
             self._free_kv(req_id)
         for req_id in step.finished_req_ids:
@@ -117,6 +121,9 @@ class ModelWorker:
             return _outputs_of(owed)
 
         rows = [self._row(e.req_id) for e in step.entries]
+        for e, row in zip(step.entries, rows):
+            if e.prefix_node_ids:
+                self.prefix_slots.share(row, e.prefix_node_ids)
         # Entries whose sampling setup failed still run the forward: every rank must run the
         # same batch (only rank 0 has a sampler), and their rows harm no one.
         errors = self._add_to_sampler(step.entries)

@@ -106,6 +106,10 @@ class BatchEntry:
     # every prefill from position 0; a worker encodes them the first time only and keeps the
     # features until the request finishes (preemption keeps them too).
     pixel_values: list[np.ndarray] | None = None
+    # The prefix cache's nodes whose slots hold this request's first num_cached tokens, root
+    # first: sent with the step that (re)admits a request with a cached prefix, whose row the
+    # worker starts with those slots (one more reference each).
+    prefix_node_ids: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -120,6 +124,9 @@ class StepInput:
     # Answer once the step is queued on the device, with the outputs of earlier steps only: this
     # step's output comes with the next call's answer (see the module's doc).
     overlap: bool = False
+    # The prefix cache's changes since the last step, applied in order before anything else
+    # (before the frees above: a finished request's slots are cached before its row goes).
+    cache_ops: list[CacheOp] = field(default_factory=list)
 
 
 @dataclass
@@ -157,3 +164,33 @@ def error_line(e: BaseException) -> str:
     (a torch error's message may go on for a page)."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+# -- the prefix cache's ops (llmserve/engine/radix_cache.py makes them, every rank mirrors them in
+# llmserve/worker/prefix_slots.py) --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SplitNode:
+    """Node ``node_id``'s first ``at`` slots go to a new node ``new_node_id`` (its new parent)."""
+    node_id: int
+    at: int
+    new_node_id: int
+
+
+@dataclass(frozen=True)
+class CacheTokens:
+    """The slots at positions [start, end) of request ``req_id``'s row now also belong to the new
+    node ``node_id`` (one more reference each)."""
+    node_id: int
+    req_id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class EvictNode:
+    """The node is gone: drop its references to its slots."""
+    node_id: int
+
+
+CacheOp = SplitNode | CacheTokens | EvictNode

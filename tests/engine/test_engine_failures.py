@@ -176,14 +176,19 @@ def failing_forward(tiny):
         return last_layer_forward(*args, **kwargs)
 
     model.forward, last_layer.forward = recording_forward, failing_last_layer
+    tiny.reset_prefix_cache()   # the prefix cache's slots are the real worker's: a new worker starts empty
     real_workers, engine.workers = engine.workers, InProcessWorkers(worker)
     try:
         yield tiny, poison, worker
     finally:
+        tiny.reset_prefix_cache()
         engine.workers = real_workers
 
 
-def assert_kv_all_free(worker: ModelWorker) -> None:
+def assert_kv_all_free(llm: LLM, worker: ModelWorker) -> None:
+    """Every slot is free once the prefix cache lets go of what it keeps."""
+    llm.reset_prefix_cache()
+    assert not worker.prefix_slots.node_slots
     model = worker.model
     assert model.mem_manager.can_use_mem_size == model.mem_manager.size
     assert model.req_manager.can_use_req_size == model.req_manager.max_request_num
@@ -206,7 +211,7 @@ def test_a_forward_failing_on_prompts_fails_those_requests_alone(failing_forward
     assert [o.token_ids for o in outs] == expected
     llm.engine.flush()
     assert_idle(llm)
-    assert_kv_all_free(worker)
+    assert_kv_all_free(llm, worker)
     assert alone(llm) == expected
 
 
@@ -230,7 +235,7 @@ def test_a_forward_failing_on_a_decode_step_fails_that_request_alone(failing_for
     assert [o.token_ids for o in outs] == expected
     llm.engine.flush()
     assert_idle(llm)
-    assert_kv_all_free(worker)
+    assert_kv_all_free(llm, worker)
 
 
 # -- the server's engine core and its client ----------------------------------------------

@@ -43,6 +43,7 @@ def run(llm: LLM, overlap: bool, prompts, params, monkeypatch) -> tuple[list, li
     monkeypatch.setattr(Scheduler, "schedule", recording_schedule)
     monkeypatch.setattr(Scheduler, "_preempt", lambda self, req: (preempted.append(req.req_id), preempt(self, req)))
     llm.engine.overlap = overlap
+    llm.reset_prefix_cache()   # each run starts cold, or the second would prefill less and batch otherwise
     try:
         outs = llm.generate(prompts, params)
     finally:
