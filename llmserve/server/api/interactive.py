@@ -4,7 +4,8 @@ A request brings only its new user turn (``prompt``, a string or a list of messa
 ``session_id``; with ``interactive_mode`` true the session lives on after the turn, false (the
 default, as LMDeploy's) makes this turn its last. ``session_id`` -1 picks a new id (the response
 says which). ``cancel`` stops the session's running turn and ends it. The answer is LMDeploy's
-``{text, tokens, input_tokens, history_tokens, finish_reason}`` plus ``session_id``; streamed, one
+``{text, tokens, input_tokens, history_tokens, finish_reason}`` plus ``session_id`` and
+``cached_tokens`` (the prompt tokens the prefix cache held); streamed, one
 such JSON object per line, each with the text that became safe to show. Errors are OpenAI's shape,
 as on the other /v1 routes. Sessions themselves: server/sessions.py.
 """
@@ -67,7 +68,9 @@ def continuation(state: ServerState, session: Session, messages: list[dict[str, 
 def answer(stream: RequestStream, text: str, input_tokens: int, history_tokens: int, session_id: int,
            reason: str | None) -> dict[str, Any]:
     return {"text": text, "tokens": stream.request.num_output_tokens, "input_tokens": input_tokens,
-            "history_tokens": history_tokens, "finish_reason": reason, "session_id": session_id}
+            "history_tokens": history_tokens, "finish_reason": reason, "session_id": session_id,
+            # the prompt tokens the engine's prefix cache held (known from the first token on)
+            "cached_tokens": stream.request.num_cached_tokens or 0}
 
 
 def build_router(state: ServerState) -> APIRouter:

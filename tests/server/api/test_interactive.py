@@ -72,6 +72,10 @@ def test_a_session_answers_as_the_whole_conversation(embedded):
         assert got["tokens"] == reference["usage"]["completion_tokens"]
         # the history: the prompt and the answer's content (an EOS ends it and is not content)
         history = got["history_tokens"] + got["input_tokens"] + got["tokens"] - (got["finish_reason"] == "stop")
+    # a later turn prefills its new tokens only: the cache holds the rest (but for an answer cut
+    # by its length, whose last token no step fed)
+    for previous, got in zip(answers, answers[1:]):
+        assert got["cached_tokens"] == got["history_tokens"] - (previous["finish_reason"] == "length")
 
 
 # -- the rules, on the tiny model -------------------------------------------------------------
