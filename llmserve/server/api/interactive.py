@@ -5,15 +5,16 @@ A request brings only its new user turn (``prompt``, a string or a list of messa
 default, as LMDeploy's) makes this turn its last. ``session_id`` -1 picks a new id (the response
 says which). ``cancel`` stops the session's running turn and ends it. The answer is LMDeploy's
 ``{text, tokens, input_tokens, history_tokens, finish_reason}`` plus ``session_id`` and
-``cached_tokens`` (the prompt tokens the prefix cache held); streamed, one
-such JSON object per line, each with the text that became safe to show. Errors are OpenAI's shape,
-as on the other /v1 routes. Sessions themselves: server/sessions.py.
+``cached_tokens`` (the prompt tokens the prefix cache held); streamed, one such JSON object per
+line, each with the text that became safe to show. Errors are OpenAI's shape, as on the other
+/v1 routes. Sessions themselves: server/sessions.py.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -29,7 +30,7 @@ from llmserve.server.api.openai import (
 )
 from llmserve.server.api.state import ServerState, stream_with_cleanup
 from llmserve.server.engine_client import RequestStream
-from llmserve.server.sessions import MAX_SESSION_ID, NEW_SESSION, Session, answer_token_ids
+from llmserve.server.sessions import MAX_SESSION_ID, NEW_SESSION, Session, SessionStore, answer_token_ids
 
 ENDED_BY_CANCEL = "the session's turn was cancelled (a request with `cancel: true`)"
 FIELDS = openai_fields("prompt", "request_output_len", "logprobs")
@@ -55,7 +56,7 @@ def turn_messages(body: InteractiveRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def continuation(state: ServerState, session: Session, messages: list[dict[str, Any]]) -> list[int]:
+def continuation(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
     """The tokens a later turn adds to the session's: the template's continuation after the
     previous answer (``sequence_start=False``), without a BOS."""
     try:
@@ -65,17 +66,73 @@ def continuation(state: ServerState, session: Session, messages: list[dict[str, 
     return state.encode(text, "prompt", add_special_tokens=False)
 
 
-def answer(stream: RequestStream, text: str, input_tokens: int, history_tokens: int, session_id: int,
-           reason: str | None) -> dict[str, Any]:
-    return {"text": text, "tokens": stream.request.num_output_tokens, "input_tokens": input_tokens,
-            "history_tokens": history_tokens, "finish_reason": reason, "session_id": session_id,
-            # the prompt tokens the engine's prefix cache held (known from the first token on)
-            "cached_tokens": stream.request.num_cached_tokens or 0}
+@dataclass
+class Turn:
+    """One request's turn: the session it belongs to (None: a one-off chat), and its prompt, the
+    session's tokens so far followed by the turn's own."""
+    sessions: SessionStore
+    session: Session | None
+    session_id: int
+    interactive: bool
+    history: list[int] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> list[int]:
+        return [*self.history, *self.new_tokens]
+
+    @property
+    def engine_session(self) -> str | None:
+        """The id the engine pins the turn's tokens under: only a turn the session outlives."""
+        return self.session.engine_id if self.session is not None and self.interactive else None
+
+    def answer(self, stream: RequestStream, text: str, reason: str | None) -> dict[str, Any]:
+        return {"text": text, "tokens": stream.request.num_output_tokens, "input_tokens": len(self.new_tokens),
+                "history_tokens": len(self.history), "finish_reason": reason, "session_id": self.session_id,
+                # the prompt tokens the engine's prefix cache held (known from the first token on)
+                "cached_tokens": stream.request.num_cached_tokens or 0}
+
+    def refused(self) -> None:
+        """The turn was refused before it ran: the session is as it was."""
+        if self.session is not None:
+            self.sessions.end_turn(self.session, None, None, keep=True)
+
+    def finished(self, stream: RequestStream, encode: Callable[[str], list[int]]) -> None:
+        """The turn's request is over (done, failed, aborted): the session takes its answer."""
+        if self.session is not None:
+            answer_ids = answer_token_ids(stream.request, encode)
+            self.sessions.end_turn(self.session, self.prompt, answer_ids, keep=self.interactive)
+
+
+async def open_turn(state: ServerState, body: InteractiveRequest) -> Turn:
+    """The request's turn, its session marked busy, its prompt tokenized and checked against the
+    template's session_len; a refused turn leaves its session as it was."""
+    messages = turn_messages(body)
+    sessions = state.sessions
+    session_id = sessions.new_id() if body.session_id == NEW_SESSION else body.session_id
+    # A last turn of no session is a one-off chat; any other turn is a session's.
+    in_session = body.interactive_mode or session_id in sessions
+    turn = Turn(sessions, sessions.begin_turn(session_id) if in_session else None, session_id, body.interactive_mode)
+    try:
+        if turn.session is not None and turn.session.token_ids:
+            turn.history = turn.session.token_ids
+            turn.new_tokens = await state.tokenize_in_thread(continuation, state, messages)
+        else:
+            turn.new_tokens = await state.tokenize_in_thread(state.encode_chat, messages)
+        if turn.session is not None and turn.session.ended:      # cancelled meanwhile
+            raise APIError(ENDED_BY_CANCEL, HTTPStatus.CONFLICT, "validation", "session_id")
+    except BaseException:
+        turn.refused()
+        raise
+    return turn
 
 
 def build_router(state: ServerState) -> APIRouter:
     router = APIRouter(prefix="/v1")
-    sessions = state.sessions
+
+    def encode_answer(text: str) -> list[int]:
+        # an answer cut at a stop string: short, tokenized on the event loop's own tokenizer
+        return state.tokenizer(text, add_special_tokens=False).input_ids
 
     @router.post("/chat/interactive")
     async def chat_interactive(body: InteractiveRequest, http_request: HTTPRequest):
@@ -83,63 +140,36 @@ def build_router(state: ServerState) -> APIRouter:
         if body.cancel:
             require(body.session_id != NEW_SESSION, "`cancel` needs the `session_id` of the session to stop",
                     "session_id")
-            sessions.end(body.session_id, ENDED_BY_CANCEL)
+            state.sessions.end(body.session_id, ENDED_BY_CANCEL)
             return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0, "finish_reason": "stop",
-                    "session_id": body.session_id}
+                    "session_id": body.session_id, "cached_tokens": 0}
         require(body.n == 1, "an interactive turn has one answer: n must be 1", "n")
         if state.chat_template is None:
             raise template_error("this model has no chat template: start the server with --chat-template "
                                  "NAME, FILE.json or FILE.jinja", "prompt")
-        messages = turn_messages(body)
-        session_id = sessions.new_id() if body.session_id == NEW_SESSION else body.session_id
-        # A last turn of no session is a plain chat turn; any other is a turn of a session.
-        session = sessions.begin_turn(session_id) if body.interactive_mode or session_id in sessions else None
+        turn = await open_turn(state, body)
         try:
-            history = session.token_ids if session is not None else []
-            if history:
-                new_tokens = await state.tokenize_in_thread(continuation, state, session, messages)
-            else:
-                new_tokens = await state.tokenize_in_thread(state.encode_chat, messages)
-            prompt = [*history, *new_tokens]
+            prompt = turn.prompt
             max_tokens = chat_max_tokens(state, len(prompt), body.request_output_len, "request_output_len", "prompt")
             params = sampling_params(body, state, len(prompt), max_tokens, None, FIELDS,
                                      defaults=state.chat_template.template, template_stop=state.chat_stop)
-            if session is not None and session.ended:
-                raise APIError(ENDED_BY_CANCEL, HTTPStatus.CONFLICT, "validation", "session_id")
+            streams, slot = state.start_all([(prompt, params)], FIELDS, session_id=turn.engine_session)
         except BaseException:
-            if session is not None:
-                sessions.end_turn(session, None, None, keep=True)   # a refused turn changes nothing
-            raise
-        # Only an interactive turn is pinned: a last turn's session ends with it.
-        engine_session = session.engine_id if session is not None and body.interactive_mode else None
-        shape = dict(input_tokens=len(new_tokens), history_tokens=len(history), session_id=session_id)
-
-        def finish(stream: RequestStream | None) -> None:
-            if session is None:
-                return
-            answer_ids = None if stream is None else answer_token_ids(stream.request, encode_answer)
-            sessions.end_turn(session, prompt, answer_ids, keep=body.interactive_mode)
-
-        try:
-            streams, slot = state.start_all([(prompt, params)], FIELDS, session_id=engine_session)
-        except BaseException:
-            finish(None)
+            turn.refused()
             raise
         stream = streams[0]
-        if session is not None:
-            session.running = stream
-
+        if turn.session is not None:
+            turn.session.running = stream
         if not body.stream:
             try:
                 await state.run_to_end(streams, slot, http_request)
             finally:
-                finish(stream)
-            return answer(stream, stream.request.output_text, reason=finish_reason(stream.request.finish_reason),
-                          **shape)
+                turn.finished(stream, encode_answer)
+            return turn.answer(stream, stream.request.output_text, finish_reason(stream.request.finish_reason))
 
         async def lines() -> AsyncIterator[dict[str, Any]]:
             async for event in stream:
-                yield answer(stream, event.text, reason=finish_reason(event.finish_reason), **shape)
+                yield turn.answer(stream, event.text, finish_reason(event.finish_reason))
 
         async def encoded() -> AsyncIterator[str]:
             try:
@@ -147,12 +177,8 @@ def build_router(state: ServerState) -> APIRouter:
                                                       error_items=lambda error: [error.openai_body()]):
                     yield json.dumps(item, ensure_ascii=False) + "\n"
             finally:
-                finish(stream)
+                turn.finished(stream, encode_answer)
 
         return StreamingResponse(encoded(), media_type="application/x-ndjson")
-
-    def encode_answer(text: str) -> list[int]:
-        # an answer cut at a stop string: short, tokenized on the event loop's own tokenizer
-        return state.tokenizer(text, add_special_tokens=False).input_ids
 
     return router
