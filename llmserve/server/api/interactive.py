@@ -83,8 +83,10 @@ class Turn:
 
     @property
     def engine_session(self) -> str | None:
-        """The id the engine pins the turn's tokens under: only a turn the session outlives."""
-        return self.session.engine_id if self.session is not None and self.interactive else None
+        """The id the engine pins the turn's tokens under. A session's last turn has it too: the
+        ``EndSession`` that follows then drops the whole conversation from the cache (what no
+        other request shares), not just the pin of the turn before."""
+        return self.session.engine_id if self.session is not None else None
 
     def answer(self, stream: RequestStream, text: str, reason: str | None) -> dict[str, Any]:
         return {"text": text, "tokens": stream.request.num_output_tokens, "input_tokens": len(self.new_tokens),

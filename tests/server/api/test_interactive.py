@@ -120,6 +120,18 @@ def test_session_len_bounds_the_session(tiny):
     assert turn(tiny, 1, "x", request_output_len=1)["history_tokens"] == history
 
 
+def test_ending_a_session_drops_its_tokens_from_the_cache(tiny):
+    unique = " ".join(f"word{i}" for i in range(30))
+    first = turn(tiny, 30, unique, request_output_len=8, ignore_eos=True)
+    # the same first turn as a one-off chat: the cache holds its prompt (but the token computed anew)
+    while_alive = turn(tiny, -1, unique, interactive=False, request_output_len=1)
+    assert while_alive["cached_tokens"] >= first["input_tokens"] - 1
+    turn(tiny, 30, "more", interactive=False, request_output_len=8, ignore_eos=True)     # ends the session
+    after_end = turn(tiny, -1, unique, interactive=False, request_output_len=1)
+    # only what other requests share (the system message, ...) is left, not the 30 words
+    assert after_end["cached_tokens"] < while_alive["cached_tokens"] - 30
+
+
 def test_a_busy_session_and_cancel(tiny):
     body = {"session_id": 2, "prompt": "hi", "interactive_mode": True, "request_output_len": 100, "ignore_eos": True}
     with tiny.stream("POST", "/v1/chat/interactive", json={**body, "stream": True}) as r:
