@@ -88,8 +88,8 @@ class Turn:
         other request shares), not just the pin of the turn before."""
         return self.session.engine_id if self.session is not None else None
 
-    def answer(self, stream: RequestStream, text: str, reason: str | None) -> dict[str, Any]:
-        return {"text": text, "tokens": stream.request.num_output_tokens, "input_tokens": len(self.new_tokens),
+    def answer(self, stream: RequestStream, text: str, reason: str | None, tokens: int) -> dict[str, Any]:
+        return {"text": text, "tokens": tokens, "input_tokens": len(self.new_tokens),
                 "history_tokens": len(self.history), "finish_reason": reason, "session_id": self.session_id,
                 # the prompt tokens the engine's prefix cache held (known from the first token on)
                 "cached_tokens": stream.request.num_cached_tokens or 0}
@@ -167,11 +167,14 @@ def build_router(state: ServerState) -> APIRouter:
                 await state.run_to_end(streams, slot, http_request)
             finally:
                 turn.finished(stream, encode_answer)
-            return turn.answer(stream, stream.request.output_text, finish_reason(stream.request.finish_reason))
+            request = stream.request
+            return turn.answer(stream, request.output_text, finish_reason(request.finish_reason), request.num_output_tokens)
 
         async def lines() -> AsyncIterator[dict[str, Any]]:
+            tokens = 0       # each event is one token: the count so far, whatever the engine has done since
             async for event in stream:
-                yield turn.answer(stream, event.text, finish_reason(event.finish_reason))
+                tokens += 1
+                yield turn.answer(stream, event.text, finish_reason(event.finish_reason), tokens)
 
         async def encoded() -> AsyncIterator[str]:
             try:
