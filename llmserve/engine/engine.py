@@ -305,8 +305,9 @@ class LLMEngine:
             return []
         result = self._run_in_halves([self._batch_entry(s) for s in live.scheduled])
         self._sent(live)
-        self._cache_prefilled()
-        return self._take_step(live, result)
+        deltas = self._take_step(live, result)
+        self._cache_prefilled()   # after the entries that failed again have ended (their rows are undone)
+        return deltas
 
     def _run_in_halves(self, entries: list[BatchEntry]) -> StepOutput:
         """Run entries whose forward failed together again, not overlapped, in halves (and the
