@@ -25,7 +25,7 @@ for mode in $modes; do
   python3 -c "import sys; from llmserve.cli import main; sys.exit(main())" \
     serve --model "$model" --port "$port" --max-concurrent-requests 1024 $flags > "$out/serve_$mode.log" 2>&1 &
   pid=$!
-  wait_for_health $pid "$port" "$out/serve_$mode.log" || exit 1
+  wait_for_health $pid "$port" "$out/serve_$mode.log" || continue
   python3 "$here/serving.py" --backend openai --base-url "http://127.0.0.1:$port" --tokenizer "$model" \
     --workload shared-prefix --shared-prefix-len "$prefix_len" --input-len "$in_len" --output-len "$out_len" \
     --num-prompts $((4 * clients)) --max-concurrency "$clients" --warmup "$clients" \
