@@ -89,6 +89,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill", "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split prompts over steps to keep within --max-batch-prefill-tokens, so long prompts "
                         "do not stall running streams; --no-chunked-prefill runs each prompt whole (default: on)")
+    p.add_argument("--prefix-cache", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep computed prompts' and answers' KV in a radix tree, so a request that starts with a "
+                        "cached prefix prefills only the rest; --no-prefix-cache prefills every prompt whole (default: on)")
     p.add_argument("--max-running-requests", "--max-num-seqs", "--max-batch-size", type=int, default=256, metavar="N",
                    help="requests decoded together in one batch (default: 256)")
     p.add_argument("--max-top-n-tokens", type=int, default=5, metavar="N",
@@ -256,7 +259,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
-        **_step_options(args),
+        prefix_cache=args.prefix_cache, **_step_options(args),
     )
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,

@@ -85,6 +85,7 @@ ALIASES = [   # (their flag, its value, our dest, what we store)
     (["--max-num-batched-tokens", "512"], "max_batch_prefill_tokens", 512),   # vLLM
     (["--max-batch-total-tokens", "9000"], "max_total_token_num", 9000),      # TGI
     (["--no-enable-chunked-prefill"], "chunked_prefill", False),              # vLLM
+    (["--no-enable-prefix-caching"], "prefix_cache", False),                  # vLLM
     (["--dtype", "half"], "dtype", "float16"),                   # vLLM's value names
     (["--dtype", "float"], "dtype", "float32"),
     (["/models/llama"], "model", "/models/llama"),               # `vllm serve MODEL`

@@ -53,6 +53,7 @@ class RadixCache:
         self.num_tokens = 0                # slots the tree holds
         self.num_locked_tokens = 0         # of those, in nodes some running request locks
         self.num_pinned_tokens = 0         # of those, in nodes only sessions pin
+        self.num_evicted_tokens = 0        # since start
 
     # -- queries ---------------------------------------------------------------------------
     def match(self, key: Sequence[int]) -> tuple[Node, int]:
@@ -207,6 +208,7 @@ class RadixCache:
         assert not node.children and not node.held, node.id
         del node.parent.children[node.key[0]]
         self.num_tokens -= len(node.key)
+        self.num_evicted_tokens += len(node.key)
         self.ops.append(EvictNode(node.id))
         return len(node.key)
 

@@ -118,6 +118,13 @@ class ServerMetrics:
         self.kv_slots_used = gauge("llmserve_kv_cache_slots_used", "KV-cache token slots held by running requests.")
         self.kv_slots_total = gauge("llmserve_kv_cache_slots_total", "KV-cache token slots in the pool.")
         self.kv_usage = gauge("llmserve_kv_cache_usage_ratio", "Share of the KV-cache token slots in use, 0 to 1.")
+        self.kv_slots_cached = gauge("llmserve_kv_cache_slots_cached",
+                                     "KV-cache token slots held only by the prefix cache (evictable).")
+        self.prefix_cache_queried = counter("llmserve_prefix_cache_queried_tokens",
+                                            "Tokens of admitted requests looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("llmserve_prefix_cache_hit_tokens",
+                                         "Tokens of admitted requests found in the prefix cache (not computed again).")
+        self._num_cache_queried = self._num_cache_hits = 0
         self.preemptions = counter("llmserve_num_preemptions",
                                    "Requests taken out of the running batch to free KV cache (prefilled again later).")
         self._num_preemptions = 0
@@ -135,10 +142,18 @@ class ServerMetrics:
         """What one message of the engine core says beyond its requests' tokens."""
         if outputs.num_step_tokens:
             self.iteration_tokens.observe(outputs.num_step_tokens)
-        preemptions = outputs.stats.num_preemptions
+        stats = outputs.stats
+        preemptions = stats.num_preemptions
         if preemptions > self._num_preemptions:
             self.preemptions.inc(preemptions - self._num_preemptions)
             self._num_preemptions = preemptions
+        self.kv_slots_cached.set(stats.num_cached_slots)
+        if stats.num_cache_queried_tokens > self._num_cache_queried:
+            self.prefix_cache_queried.inc(stats.num_cache_queried_tokens - self._num_cache_queried)
+            self._num_cache_queried = stats.num_cache_queried_tokens
+        if stats.num_cache_hit_tokens > self._num_cache_hits:
+            self.prefix_cache_hits.inc(stats.num_cache_hit_tokens - self._num_cache_hits)
+            self._num_cache_hits = stats.num_cache_hit_tokens
 
     def observe_first_token(self, queue_time: float | None, prefill_time: float | None) -> None:
         if queue_time is not None:

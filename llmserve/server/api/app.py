@@ -100,6 +100,7 @@ def create_app(state: ServerState) -> FastAPI:
             "max_total_tokens": lim.max_total_tokens, "max_top_n_tokens": lim.max_top_n_tokens,
             "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
             "chunked_prefill": state.engine.config.chunked_prefill,
+            "prefix_cache": state.engine.config.prefix_cache,
             "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
             "chat_template": state.chat_template.describe() if state.chat_template else None,
             # what reads tool calls in answers to tool_choice "auto" (--tool-call-parser, or the template's)

@@ -209,10 +209,16 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def usage(prompt_tokens: int, streams: list[RequestStream], count_output: bool = True) -> dict[str, int]:
-    """``count_output`` False: a request that only scored its prompt (its one sampled token is not shown)."""
+def usage(prompt_tokens: int, streams: list[RequestStream], count_output: bool = True) -> dict:
+    """``count_output`` False: a request that only scored its prompt (its one sampled token is not shown).
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens the engine took from its prefix
+    cache (of several choices of one prompt, their share of it: ``prompt_tokens`` counts it once)."""
     completion = sum(s.request.num_output_tokens for s in streams) if count_output else 0
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    generated_prompts = sum(s.request.num_prompt_tokens for s in streams)
+    cached = sum(s.request.num_cached_tokens or 0 for s in streams)
+    cached = cached * prompt_tokens // generated_prompts if generated_prompts else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # -- completions -------------------------------------------------------------------------

@@ -219,7 +219,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_hf_does(tiny_server, tiny_l
     assert lp["token_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(hf_prompt_logprobs(tiny_llama_dir, ids), abs=1e-4)
     assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
-    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert r.json()["usage"] | {"prompt_tokens_details": None} == {
+        "prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids), "prompt_tokens_details": None}
     # without echo there is nothing to answer
     r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": ids, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
