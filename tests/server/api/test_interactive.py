@@ -6,6 +6,7 @@ template); streaming and the session rules (session_len, a busy session, cancel,
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -81,12 +82,21 @@ def test_a_session_answers_as_the_whole_conversation(embedded):
 # -- the rules, on the tiny model -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir, tmp_path_factory) -> httpx.Client:
+def tiny_sessions_server(tiny_llama_dir, tmp_path_factory) -> ServerProcess:
     template = tmp_path_factory.mktemp("interactive") / "chatml.json"
     template.write_text(json.dumps({"model_name": "chatml", "session_len": SESSION_LEN}))
     with ServerProcess(tiny_llama_dir, "--chat-template", str(template), "--max-sessions", "2") as server:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield client
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_sessions_server) -> httpx.Client:
+    with httpx.Client(base_url=tiny_sessions_server.url, timeout=60) as client:
+        yield client
+
+
+def slots_cached(server: ServerProcess) -> float:
+    return server.metrics()["llmserve_kv_cache_slots_cached"]
 
 
 def test_a_streamed_turn(tiny):
@@ -120,13 +130,18 @@ def test_session_len_bounds_the_session(tiny):
     assert turn(tiny, 1, "x", request_output_len=1)["history_tokens"] == history
 
 
-def test_ending_a_session_drops_its_tokens_from_the_cache(tiny):
+def test_ending_a_session_drops_its_tokens_from_the_cache(tiny, tiny_sessions_server):
     unique = " ".join(f"word{i}" for i in range(30))
     first = turn(tiny, 30, unique, request_output_len=8, ignore_eos=True)
     # the same first turn as a one-off chat: the cache holds its prompt (but the token computed anew)
     while_alive = turn(tiny, -1, unique, interactive=False, request_output_len=1)
     assert while_alive["cached_tokens"] >= first["input_tokens"] - 1
-    turn(tiny, 30, "more", interactive=False, request_output_len=8, ignore_eos=True)     # ends the session
+    last = turn(tiny, 30, "more", interactive=False, request_output_len=8, ignore_eos=True)     # ends the session
+    conversation = last["history_tokens"] + last["input_tokens"] + 8
+    deadline = time.monotonic() + 30
+    while slots_cached(tiny_sessions_server) > conversation - 30 and time.monotonic() < deadline:
+        time.sleep(0.2)      # the engine drops them with its next loop, and reports with its next step
+    assert slots_cached(tiny_sessions_server) <= conversation - 30
     after_end = turn(tiny, -1, unique, interactive=False, request_output_len=1)
     # only what other requests share (the system message, ...) is left, not the 30 words
     assert after_end["cached_tokens"] < while_alive["cached_tokens"] - 30
