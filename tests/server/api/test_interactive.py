@@ -136,12 +136,12 @@ def test_ending_a_session_drops_its_tokens_from_the_cache(tiny, tiny_sessions_se
     # the same first turn as a one-off chat: the cache holds its prompt (but the token computed anew)
     while_alive = turn(tiny, -1, unique, interactive=False, request_output_len=1)
     assert while_alive["cached_tokens"] >= first["input_tokens"] - 1
-    last = turn(tiny, 30, "more", interactive=False, request_output_len=8, ignore_eos=True)     # ends the session
-    conversation = last["history_tokens"] + last["input_tokens"] + 8
+    cached = slots_cached(tiny_sessions_server)     # the session's first turn among them
+    turn(tiny, 30, "more", interactive=False, request_output_len=8, ignore_eos=True)     # ends the session
     deadline = time.monotonic() + 30
-    while slots_cached(tiny_sessions_server) > conversation - 30 and time.monotonic() < deadline:
+    while slots_cached(tiny_sessions_server) > cached - 30 and time.monotonic() < deadline:
         time.sleep(0.2)      # the engine drops them with its next loop, and reports with its next step
-    assert slots_cached(tiny_sessions_server) <= conversation - 30
+    assert slots_cached(tiny_sessions_server) <= cached - 30
     after_end = turn(tiny, -1, unique, interactive=False, request_output_len=1)
     # only what other requests share (the system message, ...) is left, not the 30 words
     assert after_end["cached_tokens"] < while_alive["cached_tokens"] - 30
