@@ -357,3 +357,28 @@ def test_invalid_requests_are_clear_errors_and_the_engine_keeps_serving(tiny):
     with pytest.raises(ValueError, match="prompt token ids"):
         tiny.generate([[10**9]], GREEDY)
     assert len(tiny.generate(["still alive"], GREEDY)[0].token_ids) > 0
+
+
+@pytest.mark.parametrize("engine", ["tiny_tp2", "smollm2"])
+def test_prefix_cache_hits_give_the_tokens_of_a_full_prefill(engine, request):
+    """Tensor parallel (every rank mirrors the tree) and the embedded model (quantized weights):
+    prompts sharing a system prompt, and a prompt's next turn, served from the cache, give the
+    tokens of a cold prefill (tests/engine/test_prefix_cache.py has the rest of the cases)."""
+    llm = request.getfixturevalue(engine)
+    system = "You are a helpful assistant. Answer each question in one short sentence, and never apologize. "
+    prompts = [system + q for q in ("Name a primary color.", "What is 2 + 2?")]
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    cold = []
+    for p in prompts:
+        llm.reset_prefix_cache()
+        cold.append(llm.generate([p], params)[0])
+    turn = prompts[-1] + cold[-1].text + " And 3 + 3?"     # shares the last prompt and its answer
+    llm.reset_prefix_cache()
+    cold_turn = llm.generate([turn], params)[0]
+    llm.generate([prompts[0]], params)                     # caches the system prompt
+    warm = llm.generate(prompts[1:], params)
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold[1:]]
+    assert all(o.num_cached_tokens >= len(llm.tokenizer(system).input_ids) - 1 for o in warm)
+    warm_turn = llm.generate([turn], params)[0]
+    assert warm_turn.token_ids == cold_turn.token_ids and cold_turn.num_cached_tokens == 0
+    assert warm_turn.num_cached_tokens > len(llm.tokenizer(prompts[-1]).input_ids)

@@ -132,3 +132,20 @@ def test_image_limits_offline(llava_llm, tiny_llama_dir):
         llava_llm.generate("a stray <image> without its image", GREEDY)
     with pytest.raises(InvalidRequest, match="decoded"):
         llava_llm.generate({"prompt": "<image>", "images": [b"not an image"]}, GREEDY)
+
+
+def test_the_prefix_cache_shares_an_image_only_with_the_same_image(llava_llm):
+    prompt = "USER: <image>\nDescribe it. ASSISTANT:"
+    same, other = {"prompt": prompt, "images": [image(5)]}, {"prompt": prompt, "images": [image(6)]}
+    cold = []
+    for p in (same, other):
+        llava_llm.reset_prefix_cache()
+        cold.append(llava_llm.generate(p, GREEDY)[0])
+    assert cold[0].token_ids != cold[1].token_ids, "the two images should lead to different answers"
+    llava_llm.reset_prefix_cache()
+    llava_llm.generate(same, GREEDY)
+    again, different = llava_llm.generate([same, other], GREEDY)
+    assert again.token_ids == cold[0].token_ids and again.num_cached_tokens == len(again.prompt_token_ids) - 1
+    # the other image shares the text before the placeholders only
+    assert different.token_ids == cold[1].token_ids
+    assert different.num_cached_tokens == different.prompt_token_ids.index(llava_llm.engine.info.image_token_id)

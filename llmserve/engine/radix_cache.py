@@ -60,31 +60,30 @@ class RadixCache:
         """The longest cached prefix of ``key``: its deepest node and its length. An edge the
         match ends inside is split there, so the prefix is exactly a root-to-node path. The
         path counts as used now (LRU)."""
-        node, n = self.root, 0
-        while n < len(key):
-            child = node.children.get(key[n])
-            if child is None:
-                break
-            k = _common_length(child.key, key, n)
-            if k < len(child.key):
-                child = self._split(child, k)
-            node, n = child, n + k
+        node, n = self._walk(key, split=True)
         self._touch(node)
         return node, n
 
     def prefix_length(self, key: Sequence[int]) -> int:
         """``match``'s length, changing nothing (to rank waiting requests)."""
+        return self._walk(key, split=False)[1]
+
+    def _walk(self, key: Sequence[int], split: bool) -> tuple[Node, int]:
+        """The deepest node whose whole path ``key`` starts with, and the length of the match,
+        which may go on part-way into one of its children's key: that child is split there
+        (and becomes the node) with ``split``."""
         node, n = self.root, 0
         while n < len(key):
             child = node.children.get(key[n])
             if child is None:
                 break
             k = _common_length(child.key, key, n)
-            n += k
             if k < len(child.key):
-                break
-            node = child
-        return n
+                if not split:
+                    return node, n + k
+                child = self._split(child, k)
+            node, n = child, n + k
+        return node, n
 
     def path(self, node: Node) -> list[Node]:
         """The nodes from the root's child down to ``node`` (the root itself has no tokens)."""

@@ -94,14 +94,17 @@ def test_prompt_logprobs_skip_the_cache_but_fill_it(loop, uncached):
     assert check(loop, uncached, [prompt + [3]]) == [40]
 
 
-def test_eviction_and_preemption_under_a_small_pool(loop, uncached):
+def test_eviction_and_preemption_under_a_small_pool(cached, uncached):
     # Groups of prompts sharing prefixes, more than the pool holds at once: the tree evicts, and
-    # running requests are preempted and come back to their cached tokens.
+    # running requests are preempted and come back to their cached tokens. (The overlapped loop
+    # under preemption, with the cache, is tests/engine/test_overlap.py's.)
+    loop = cached
+    loop.reset_prefix_cache()
     rng = random.Random(2)
     vocab = loop.engine.info.vocab_size
     heads = [tokens(rng, n, vocab) for n in (50, 70, 90)]
     # Short prompts that generate long: admitted together, their decodes outgrow the pool.
-    prompts = [rng.choice(heads)[: rng.randrange(15, 30)] + tokens(rng, rng.randrange(1, 6), vocab) for _ in range(12)]
+    prompts = [rng.choice(heads)[: rng.randrange(15, 30)] + tokens(rng, rng.randrange(1, 6), vocab) for _ in range(11)]
     params = [SamplingParams(max_new_tokens=rng.choice([40, 60]), temperature=0, ignore_eos=True) for _ in prompts]
     scheduler = loop.engine.scheduler
     evicted, preemptions = scheduler.cache.num_evicted_tokens, scheduler.num_preemptions
@@ -133,7 +136,7 @@ def test_no_slot_leaks_after_random_requests_and_aborts(cached):
         for i in range(200):
             engine.overlap = i % 50 >= 25        # both loops, switched only when idle
             prompt = rng.choice(heads)[: rng.randrange(1, 40)] + tokens(rng, rng.randrange(1, 8), vocab)
-            params = SamplingParams(max_new_tokens=rng.randrange(1, 12), temperature=0, ignore_eos=True)
+            params = SamplingParams(max_new_tokens=rng.randrange(1, 6), temperature=0, ignore_eos=True)
             live.append(engine.add_request(prompt, params).req_id)
             for _ in range(rng.randrange(0, 3)):
                 engine.step()

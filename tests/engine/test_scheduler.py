@@ -471,3 +471,77 @@ def test_a_request_preempted_with_its_token_in_flight_waits_for_it():
     req.num_pending_tokens = 0
     req.append_token(TOKEN)
     assert scheduled_ids(scheduler.schedule()) == [0]
+
+
+# --------------------------------------------------------------------------------------
+# The prefix cache's side of scheduling
+# --------------------------------------------------------------------------------------
+
+
+def prompt_request(req_id: int, prompt: list[int], max_new_tokens: int = 2) -> Request:
+    return Request(req_id=req_id, prompt_token_ids=prompt, params=SamplingParams(max_new_tokens=max_new_tokens),
+                   arrival_time=float(req_id))
+
+
+def run_until_idle(scheduler: Scheduler) -> None:
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+
+
+def test_waiting_requests_with_longer_cached_prefixes_go_first_within_an_age_bound():
+    scheduler = make_scheduler(1000, prefix_cache=True, max_running_requests=1, prefix_wait_steps=10)
+    cached = list(range(100, 140))
+    scheduler.add_request(prompt_request(0, cached))
+    run_until_idle(scheduler)            # its tokens are in the tree now
+    scheduler.add_request(prompt_request(1, [5] * 20))                 # older, nothing cached
+    scheduler.add_request(prompt_request(2, cached[:30] + [6] * 5))    # younger, 30 tokens cached
+    scheduler.add_request(prompt_request(3, cached + [7]))             # youngest, 40 tokens cached
+    order = []
+    while scheduler.has_unfinished():
+        output = run_step(scheduler)
+        order += [s.request.req_id for s in output.scheduled if s.request.req_id not in order]
+    # 3 then 2 jump the queue (one request runs at a time, for 2 steps each: 1 waits 4 steps, less
+    # than the bound).
+    assert order == [3, 2, 1]
+    assert scheduler.num_cache_hit_tokens == 40 + 30
+
+
+def test_the_age_bound_stops_cached_requests_from_starving_an_old_one():
+    scheduler = make_scheduler(1000, prefix_cache=True, max_running_requests=1, prefix_wait_steps=3)
+    cached = list(range(100, 140))
+    scheduler.add_request(prompt_request(0, cached))
+    run_until_idle(scheduler)
+    scheduler.add_request(prompt_request(1, [5] * 20))
+    order, next_id = [], 2
+    for _ in range(12):                 # a stream of younger requests that all hit the cache
+        scheduler.add_request(prompt_request(next_id, cached + [next_id]))
+        next_id += 1
+        output = run_step(scheduler)
+        order += [s.request.req_id for s in output.scheduled if s.request.req_id not in order]
+    assert 1 in order and order.index(1) <= 3
+
+
+def test_eviction_comes_before_preemption_and_a_preempted_request_keeps_the_trees_share():
+    # A pool of 60: one request's 40 cached tokens fill most of it once it finishes.
+    scheduler = make_scheduler(60, prefix_cache=True)
+    first = list(range(100, 140))
+    scheduler.add_request(prompt_request(0, first, max_new_tokens=1))
+    run_until_idle(scheduler)
+    assert scheduler.num_cached_slots == 40 and scheduler.num_used_slots == 0 and scheduler.num_free_slots == 20
+    # A new request needs 30 slots: the tree gives up what it must, nothing is preempted.
+    scheduler.add_request(prompt_request(1, list(range(300, 330)), max_new_tokens=20))
+    output = run_step(scheduler)
+    assert [s.request.req_id for s in output.scheduled] == [1] and not output.preempted
+    assert scheduler.cache.num_evicted_tokens == 40 and scheduler.num_preemptions == 0
+    # It decodes until the pool is full, then a second one arrives and is preempted in its turn:
+    # what it computed stays in the tree, and it comes back to it.
+    scheduler.add_request(prompt_request(2, list(range(500, 520)), max_new_tokens=30))
+    preempted = []
+    while scheduler.has_unfinished():
+        output = run_step(scheduler)
+        preempted += output.preempted
+        for s in output.scheduled:
+            if s.request in preempted and s.request.num_cached_prefix:
+                assert s.num_new_tokens < s.request.num_tokens   # re-prefilled from its cached tokens
+    assert preempted and scheduler.num_used_slots == 0
+    assert scheduler.num_free_slots + scheduler.num_cached_slots == 60

@@ -76,6 +76,11 @@ def test_the_new_metrics_move_as_the_requests_ran(before_and_after):
     assert moved("llmserve_request_decode_time_seconds_sum") == pytest.approx(
         moved("llmserve_inter_token_latency_seconds_sum"), rel=1e-6)
     assert after["llmserve_kv_cache_usage_ratio"] == 0.0 and after["llmserve_running_batch_size"] == 0
+    # the prefix cache: every admission looked its tokens up; preempted requests came back to
+    # theirs; what the finished requests computed stays, held by the cache alone
+    assert moved("llmserve_prefix_cache_queried_tokens_total") >= prompt_tokens
+    assert moved("llmserve_prefix_cache_hit_tokens_total") > 0
+    assert 0 < after["llmserve_kv_cache_slots_cached"] <= KV_POOL and after["llmserve_kv_cache_slots_used"] == 0
     assert after['llmserve_inter_token_latency_seconds_bucket{le="60.0"}'] == after["llmserve_inter_token_latency_seconds_count"]
 
 

@@ -51,6 +51,8 @@ def test_completion_stream_with_usage(oai):
     assert all(c.usage is None for c in text_chunks)
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 10
     assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
+    # the second time the prompt is in the prefix cache: all of it but its last token
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
 
 
 def test_n_choices_and_seed(oai):
@@ -123,6 +125,7 @@ def test_chat_completion(oai, tiny_server):
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == c.message.content
     assert stream[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert stream[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1   # the same prompt again
     # max_completion_tokens is the newer name of max_tokens
     r2 = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=3, temperature=0)
     assert r2.usage.completion_tokens == 3 and c.message.content.startswith(r2.choices[0].message.content)

@@ -109,6 +109,7 @@ def test_tokenize_offsets(tiny_server):
 def test_info_health_and_metrics(tiny_server, client):
     info = httpx.get(tiny_server.url + "/info", timeout=10).json()
     assert info["model_id"] == "tiny" and info["max_total_tokens"] == 512 and info["max_input_tokens"] == 511
+    assert info["prefix_cache"] is True
     assert httpx.get(tiny_server.url + "/health", timeout=10).status_code == 200
     greedy(client, max_new_tokens=3)
     m = tiny_server.metrics()
