@@ -43,10 +43,12 @@ class InteractiveRequest(SamplingFields):
     interactive_mode: bool = False
     request_output_len: int | None = None
     cancel: bool = False
+    image_url: Any = None          # LMDeploy's, for its vision models: refused here rather than ignored
 
 
 def turn_messages(body: InteractiveRequest) -> list[dict[str, Any]]:
     """The new turn as the chat template takes messages: a string is one user message."""
+    require(body.image_url is None, "images are not supported in interactive sessions", "image_url")
     if isinstance(body.prompt, str):
         require(body.prompt != "", "prompt must not be empty", "prompt")
         return [{"role": "user", "content": body.prompt}]

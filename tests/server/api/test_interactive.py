@@ -180,6 +180,7 @@ def test_max_sessions_ends_the_least_recently_used(tiny):
     ({"session_id": 3, "prompt": "hi", "n": 2}, 400, "n"),
     ({"session_id": 3, "prompt": "hi", "request_output_len": 0}, 400, "request_output_len"),
     ({"session_id": 3, "prompt": "hi", "top_p": 2.0}, 400, "top_p"),
+    ({"session_id": 3, "prompt": "hi", "image_url": "data:image/png;base64,AAAA"}, 400, "image_url"),
 ])
 def test_bad_input(tiny, body, status, param):
     error = refused(tiny, status, body)
