@@ -109,8 +109,8 @@ class Turn:
 
 
 async def open_turn(state: ServerState, body: InteractiveRequest) -> Turn:
-    """The request's turn, its session marked busy, its prompt tokenized and checked against the
-    template's session_len; a refused turn leaves its session as it was."""
+    """The request's turn: its session marked busy (opened if new) and its new tokens rendered;
+    a turn refused here leaves its session as it was."""
     messages = turn_messages(body)
     sessions = state.sessions
     session_id = sessions.new_id() if body.session_id == NEW_SESSION else body.session_id
