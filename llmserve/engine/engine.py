@@ -31,7 +31,7 @@ from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from llmserve.engine.worker_client import ModelWorkerGroup, free_tcp_port
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.protocol import BatchEntry, StepInput, StepOutput, WorkerInitArgs, error_line
+from llmserve.worker.protocol import BatchEntry, CacheOp, StepInput, StepOutput, WorkerInitArgs, error_line
 
 if TYPE_CHECKING:
     import numpy as np
@@ -366,7 +366,7 @@ class LLMEngine:
             prefix_node_ids=[node.id for node in cache.path(req.cache_node)] if first and start and cache else None,
         )
 
-    def _take_cache_ops(self) -> list:
+    def _take_cache_ops(self) -> list[CacheOp]:
         """The prefix cache's changes the workers have yet to mirror."""
         cache = self.scheduler.cache
         return cache.take_ops() if cache is not None else []

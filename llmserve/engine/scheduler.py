@@ -19,6 +19,13 @@ With the overlapped loop the engine schedules a step before it has read the toke
 still running: a request's tokens then include the one in flight (``num_pending_tokens``), which
 its decode feeds like any other. A request whose final token (``max_new_tokens``) is in flight
 is retired at once (``retire``): the batches are then the plain loop's, step for step.
+
+With the prefix cache (``SchedulerConfig.prefix_cache``, radix_cache.py) a request is admitted
+with its longest cached prefix already in place (``num_cached`` starts there; it locks the tree's
+path), and its tokens join the tree when its prefill completes, when it is preempted and when it
+finishes. Slots held = the tree's + the running requests' own (``num_cached - num_in_tree``); the
+tree's entries that no running request uses are evicted, least recently used first, before any
+request is preempted, and session pins are released, oldest first, before that too.
 """
 
 from __future__ import annotations
@@ -151,7 +158,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._num_steps += 1
         preempted = self._preempt_until_decodes_fit()
-        scheduled = [ScheduledRequest(req, 1) for req in self.running if self.is_decoding(req)]
+        # (A prompt whose last chunk is one token looks like a decode: it is that prompt's prefill.)
+        scheduled = [ScheduledRequest(req, 1, prefill=req.num_output_tokens == 0 and not req.num_pending_tokens)
+                     for req in self.running if self.is_decoding(req)]
         num_decodes = len(scheduled)
         budget = _PrefillBudget(self.config.max_prefill_tokens)
         for req in self.running:   # prompts under way first: they are older than any waiting one
@@ -205,7 +214,8 @@ class Scheduler:
             # running request (this one included) for the next decode, so that admitting it does
             # not force a preemption right away. The cache's unused entries make room first.
             need = self._num_uncached(req) + len(self.running) + 1
-            self._make_room(need - self._num_free_after_step())
+            if self._num_free_after_step() + self._num_reclaimable_slots() >= need:   # else evict nothing in vain
+                self._make_room(need - self._num_free_after_step())
             chunk = self._chunk(req, budget) if self._num_free_after_step() >= need else 0
             if chunk == 0:
                 req.num_cached = 0
@@ -319,6 +329,10 @@ class Scheduler:
             oldest = next(iter(self.sessions))
             self.cache.unpin(self.sessions.pop(oldest))
             freed += self.cache.evict(num_slots - freed)
+
+    def _num_reclaimable_slots(self) -> int:
+        """Slots ``_make_room`` could free: the tree's that no running request uses."""
+        return self.cache.num_evictable_tokens + self.cache.num_pinned_tokens if self.cache is not None else 0
 
     def evict_all(self) -> int:
         """Evict every entry that no running request uses (session pins too); the slots freed."""

@@ -21,8 +21,8 @@ import torch
 from rpyc.utils.server import ThreadedServer
 
 from llmserve.common.logs import adopt_library_logging
-from llmserve.worker.prefix_slots import PrefixSlots
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
+from llmserve.worker.prefix_slots import PrefixSlots
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, WorkerInfo, WorkerInitArgs, error_line, socket_path,
 )

@@ -20,13 +20,15 @@ class PrefixSlots:
     def __init__(self, req_manager: ReqManager) -> None:
         self.req_manager = req_manager
         self.mem_manager = req_manager.mem_manager
-        self.node_slots: dict[int, torch.Tensor] = {}    # node id -> its slots, in key order
+        self.node_slots: dict[int, torch.Tensor] = {}    # node id -> its slots (CPU), in key order
 
     def apply(self, ops: Iterable[CacheOp], req_rows: Mapping[int, int]) -> None:
         """Mirror the tree's changes; ``req_rows``: each request's row of the req->token table."""
         for op in ops:
             if isinstance(op, CacheTokens):
-                slots = self.req_manager.slots(req_rows[op.req_id], op.start, op.end)
+                # Kept on the host, where the pool counts references: sharing and evicting a
+                # node then never waits for the device (reading a row's slots here does, once).
+                slots = self.req_manager.slots(req_rows[op.req_id], op.start, op.end).cpu()
                 self.mem_manager.incref(slots)
                 self.node_slots[op.node_id] = slots
             elif isinstance(op, SplitNode):

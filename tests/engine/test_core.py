@@ -20,3 +20,29 @@ print(sorted({"torch", "transformers", "tokenizers"} & set(sys.modules)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_end_session_and_a_session_id_reach_the_engine():
+    import socket
+
+    from llmserve import SamplingParams
+    from llmserve.engine.core import EngineCore
+    from llmserve.engine.messages import AddRequest, EndSession
+
+    class Engine:
+        def __init__(self):
+            self.ended, self.queued = [], []
+
+        def end_session(self, session_id):
+            self.ended.append(session_id)
+
+        def enqueue(self, req):
+            self.queued.append(req)
+
+    engine, (a, b) = Engine(), socket.socketpair()
+    with a, b:
+        core = EngineCore(engine, a)
+        core._handle(AddRequest(3, [1, 2], SamplingParams(max_new_tokens=1), session_id="chat-1"))
+        core._handle(EndSession("chat-1"))
+        core._executor.shutdown()
+    assert [r.session_id for r in engine.queued] == ["chat-1"] and engine.ended == ["chat-1"]

@@ -197,3 +197,15 @@ def test_a_session_pin_outlives_lru_eviction_until_the_session_ends(cached):
     assert scheduler.cache.num_pinned_tokens == 0 and not scheduler.sessions
     assert scheduler.num_cached_slots == cached_before - (second.num_tokens - 1)   # only its own entries went
     assert scheduler.cache.prefix_length(first.cache_key(kept)) == 0
+
+
+def test_a_prompt_is_cached_once_prefilled_even_when_its_last_chunk_is_one_token(cached):
+    engine = cached.engine
+    cached.reset_prefix_cache()
+    prompt = tokens(random.Random(5), PREFILL_TOKENS + 1, engine.info.vocab_size)
+    req = engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    while req.num_output_tokens < 2:        # the chunks are done, it decodes
+        engine.step()
+    assert engine.scheduler.cache.prefix_length(prompt) == len(prompt)
+    engine.abort_request(req.req_id)
+    engine.flush()

@@ -545,3 +545,16 @@ def test_eviction_comes_before_preemption_and_a_preempted_request_keeps_the_tree
                 assert s.num_new_tokens < s.request.num_tokens   # re-prefilled from its cached tokens
     assert preempted and scheduler.num_used_slots == 0
     assert scheduler.num_free_slots + scheduler.num_cached_slots == 60
+
+
+def test_admission_evicts_nothing_when_eviction_cannot_make_room():
+    scheduler = make_scheduler(100, prefix_cache=True)
+    scheduler.add_request(prompt_request(0, list(range(100, 140)), max_new_tokens=1))
+    run_until_idle(scheduler)
+    assert scheduler.num_cached_slots == 40
+    scheduler.add_request(prompt_request(1, list(range(300, 330)), max_new_tokens=50))
+    run_step(scheduler)
+    # 75 prompt tokens: more than the free slots and the cache's 40 together while request 1 runs
+    scheduler.add_request(prompt_request(2, list(range(500, 575)), max_new_tokens=5))
+    run_step(scheduler)
+    assert scheduler.num_waiting == 1 and scheduler.cache.num_evicted_tokens == 0 and scheduler.num_cached_slots == 40
