@@ -12,6 +12,8 @@ What is measured
     tgi          POST {base}/generate_stream; SSE ``data: {"token": {...}, "generated_text": ...}``
     openai       POST {base}/v1/completions, stream; ``choices[0].text``, ``data: [DONE]``
     openai-chat  POST {base}/v1/chat/completions, stream; ``choices[0].delta.content``
+    interactive  POST {base}/v1/chat/interactive (LMDeploy's sessions), stream; one JSON object per
+                 line, ``text`` each; only with ``--workload multi-turn``
 
 Workload
   Random (default): prompts of ``--input-len`` tokens (``--len-dist uniform``: drawn from
@@ -22,6 +24,19 @@ Workload
   the local tokenizer. ShareGPT (``--dataset file.json``): the first human turn is the prompt,
   the token count of the gpt answer after it the output length; pairs with a prompt or answer
   under 4 tokens, a prompt over 1024 or a total over 2048 are skipped (vLLM's filter).
+  Shared prefix (``--workload shared-prefix``): every prompt is one common random text of
+  ``--shared-prefix-len`` tokens (openai-chat: the system message) followed by its own random
+  question of ``--input-len`` tokens, as agents and RAG send one system prompt many times.
+  Multi-turn (``--workload multi-turn``): ``--num-prompts`` conversations, run side by side (at
+  most ``--max-concurrency`` at once), each of ``--turns`` turns sent one after the other, each
+  turn a random user message of ``--input-len`` tokens; openai-chat re-sends the whole history
+  (earlier answers as they came) every turn, interactive sends the new turn only (session -1,
+  then the id the server gave; the last turn ends the session). ``--request-rate`` does not
+  apply. The summary adds TTFT per turn.
+  With either workload, the server's prefix-cache counters (``/metrics``:
+  ``llmserve_prefix_cache_queried_tokens_total``, ``..._hit_tokens_total``) are read before and
+  after the timed run: the hit rate is hit / queried over the run (none if the server has no
+  such counters).
 
 Per request
   TTFT     time from sending the request to the first token chunk
@@ -50,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import math
@@ -72,7 +88,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import aiohttp  # noqa: E402
 
-BACKEND_PATHS = {"tgi": "/generate_stream", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+BACKEND_PATHS = {"tgi": "/generate_stream", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions",
+                 "interactive": "/v1/chat/interactive"}
+WORKLOADS = ("random", "shared-prefix", "multi-turn")
+PREFIX_CACHE_COUNTERS = ("llmserve_prefix_cache_queried_tokens_total", "llmserve_prefix_cache_hit_tokens_total")
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 
 
@@ -82,6 +101,12 @@ class RequestSpec:
     prompt: str
     prompt_len: int     # tokens, as counted before sending (server /tokenize or local tokenizer)
     output_len: int     # tokens asked for
+    system: str | None = None     # openai-chat: a system message before the prompt (shared-prefix)
+    turn: int | None = None       # multi-turn: which turn of its conversation (0 first)
+    # multi-turn: openai-chat's earlier messages; interactive's session (None: ask for a new one)
+    history: list[dict[str, str]] | None = None
+    session_id: int | None = None
+    last_turn: bool = True
 
 
 @dataclass
@@ -114,6 +139,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)   # s, gaps between token chunks
     start: float = 0.0            # s, perf_counter at send (made relative to the run's start later)
     text: str = ""
+    turn: int | None = None       # multi-turn: the turn of its conversation
+    session_id: int | None = None   # interactive: the session the server keeps
 
     @property
     def tpot(self) -> float | None:
@@ -130,6 +157,7 @@ class RequestResult:
             "prompt_len": self.prompt_len, "output_len": self.output_len, "output_tokens": self.output_tokens,
             "ttft_ms": ms(self.ttft) if self.success else None, "tpot_ms": ms(tpot) if tpot is not None else None,
             "e2e_ms": ms(self.latency) if self.success else None, "itl_ms": [ms(x) for x in self.itl],
+            **({"turn": self.turn} if self.turn is not None else {}),
         }
 
 
@@ -164,7 +192,7 @@ class _Stream:
     """Token-chunk bookkeeping shared by the backends."""
 
     def __init__(self, spec: RequestSpec) -> None:
-        self.result = RequestResult(prompt_len=spec.prompt_len, output_len=spec.output_len)
+        self.result = RequestResult(prompt_len=spec.prompt_len, output_len=spec.output_len, turn=spec.turn)
         self.t_start = time.perf_counter()
         self.result.start = self.t_start
         self.t_last: float | None = None
@@ -192,18 +220,33 @@ class _Stream:
         return r
 
 
+async def json_lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """Each non-empty line of a stream of JSON objects, one per line (the interactive route's)."""
+    buf = b""
+    async for chunk in response.content.iter_any():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for raw in lines:
+            if raw.strip():
+                yield raw.decode("utf-8")
+    if buf.strip():
+        yield buf.decode("utf-8")
+
+
 async def _post_stream(session: aiohttp.ClientSession, ep: Endpoint, body: dict, spec: RequestSpec,
-                       handle: Callable[[_Stream, str], str | None], ended: str) -> RequestResult:
-    """POST ``body`` and feed each SSE data payload to ``handle(stream, data)``, which returns
-    None to go on, "" when the stream is complete, or an error text. ``ended`` is the error for
-    a stream that closed before ``handle`` said it was complete."""
+                       handle: Callable[[_Stream, str], str | None], ended: str,
+                       framing: Callable[[aiohttp.ClientResponse], AsyncIterator[str]] = sse_events) -> RequestResult:
+    """POST ``body`` and feed each SSE data payload (or what ``framing`` splits the stream into) to
+    ``handle(stream, data)``, which returns None to go on, "" when the stream is complete, or an
+    error text. ``ended`` is the error for a stream that closed before ``handle`` said it was
+    complete."""
     stream = _Stream(spec)
     try:
         async with session.post(ep.url, json=body, headers=ep.headers()) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:1000]
                 return stream.finish(f"HTTP {resp.status}: {text}")
-            async with aclosing(sse_events(resp)) as events:
+            async with aclosing(framing(resp)) as events:
                 async for data in events:
                     outcome = handle(stream, data)
                     if outcome is not None:
@@ -299,7 +342,9 @@ async def request_openai(session: aiohttp.ClientSession, ep: Endpoint, spec: Req
 
 
 async def request_openai_chat(session: aiohttp.ClientSession, ep: Endpoint, spec: RequestSpec) -> RequestResult:
-    body = {**_openai_body(ep, spec), "messages": [{"role": "user", "content": spec.prompt}]}
+    system = [{"role": "system", "content": spec.system}] if spec.system is not None else []
+    messages = [*system, *(spec.history or []), {"role": "user", "content": spec.prompt}]
+    body = {**_openai_body(ep, spec), "messages": messages}
     def text_of(choice: dict) -> str | None:
         delta = choice.get("delta") or {}
         content = delta.get("content")
@@ -308,8 +353,40 @@ async def request_openai_chat(session: aiohttp.ClientSession, ep: Endpoint, spec
     return await _request_openai(session, ep, spec, body, text_of)
 
 
+async def request_interactive(session: aiohttp.ClientSession, ep: Endpoint, spec: RequestSpec) -> RequestResult:
+    """One turn of a session: only the new user message; the answer's lines carry the counts."""
+    body: dict[str, Any] = {"session_id": -1 if spec.session_id is None else spec.session_id, "prompt": spec.prompt,
+                            "interactive_mode": not spec.last_turn, "stream": True,
+                            "request_output_len": spec.output_len, "temperature": ep.temperature}
+    if ep.model is not None:
+        body["model"] = ep.model
+    if ep.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(ep.extra_body)
+    last: dict[str, Any] = {}
+
+    def handle(stream: _Stream, data: str) -> str | None:
+        obj = json.loads(data)
+        err = _error_text(obj)
+        if err is not None:
+            return err
+        last.update(obj)
+        stream.token_chunk(obj.get("text") or "")
+        return "" if obj.get("finish_reason") is not None else None
+
+    result = await _post_stream(session, ep, body, spec, handle, "the stream ended without a finish_reason",
+                                framing=json_lines)
+    if last:
+        result.session_id = last.get("session_id")
+        if result.success and isinstance(last.get("tokens"), int):
+            result.output_tokens = last["tokens"]
+        if isinstance(last.get("input_tokens"), int) and isinstance(last.get("history_tokens"), int):
+            result.prompt_len = last["input_tokens"] + last["history_tokens"]
+    return result
+
+
 REQUEST_FUNCS: dict[str, Callable[[aiohttp.ClientSession, Endpoint, RequestSpec], Awaitable[RequestResult]]] = {
-    "tgi": request_tgi, "openai": request_openai, "openai-chat": request_openai_chat,
+    "tgi": request_tgi, "openai": request_openai, "openai-chat": request_openai_chat, "interactive": request_interactive,
 }
 
 
@@ -378,6 +455,84 @@ async def run_requests(ep: Endpoint, specs: Sequence[RequestSpec], request_rate:
     return list(results), duration
 
 
+async def run_conversations(ep: Endpoint, conversations: Sequence[Sequence[RequestSpec]],
+                            max_concurrency: int | None = None, progress: Callable[[int, int], None] | None = None,
+                            session: aiohttp.ClientSession | None = None) -> tuple[list[RequestResult], float]:
+    """Run the conversations side by side (at most ``max_concurrency`` at once), each one's turns
+    one after the other: openai-chat turns carry the conversation so far (each answer as it came),
+    interactive turns the session the first turn opened. A turn after a failed one is not sent
+    (it fails too). Returns the turns' results, conversation by conversation, and the duration."""
+    func = REQUEST_FUNCS[ep.backend]
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    own_session = session is None
+    session = session or new_session(limit=max_concurrency or 0)
+    total, done = sum(len(c) for c in conversations), 0
+
+    async def converse(turns: Sequence[RequestSpec]) -> list[RequestResult]:
+        nonlocal done
+        history: list[dict[str, str]] = []
+        session_id: int | None = None
+        results: list[RequestResult] = []
+        for spec in turns:
+            if results and not results[-1].success:
+                results.append(RequestResult(error="an earlier turn of its conversation failed", prompt_len=spec.prompt_len,
+                                             output_len=spec.output_len, turn=spec.turn))
+                continue
+            r = await func(session, ep, dataclasses.replace(spec, history=list(history), session_id=session_id))
+            results.append(r)
+            history += [{"role": "user", "content": spec.prompt}, {"role": "assistant", "content": r.text}]
+            session_id = r.session_id
+            done += 1
+            if progress:
+                progress(done, total)
+        return results
+
+    async def one(turns: Sequence[RequestSpec]) -> list[RequestResult]:
+        if sem is None:
+            return await converse(turns)
+        async with sem:
+            return await converse(turns)
+
+    try:
+        t0 = time.perf_counter()
+        per_conversation = await asyncio.gather(*(one(c) for c in conversations))
+        duration = time.perf_counter() - t0
+    finally:
+        if own_session:
+            await session.close()
+    results = [r for rs in per_conversation for r in rs]
+    for r in results:
+        r.start = r.start - t0 if r.start else 0.0
+    return results, duration
+
+
+async def prefix_cache_counters(session: aiohttp.ClientSession, base_url: str,
+                                headers: dict[str, str] | None = None) -> dict[str, float] | None:
+    """The server's prefix-cache token counters (summed over their labels), or None if it has none."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers or {}) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in PREFIX_CACHE_COUNTERS:
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values if len(values) == len(PREFIX_CACHE_COUNTERS) else None
+
+
+def prefix_cache_use(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """Prompt tokens looked up in the prefix cache during the run, those found, and their ratio."""
+    if before is None or after is None:
+        return None
+    queried_name, hit_name = PREFIX_CACHE_COUNTERS
+    queried, hit = after[queried_name] - before[queried_name], after[hit_name] - before[hit_name]
+    return {"queried_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried else math.nan}
+
+
 # -- summary ---------------------------------------------------------------------------------
 def percentile(values: Sequence[float], p: float) -> float:
     """The p-th percentile with linear interpolation between closest ranks (numpy's default)."""
@@ -419,7 +574,16 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "output_throughput": total_out / duration if duration > 0 else math.nan,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else math.nan,
         **{name: stats(values, percentiles) for name, values in metrics.items()},
+        **ttft_by_turn(ok, percentiles),
     }
+
+
+def ttft_by_turn(ok: Sequence[RequestResult], percentiles: Sequence[float]) -> dict[str, Any]:
+    """Multi-turn runs: TTFT statistics of each turn (0 first), under ``ttft_ms_by_turn``."""
+    turns = sorted({r.turn for r in ok if r.turn is not None})
+    if not turns:
+        return {}
+    return {"ttft_ms_by_turn": {str(t): stats([r.ttft * 1e3 for r in ok if r.turn == t], percentiles) for t in turns}}
 
 
 def format_summary(summary: dict[str, Any], title: str, percentiles: Sequence[float] = (50, 90, 99)) -> str:
@@ -439,6 +603,15 @@ def format_summary(summary: dict[str, Any], title: str, percentiles: Sequence[fl
     rows = [[label, *(f"{summary[key][h]:.2f}" for h in ["mean", *(f"p{p:g}" for p in percentiles)])]
             for label, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))]
     lines += ["", _markdown_table(headers, rows)]
+    if "ttft_ms_by_turn" in summary:
+        by_turn = summary["ttft_ms_by_turn"]
+        lines += ["", _markdown_table(["TTFT ms, turn", *headers[1:]],
+                                      [[str(int(t) + 1), *(f"{by_turn[t][h]:.2f}" for h in ["mean", *(f"p{p:g}" for p in percentiles)])]
+                                       for t in by_turn])]
+    cache = summary.get("prefix_cache")
+    if cache is not None:
+        lines += ["", f"prefix cache: {cache['hit_tokens']:.0f} of {cache['queried_tokens']:.0f} prompt tokens found "
+                      f"(hit rate {cache['hit_rate']:.3f})"]
     return "\n".join(lines)
 
 
@@ -511,6 +684,32 @@ def random_requests(tokenizer: Any, n: int, input_len: int, output_len: int, dis
         text, count = builder.make(i, rng)
         specs.append(RequestSpec(text, count, o))
     return specs
+
+
+def shared_prefix_requests(tokenizer: Any, n: int, prefix_len: int, input_len: int, output_len: int,
+                           as_system: bool, seed: int = 0) -> list[RequestSpec]:
+    """One random text of ``prefix_len`` tokens, then per request a random question of
+    ``input_len``: joined as the prompt, or (``as_system``, the chat backend) the system message."""
+    rng = random.Random(seed)
+    builder = RandomPrompts(tokenizer)
+    prefix, prefix_count = builder.make(prefix_len, rng)
+    specs = []
+    for _ in range(n):
+        question, count = builder.make(input_len, rng)
+        if as_system:
+            specs.append(RequestSpec(question, prefix_count + count, output_len, system=prefix))
+        else:
+            specs.append(RequestSpec(prefix + question, token_count(tokenizer, prefix + question), output_len))
+    return specs
+
+
+def multi_turn_conversations(tokenizer: Any, n: int, turns: int, input_len: int, output_len: int,
+                             seed: int = 0) -> list[list[RequestSpec]]:
+    """``n`` conversations of ``turns`` random user messages of ``input_len`` tokens each."""
+    rng = random.Random(seed)
+    builder = RandomPrompts(tokenizer)
+    return [[RequestSpec(*builder.make(input_len, rng), output_len, turn=t, last_turn=t == turns - 1)
+             for t in range(turns)] for _ in range(n)]
 
 
 def sharegpt_requests(path: str, tokenizer: Any, n: int, seed: int = 0,
@@ -609,6 +808,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokenizer", default=None,
                    help="HF tokenizer directory (default: --model, or the server's model, if that is a local directory)")
     g.add_argument("--dataset", default=None, help="ShareGPT JSON file (default: random prompts)")
+    g.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random prompts (default), shared-prefix (one common prefix, then a question each), or "
+                        "multi-turn conversations (openai-chat or interactive)")
+    g.add_argument("--shared-prefix-len", type=int, default=2000, help="shared-prefix: tokens of the common prefix")
+    g.add_argument("--turns", type=int, default=5, help="multi-turn: turns per conversation")
     g.add_argument("--input-len", type=int, default=512, help="random prompts: tokens per prompt (default 512)")
     g.add_argument("--output-len", type=int, default=None,
                    help="tokens per answer (default 128; with --dataset: the answer's own length)")
@@ -638,6 +842,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--request-rate must be > 0 (or inf)")
     if args.ignore_eos is None:
         args.ignore_eos = args.backend != "tgi"
+    if args.workload != "random" and args.dataset:
+        p.error(f"--workload {args.workload} makes its own prompts: it takes no --dataset")
+    if args.backend == "interactive" and args.workload != "multi-turn":
+        p.error("--backend interactive runs --workload multi-turn only")
+    if args.workload == "multi-turn" and args.backend not in ("openai-chat", "interactive"):
+        p.error("--workload multi-turn needs --backend openai-chat or interactive")
+    if args.turns < 1 or args.shared_prefix_len < 1:
+        p.error("--turns and --shared-prefix-len must be at least 1")
     return args
 
 
@@ -689,8 +901,16 @@ async def amain(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(tok_path)
 
     output_len = args.output_len
+    conversations: list[list[RequestSpec]] | None = None
     if args.dataset:
         specs = sharegpt_requests(args.dataset, tokenizer, args.num_prompts, args.seed, output_len)
+    elif args.workload == "shared-prefix":
+        specs = shared_prefix_requests(tokenizer, args.num_prompts, args.shared_prefix_len, args.input_len,
+                                       output_len or 128, args.backend == "openai-chat", args.seed)
+    elif args.workload == "multi-turn":
+        conversations = multi_turn_conversations(tokenizer, args.num_prompts, args.turns, args.input_len,
+                                                 output_len or 128, args.seed)
+        specs = [s for c in conversations for s in c]
     else:
         specs = random_requests(tokenizer, args.num_prompts, args.input_len, output_len or 128,
                                 args.len_dist, args.range_ratio, args.seed)
@@ -699,7 +919,7 @@ async def amain(args: argparse.Namespace) -> int:
 
     async with new_session() as session:
         counted_by = "local tokenizer"
-        if not args.no_server_tokenize:
+        if not args.no_server_tokenize and args.workload == "random":   # the others' prompts are not sent whole
             counts, why_not = await server_token_counts(session, ep.base_url, [s.prompt for s in specs], ep.headers())
             if counts is None:
                 print(f"note: prompt tokens counted locally; {why_not}", file=sys.stderr)
@@ -717,7 +937,8 @@ async def amain(args: argparse.Namespace) -> int:
               + (f", model {ep.model}" if ep.model else ""), file=sys.stderr)
 
         if args.warmup > 0:
-            warm = [specs[i % len(specs)] for i in range(args.warmup)]
+            # a multi-turn run's first turns: each its session's last, so that none stays open
+            warm = [dataclasses.replace(specs[i % len(specs)], last_turn=True) for i in range(args.warmup)]
             results, _ = await run_requests(ep, warm, max_concurrency=args.max_concurrency, session=session)
             bad = [r for r in results if not r.success]
             if bad:
@@ -727,14 +948,25 @@ async def amain(args: argparse.Namespace) -> int:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     print(f"sending {len(specs)} requests, rate {rate} req/s, max concurrency {args.max_concurrency or 'none'}",
           file=sys.stderr)
-    results, duration = await run_requests(ep, specs, args.request_rate, args.max_concurrency, args.seed,
-                                           _progress(args.quiet, "done"))
+    async with new_session() as session:
+        counters_before = await prefix_cache_counters(session, ep.base_url, ep.headers())
+    if conversations is not None:
+        results, duration = await run_conversations(ep, conversations, args.max_concurrency,
+                                                    _progress(args.quiet, "turns done"))
+    else:
+        results, duration = await run_requests(ep, specs, args.request_rate, args.max_concurrency, args.seed,
+                                               _progress(args.quiet, "done"))
+    async with new_session() as session:
+        counters_after = await prefix_cache_counters(session, ep.base_url, ep.headers())
     summary = summarize(results, duration, percentiles)
+    summary["prefix_cache"] = prefix_cache_use(counters_before, counters_after)
 
     errors = Counter(r.error for r in results if not r.success)
     for err, n in errors.most_common(5):
         print(f"failed x{n}: {err}", file=sys.stderr)
-    title = (f"Serving: {ep.backend}, {len(specs)} requests, rate {rate} req/s, "
+    workload = {"random": "", "shared-prefix": f", shared prefix of {args.shared_prefix_len} tokens",
+                "multi-turn": f", {len(conversations or [])} conversations of {args.turns} turns"}[args.workload]
+    title = (f"Serving: {ep.backend}{workload}, {len(specs)} requests, rate {rate} req/s, "
              f"max concurrency {args.max_concurrency or 'none'}")
     print()
     print(format_summary(summary, title, percentiles))

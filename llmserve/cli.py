@@ -142,6 +142,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: none)")
     p.add_argument("--max-best-of", type=int, default=2,
                    help="most samples a TGI request's best_of may ask for (TGI's flag and default: 2)")
+    p.add_argument("--max-sessions", type=int, default=256, metavar="N",
+                   help="interactive sessions (/v1/chat/interactive) kept at once; a new one ends the least "
+                        "recently used idle one (default: 256)")
+    p.add_argument("--session-idle-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="an interactive session idle this long is ended and its cached tokens unpinned (default: 600)")
     p.add_argument("--full-text-enabled", action="store_true",
                    help="TGI streams: each event's token text is the whole text so far, not the token's own "
                         "(seed 004's fullTextEnabled; default: off)")
@@ -281,6 +286,7 @@ def serve(args: argparse.Namespace) -> int:
         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains),
+        max_sessions=args.max_sessions, session_idle_timeout=args.session_idle_timeout,
     )
     return run_server(engine_config, config, log_level=args.log_level, log_stats_interval=args.log_stats_interval)
 

@@ -81,6 +81,14 @@ class BaseTemplate:
         raise ChatTemplateError(f"the {type(self).__name__} template is a base model's: it has no chat format "
                                 "to render a conversation in")
 
+    def continuation(self, messages: Sequence[Message]) -> str:
+        """The text that continues a conversation right after the content of the answer last
+        generated in it: that answer's end (which the model may not have written: an answer cut by
+        its length limit), then ``messages``, ending where the next answer starts. An interactive
+        session appends its tokens to the tokens the engine saw (server/sessions.py)."""
+        raise ChatTemplateError(f"the {type(self).__name__} template is a base model's: it has no chat format "
+                                "to continue a conversation in")
+
 
 # OpenAI's role names -> the template's three roles; "developer" is OpenAI's newer name for "system".
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -142,6 +150,11 @@ class RoleTemplate(BaseTemplate):
                 text += f"{pending_system}{self.assistant}{self.answer_lead}{content}{self.eoa}{self.separator}"
                 pending_system = ""
         return f"{text}{pending_system}{self.assistant}"
+
+    def continuation(self, messages: Sequence[Message]) -> str:
+        """The answer's ``eoa`` (the history holds the answer's content only), then the new turns
+        rendered with ``sequence_start=False`` (from the separator on)."""
+        return self.eoa + self.messages2prompt(messages, sequence_start=False)
 
     def _turns(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None) -> list[tuple[str, str]]:
         if self.tool_format is not None:

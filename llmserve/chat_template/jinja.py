@@ -9,7 +9,10 @@ from typing import Any, ClassVar
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llmserve.chat_template.base import BaseTemplate, ChatTemplateError, Messages
+from llmserve.chat_template.base import BaseTemplate, ChatTemplateError, Message, Messages
+
+# Stands for an earlier answer's content in JinjaTemplate.continuation: text no answer holds.
+_ANSWER_MARKER = "\u2063llmserve-answer\u2063"
 
 
 @dataclass
@@ -51,3 +54,15 @@ class JinjaTemplate(BaseTemplate):
                                                       add_generation_prompt=True)
         except Exception as e:   # the template's raise_exception(), or a message it cannot handle
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None
+
+    def continuation(self, messages: Sequence[Message]) -> str:
+        """A Jinja template renders only whole conversations, so the continuation is read off one:
+        a stand-in exchange whose answer is a marker, then ``messages``; what follows the marker is
+        the answer's end, the new turns and the next answer's opening, as the template writes them
+        after any answer."""
+        stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ANSWER_MARKER}]
+        text = self.messages2prompt([*stand_in, *messages])
+        if text.count(_ANSWER_MARKER) != 1:
+            raise ChatTemplateError("the chat template does not write an earlier answer's content as it is, "
+                                    "so a conversation cannot be continued in it")
+        return text.split(_ANSWER_MARKER, 1)[1]

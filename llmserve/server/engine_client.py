@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from llmserve.common.logs import status_logger
 from llmserve.engine.engine import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
+    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
     StartEngine, StartupFailed, StepFailed, encode, frame_size,
 )
 from llmserve.engine.request import FinishReason, RequestDelta
@@ -103,6 +103,13 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._engine.abort(self.req_id)
+
+    def cancel(self, message: str) -> None:
+        """Stop generating for the server's own reason (a session's turn cancelled): like ``abort``,
+        and whoever reads the stream gets ``RequestError(message)`` rather than waiting on."""
+        if not self.finished:
+            self._engine.abort(self.req_id)
+            self._put(RequestError(message))
 
 
 # -- the process ---------------------------------------------------------------------------
@@ -243,14 +250,15 @@ class EngineClient:
 
     # -- handler side ------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 pixel_values: list[np.ndarray] | None = None) -> RequestStream:
+                 pixel_values: list[np.ndarray] | None = None, session_id: str | None = None) -> RequestStream:
         """Queue a request that passed ``check_request`` (``ServerState.start_all``: the core trusts
-        it); ``EngineError`` if the engine is down. ``pixel_values``: its images, preprocessed."""
+        it); ``EngineError`` if the engine is down. ``pixel_values``: its images, preprocessed;
+        ``session_id``: the interactive session whose turn it is (its tokens stay cached after it)."""
         if self.error is not None:
             raise EngineError(f"the engine has stopped: {self.error}")
         stream = RequestStream(self, ClientRequest.start(next(self._ids), prompt_token_ids, params, self.tokenizer))
         self._streams[stream.req_id] = stream
-        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values))
+        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values, session_id))
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(stream.request.num_prompt_tokens)
         return stream
@@ -260,6 +268,11 @@ class EngineClient:
         if stream is not None:       # else it ended already (and was counted then)
             self._send(AbortRequests([req_id]))
             self._observe_end(stream, FinishReason.ABORT)
+
+    def end_session(self, session_id: str) -> None:
+        """The interactive session is over: the core may drop the tokens its last turn left cached."""
+        if self.error is None:
+            self._send(EndSession(session_id))
 
     @property
     def is_healthy(self) -> bool:

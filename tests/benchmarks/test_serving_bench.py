@@ -93,6 +93,30 @@ def _app(bodies: list) -> web.Application:
         events.append({"choices": [], "usage": {"prompt_tokens": 19, "completion_tokens": n}})
         return await _sse(request, events, line_end="\r\n", done=True)
 
+    async def interactive(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        session_id = 41 if body["session_id"] == -1 else body["session_id"]
+        n = body["request_output_len"]
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for i in range(n):
+            await asyncio.sleep(FIRST_S if i == 0 else GAP_S)
+            line = {"text": f" w{i}", "tokens": i + 1, "input_tokens": 5, "history_tokens": 10 * len(bodies),
+                    "finish_reason": "length" if i == n - 1 else None, "session_id": session_id}
+            await resp.write((json.dumps(line) + "\n").encode())
+        await resp.write_eof()
+        return resp
+
+    async def metrics(request: web.Request) -> web.Response:
+        # counters that grow with every request served: 100 queried and 60 found each
+        served = len(bodies)
+        return web.Response(text=(
+            "# HELP llmserve_prefix_cache_queried_tokens_total x\n# TYPE llmserve_prefix_cache_queried_tokens_total counter\n"
+            f'llmserve_prefix_cache_queried_tokens_total{{model_name="m"}} {100.0 * served}\n'
+            f'llmserve_prefix_cache_hit_tokens_total{{model_name="m"}} {60.0 * served}\n'
+            f'llmserve_prefix_cache_hit_tokens_created{{model_name="m"}} 1.7e9\n'))
+
     async def tokenize(request: web.Request) -> web.Response:
         words = (await request.json())["inputs"].split()
         return web.json_response([{"id": i, "text": w, "start": 0, "stop": 0} for i, w in enumerate(words)])
@@ -105,6 +129,8 @@ def _app(bodies: list) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/chat/interactive", interactive)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     return app
 
@@ -211,6 +237,65 @@ def test_openai_chat(server):
     assert r.output_tokens == 4 and r.prompt_len == 19 and r.text == " w0 w1 w2 w3"
     _check_timings(r, 4)                                    # the role chunk is not a token
     assert server.bodies[-1]["messages"] == [{"role": "user", "content": "hello"}]
+
+
+def _conversations(turns: int = 3) -> list[list[serving.RequestSpec]]:
+    return [[serving.RequestSpec(f"c{c} t{t}", 2, 2, turn=t, last_turn=t == turns - 1) for t in range(turns)]
+            for c in range(2)]
+
+
+def test_multi_turn_chat_resends_the_history(server):
+    ep = serving.Endpoint("openai-chat", server.url, model="fake-model")
+    start = len(server.bodies)
+    results, _ = asyncio.run(serving.run_conversations(ep, _conversations(), max_concurrency=1))
+    assert [r.turn for r in results] == [0, 1, 2, 0, 1, 2] and all(r.success for r in results)
+    sent = server.bodies[start:]
+    assert sent[0]["messages"] == [{"role": "user", "content": "c0 t0"}]
+    assert sent[2]["messages"] == [{"role": "user", "content": "c0 t0"}, {"role": "assistant", "content": " w0 w1"},
+                                   {"role": "user", "content": "c0 t1"}, {"role": "assistant", "content": " w0 w1"},
+                                   {"role": "user", "content": "c0 t2"}]
+    summary = serving.summarize(results, 1.0)
+    assert sorted(summary["ttft_ms_by_turn"]) == ["0", "1", "2"]
+    assert "TTFT ms, turn" in serving.format_summary(summary, "t")
+
+
+def test_multi_turn_interactive_sends_the_new_turn_only(server):
+    ep = serving.Endpoint("interactive", server.url, ignore_eos=True)
+    start = len(server.bodies)
+    results, _ = asyncio.run(serving.run_conversations(ep, _conversations()[:1]))
+    assert all(r.success for r in results), [r.error for r in results]
+    sent = server.bodies[start:]
+    assert [b["prompt"] for b in sent] == ["c0 t0", "c0 t1", "c0 t2"]
+    assert [b["session_id"] for b in sent] == [-1, 41, 41]               # the id the first answer gave
+    assert [b["interactive_mode"] for b in sent] == [True, True, False]   # the last turn ends the session
+    assert sent[0]["ignore_eos"] is True and sent[0]["request_output_len"] == 2 and sent[0]["stream"] is True
+    assert [r.output_tokens for r in results] == [2, 2, 2]
+    assert results[1].prompt_len == 5 + 10 * (start + 2)                 # input_tokens + history_tokens
+    _check_timings(results[0], 2)
+
+
+def test_prefix_cache_hit_rate(server):
+    async def read(base):
+        async with serving.new_session() as session:
+            return await serving.prefix_cache_counters(session, base)
+
+    before = asyncio.run(read(server.url))
+    _send(server, "openai", "hello", 2)
+    use = serving.prefix_cache_use(before, asyncio.run(read(server.url)))
+    assert use == {"queried_tokens": 100.0, "hit_tokens": 60.0, "hit_rate": 0.6}
+    assert asyncio.run(read(server.url + "/nothing")) is None
+    assert serving.prefix_cache_use(None, before) is None
+
+
+def test_shared_prefix_requests(smollm2_tokenizer):
+    specs = serving.shared_prefix_requests(smollm2_tokenizer, 3, 50, 10, 4, as_system=False, seed=1)
+    assert len({s.prompt for s in specs}) == 3 and all(s.output_len == 4 for s in specs)
+    # the prompts agree on their first ~50 tokens' text, then differ
+    shared = next(i for i in range(len(specs[0].prompt)) if len({s.prompt[i] for s in specs}) > 1)
+    assert len(smollm2_tokenizer(specs[0].prompt[:shared], add_special_tokens=False).input_ids) >= 49
+    assert all(55 <= s.prompt_len <= 65 for s in specs), [s.prompt_len for s in specs]
+    chat = serving.shared_prefix_requests(smollm2_tokenizer, 3, 50, 10, 4, as_system=True, seed=1)
+    assert len({s.system for s in chat}) == 1 and len({s.prompt for s in chat}) == 3
 
 
 def test_connection_refused_is_a_failure():

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
 from llmserve.grammar import BACKEND as GRAMMAR_BACKEND
-from llmserve.server.api import openai, tgi, tokenization
+from llmserve.server.api import interactive, openai, tgi, tokenization
 from llmserve.server.api.errors import (
     APIError, error_response, http_error, internal_error, not_json_error, validation_error,
 )
@@ -27,7 +27,9 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.engine.start()
+        state.sessions.start()
         yield
+        await state.sessions.close()
         await state.engine.close()
 
     # /docs and /redoc with their scripts served from the fastapi-offline package, not a CDN:
@@ -36,6 +38,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.include_router(tgi.build_router(state))
     app.include_router(openai.build_router(state))
+    app.include_router(interactive.build_router(state))
     app.include_router(tokenization.build_router(state))
     install_openapi(app, api_key_set=state.config.api_key is not None)
     # The last middleware added runs first: the key is checked before the body is even read.

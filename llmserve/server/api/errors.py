@@ -128,6 +128,7 @@ _OPENAI_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.CONFLICT: "invalid_request_error",
     HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.UNSUPPORTED_MEDIA_TYPE: "invalid_request_error",

@@ -325,14 +325,15 @@ def message_content(message: ChatMessage, image_urls: list[str]) -> str | list[d
     return parts
 
 
-def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[str]]:
+def chat_messages(messages: list[ChatMessage], param: str = "messages") -> tuple[list[dict[str, Any]], list[str]]:
     """The conversation for the chat template, and the URLs of its images in order."""
-    for m in body.messages:
+    for m in messages:
         if m.role not in OPENAI_ROLES:
-            raise template_error(f"unknown role {m.role!r}: a message's role is one of {', '.join(sorted(OPENAI_ROLES))}")
-    check_tool_messages(body.messages)
+            raise template_error(f"unknown role {m.role!r}: a message's role is one of {', '.join(sorted(OPENAI_ROLES))}",
+                                 param)
+    check_tool_messages(messages)
     image_urls: list[str] = []
-    return [template_message(m, image_urls) for m in body.messages], image_urls
+    return [template_message(m, image_urls) for m in messages], image_urls
 
 
 def template_message(message: ChatMessage, image_urls: list[str]) -> dict[str, Any]:
@@ -344,7 +345,8 @@ def template_message(message: ChatMessage, image_urls: list[str]) -> dict[str, A
     return fields
 
 
-def chat_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int | None:
+def chat_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str,
+                    prompt_param: str = "messages") -> int | None:
     """The chat template's session_len bounds the conversation and its answer together; an unset
     max_tokens becomes what is left of it."""
     template = state.chat_template
@@ -353,7 +355,8 @@ def chat_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int 
         return max_tokens
     if num_prompt_tokens >= session_len:
         raise template_error(f"the conversation is {num_prompt_tokens} tokens, but the {template.name} chat template "
-                             f"allows {session_len} (session_len) for the conversation and its answer together")
+                             f"allows {session_len} (session_len) for the conversation and its answer together",
+                             prompt_param)
     if max_tokens is None:
         return min(state.room_for(num_prompt_tokens), session_len - num_prompt_tokens)
     if num_prompt_tokens + max_tokens > session_len:
@@ -472,7 +475,7 @@ def build_router(state: ServerState) -> APIRouter:
             require(getattr(body, legacy) is None, f"`{legacy}` is deprecated and not served: use `{current}`", legacy)
         check_tools(body.tools, body.tool_choice)
         tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
-        messages, image_urls = chat_messages(body)
+        messages, image_urls = chat_messages(body.messages)
         require(not image_urls or state.takes_images,
                "content part of type 'image_url' is not supported by this model: it takes text only", "messages")
         pixel_values = await state.load_images(image_urls, openai_fields("messages", "max_tokens", "top_logprobs"))

@@ -30,6 +30,7 @@ from llmserve.server.api.errors import (
 from llmserve.server.api.media import MediaConfig, load_image_bytes
 from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
+from llmserve.server.sessions import SessionStore
 from llmserve.server.engine_client import EngineClient, EngineError, RequestStream, TokenEvent
 from llmserve.tool_parsers import ToolParser, parser_for_template_source, tool_parser
 
@@ -67,6 +68,9 @@ class ServerConfig:
     allowed_local_media_path: str | None = None   # None: requests may not name local files
     allowed_media_domains: tuple[str, ...] = ()    # hosts image URLs may name; "*": any; (): none
     tool_call_parser: str | None = None    # how answers write tool calls (tool_choice "auto"); None: from the chat template
+    # /v1/chat/interactive (server/sessions.py): sessions kept at once, and how long an idle one lives
+    max_sessions: int = 256
+    session_idle_timeout: float = 600.0
 
 
 @dataclass
@@ -123,6 +127,7 @@ class ServerState:
         # the model's own image preprocessing; None for a text-only model
         self.image_processor = ImageProcessor(self.model_path) if info.image_token_id is not None else None
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.sessions = SessionStore(config.max_sessions, config.session_idle_timeout, engine.end_session)
         self._in_flight = 0
         metrics.in_flight.set_function(lambda: self._in_flight)
 
@@ -250,12 +255,14 @@ class ServerState:
         return self.limits.request.room_for(num_prompt_tokens)
 
     def start_all(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
-                  pixel_values: list[np.ndarray] | None = None) -> tuple[list[RequestStream], Slot]:
+                  pixel_values: list[np.ndarray] | None = None,
+                  session_id: str | None = None) -> tuple[list[RequestStream], Slot]:
         """Admit one client request and queue its generations (one per prompt and choice).
 
         This is where a request is checked against the engine's rules, once (check_request);
         the engine core trusts what it is sent. ``fields`` names the API's fields in the errors.
-        ``pixel_values``: the request's images (``load_images``), shared by its generations."""
+        ``pixel_values``: the request's images (``load_images``), shared by its generations;
+        ``session_id``: the interactive session it is a turn of (server/sessions.py)."""
         for prompt, params in jobs:
             try:
                 check_request(prompt, params, self.limits.request, len(pixel_values or ()))
@@ -265,7 +272,7 @@ class ServerState:
         streams: list[RequestStream] = []
         try:
             for prompt, params in jobs:
-                streams.append(self._start(prompt, params, pixel_values))
+                streams.append(self._start(prompt, params, pixel_values, session_id))
         except APIError:
             for s in streams:
                 s.abort()
@@ -274,10 +281,10 @@ class ServerState:
         return streams, slot
 
     def _start(self, prompt_token_ids: list[int], params: SamplingParams,
-               pixel_values: list[np.ndarray] | None) -> RequestStream:
+               pixel_values: list[np.ndarray] | None, session_id: str | None = None) -> RequestStream:
         """Queue an admitted generation; a dead engine is a 424."""
         try:
-            return self.engine.generate(prompt_token_ids, params, pixel_values)
+            return self.engine.generate(prompt_token_ids, params, pixel_values, session_id)
         except EngineError as e:
             raise generation_error(str(e)) from None
 
@@ -286,6 +293,11 @@ class ServerState:
                        ) -> tuple[list[RequestStream], list[list[TokenEvent]]]:
         """A non-streaming request, run to the end: its streams and each one's events."""
         streams, slot = self.start_all(jobs, fields, pixel_values)
+        return streams, await self.run_to_end(streams, slot, http_request)
+
+    async def run_to_end(self, streams: list[RequestStream], slot: Slot,
+                         http_request: HTTPRequest) -> list[list[TokenEvent]]:
+        """Each started stream's events, once all have ended; the slot is given back."""
         try:
             events = await collect(streams, http_request, self)
         except EngineError as e:
@@ -294,7 +306,7 @@ class ServerState:
         finally:
             slot.release()
         self.metrics.count(RequestOutcome.SUCCESS)
-        return streams, events
+        return events
 
 
 def auto_tool_parser(name: str | None, chosen: ChosenTemplate | None) -> ToolParser | None:
