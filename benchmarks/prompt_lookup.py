@@ -167,7 +167,9 @@ class StepResult:
     batch: int
     context: int
     decode_ms: float
+    eager_decode_ms: float           # the same decode step without its CUDA graph (a verify step's mode)
     verify_ms: float                 # 1 + K tokens per request, logits of every row, Sampler.verify
+    verify_forward_ms: float         # the verify step's forward alone (the rest is Sampler.verify)
     ratio: float                     # verify / decode
     projected_speedup: float | None  # (1 + accepted_len) / ratio
 
@@ -202,8 +204,17 @@ def step_mode(args: argparse.Namespace) -> list[StepResult]:
             model.forward(decode_ids, rows, [args.context] * batch, [1] * batch).argmax(-1).tolist()
 
         def verify() -> None:
-            logits = model.forward(verify_ids, rows, [args.context] * batch, [1 + k] * batch, return_all_logits=True)
-            sampler.verify(logits, rows, drafts)
+            sampler.verify(verify_forward(), rows, drafts)
+
+        def verify_forward() -> torch.Tensor:
+            return model.forward(verify_ids, rows, [args.context] * batch, [1 + k] * batch, return_all_logits=True)
+
+        def eager_decode() -> None:
+            graphs, model.decode_graphs = model.decode_graphs, None
+            try:
+                decode()
+            finally:
+                model.decode_graphs = graphs
 
         def timed(step) -> float:
             times = []
@@ -219,9 +230,11 @@ def step_mode(args: argparse.Namespace) -> list[StepResult]:
             return statistics.median(times) * 1e3
 
         decode_ms, verify_ms = timed(decode), timed(verify)
+        eager_decode_ms, verify_forward_ms = timed(eager_decode), timed(verify_forward)
         ratio = verify_ms / decode_ms
         projected = (1 + args.accepted_len) / ratio if args.accepted_len is not None else None
-        results.append(StepResult(batch, args.context, decode_ms, verify_ms, ratio, projected))
+        results.append(StepResult(batch, args.context, decode_ms, eager_decode_ms, verify_ms, verify_forward_ms, ratio,
+                                  projected))
         print(f"batch {batch}: decode {decode_ms:.2f} ms, verify 1+{k} {verify_ms:.2f} ms ({ratio:.2f}x)", file=sys.stderr)
         for r in rows:
             sampler.remove_request(r)
@@ -262,8 +275,10 @@ def main() -> int:
         results = step_mode(args)
         print(f"\n### Verify step (1 + {args.speculate} tokens per request) vs decode step, context {args.context}, "
               f"{args.device}\n")
-        print(markdown_table(["batch", "decode ms", "verify ms", "verify / decode", "projected speed-up"],
-                             [[r.batch, f"{r.decode_ms:.2f}", f"{r.verify_ms:.2f}", f"{r.ratio:.2f}",
+        print(markdown_table(["batch", "decode ms", "eager decode ms", "verify ms", "verify forward ms",
+                              "verify / decode", "projected speed-up"],
+                             [[r.batch, f"{r.decode_ms:.2f}", f"{r.eager_decode_ms:.2f}", f"{r.verify_ms:.2f}",
+                               f"{r.verify_forward_ms:.2f}", f"{r.ratio:.2f}",
                                "-" if r.projected_speedup is None else f"{r.projected_speedup:.2f}x"] for r in results]))
         if args.accepted_len is not None:
             print(f"\nprojected = (1 + {args.accepted_len}) / (verify / decode): {args.accepted_len} accepted draft tokens "
