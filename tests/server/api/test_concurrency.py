@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import httpx
@@ -106,6 +107,33 @@ def test_disconnected_streams_are_aborted_and_free_their_kv(tiny_server):
     m = wait_for_metrics(tiny_server, lambda m: idle(m) and m[ABORTED] - before[ABORTED] >= n)
     assert m[ABORTED] - before[ABORTED] == n
     assert m['llmserve_requests_total{outcome="error"}'] == before['llmserve_requests_total{outcome="error"}']
+    assert_serves(tiny_server)
+
+
+def test_disconnects_among_shared_prefixes_leave_only_the_prefix_caches_slots(tiny_server):
+    """The prefix cache under clients that hang up: 40 streams opening with one of four shared
+    prefixes, every other one dropped after its second token. Once idle no running request holds a
+    slot; what stays is the tree's (evictable), and later requests still hit it."""
+    rng = random.Random(0)
+    prefixes = [" ".join(rng.choice(PROMPTS) for _ in range(6)) for _ in range(4)]
+    prompts = [f"{rng.choice(prefixes)} {rng.choice(PROMPTS)}" for _ in range(40)]
+    before = tiny_server.metrics()
+
+    async def some_hang_up() -> list[list[dict]]:
+        limits = httpx.Limits(max_connections=len(prompts))
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(
+                tgi_stream_events(client, tiny_server.url, {"inputs": p, "parameters": {"max_new_tokens": 12}},
+                                  max_events=2 if i % 2 else None)
+                for i, p in enumerate(prompts)))
+
+    results = run(some_hang_up())
+    assert all(len(events) == (2 if i % 2 else 12) for i, events in enumerate(results))
+    m = wait_for_metrics(tiny_server, lambda m: idle(m) and m[ABORTED] - before[ABORTED] == len(prompts) // 2)
+    assert m["llmserve_kv_cache_slots_used"] == 0
+    assert 0 < m["llmserve_kv_cache_slots_cached"] <= m["llmserve_kv_cache_slots_total"]
+    hits = "llmserve_prefix_cache_hit_tokens_total"
+    assert m[hits] - before[hits] > 0, "requests sharing prefixes hit the cache"
     assert_serves(tiny_server)
 
 
