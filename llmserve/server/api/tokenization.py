@@ -91,7 +91,7 @@ async def vllm_tokenize(state: ServerState, body: dict[str, Any]) -> dict[str, A
             raise validation_error("only add_generation_prompt=true and continue_final_message=false are "
                                    "supported: the prompt /v1/chat/completions would run", "add_generation_prompt")
         # the prompt chat/completions would run: image placeholders expanded (the images are not fetched)
-        messages, _ = chat_messages(request)
+        messages, _ = chat_messages(request.messages)
         ids = state.expand_images(await state.tokenize_in_thread(state.encode_chat, messages))
     else:
         request = TokenizePromptRequest.model_validate(body)

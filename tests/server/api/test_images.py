@@ -244,7 +244,7 @@ def test_a_jinja_template_gets_image_parts_as_hf_processors_do(tiny_llava):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "A: "}, {"type": "image_url", "image_url": {"url": "u1"}},
                                      {"type": "text", "text": " B: "}, {"type": "image_url", "image_url": {"url": "u2"}}]}]})
-    messages, urls = chat_messages(body)
+    messages, urls = chat_messages(body.messages)
     assert urls == ["u1", "u2"]
     source = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is string %}{{ m['content'] }}{% else %}"
               "{% for p in m['content'] %}{% if p['type'] == 'image' %}<IMG>{% else %}{{ p['text'] }}{% endif %}"
