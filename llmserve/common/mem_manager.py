@@ -305,12 +305,13 @@ class ReqManager:
         self._seq_len[req_idx] = n
 
     def slots(self, req_idx: int, start: int, end: int) -> torch.Tensor:
-        """The slots of the row's positions [start, end) (a copy); ``ValueError`` past its length."""
+        """The slots of the row's positions [start, end), copied to the host (where the pool counts
+        references); ``ValueError`` past its length."""
         req_idx = self._check_in_use(req_idx)
         if not 0 <= start <= end <= int(self._seq_len[req_idx]):
             raise ValueError(f"positions [{start}, {end}) are not all in request {req_idx}'s row "
                              f"of {int(self._seq_len[req_idx])} tokens")
-        return self.req_to_token[req_idx, start:end].clone()
+        return self.req_to_token[req_idx, start:end].to("cpu", copy=True)   # one copy, on a GPU too
 
     def truncate(self, req_idx: int, new_len: int) -> None:
         """Drop the tokens at positions >= ``new_len`` and free their slots (e.g. rejected drafts)."""

@@ -423,7 +423,7 @@ class LLMEngine:
         """The caller is going idle: read the step still in flight (``generate`` is done once its
         own requests are, and a step may be running for one that stopped) and hand the workers
         the pending frees, scheduling nothing new."""
-        while self._in_flight or self._to_free or (self.scheduler.cache is not None and self.scheduler.cache.ops):
+        while self._in_flight or self._to_free or self.scheduler.has_cache_ops():
             step = StepInput([], finished_req_ids=self._to_free, overlap=self.overlap, cache_ops=self._take_cache_ops())
             self._to_free = []
             outputs = self.workers.step(step)

@@ -286,9 +286,11 @@ class Scheduler:
             # running request (this one included) for the next decode, so that admitting it does
             # not force a preemption right away. The cache's unused entries make room first.
             need = self._num_uncached(req) + len(self.running) + 1
-            if self._num_free_after_step() + self._num_reclaimable_slots() >= need:   # else evict nothing in vain
-                self._make_room(need - self._num_free_after_step())
-            chunk = self._chunk(req, budget) if self._num_free_after_step() >= need else 0
+            free = self._num_free_after_step()
+            if free < need <= free + self._num_reclaimable_slots():   # else evict nothing in vain
+                self._make_room(need - free)
+                free = self._num_free_after_step()
+            chunk = self._chunk(req, budget) if free >= need else 0
             if chunk == 0:
                 req.num_cached = 0
                 if node is not None:
@@ -373,6 +375,10 @@ class Scheduler:
                 self._pin(req.session_id, req.cache_node)
         self.cache.unlock(req.cache_node)
         req.cache_node, req.num_in_tree = None, 0
+
+    def has_cache_ops(self) -> bool:
+        """The prefix cache has changes the workers have yet to mirror."""
+        return self.cache is not None and bool(self.cache.ops)
 
     def _pin(self, session_id: str, node: Node) -> None:
         """Hold the session's conversation in the tree, in place of its previous turn's pin."""

@@ -245,7 +245,8 @@ class EngineClient:
         self._stats_task: asyncio.Task | None = None
         if metrics is not None:
             metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
-                                 lambda: self.stats.num_used_slots, self.info.max_total_token_num)
+                                 lambda: self.stats.num_used_slots, lambda: self.stats.num_cached_slots,
+                                 self.info.max_total_token_num)
             metrics.healthy.set(1)
 
     # -- handler side ------------------------------------------------------------------

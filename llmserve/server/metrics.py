@@ -140,11 +140,12 @@ class ServerMetrics:
         self._spec_counts: tuple[int, int, tuple[int, ...]] = (0, 0, ())   # the engine's, as last observed
 
     def track_engine(self, num_waiting: Callable[[], int], num_running: Callable[[], int],
-                     kv_used: Callable[[], int], kv_total: int) -> None:
+                     kv_used: Callable[[], int], kv_cached: Callable[[], int], kv_total: int) -> None:
         """Read the engine's live state at scrape time, so a gauge is never stale."""
         self.queue_size.set_function(num_waiting)
         self.batch_size.set_function(num_running)
         self.kv_slots_used.set_function(kv_used)
+        self.kv_slots_cached.set_function(kv_cached)
         self.kv_slots_total.set(kv_total)
         self.kv_usage.set_function(lambda: kv_used() / kv_total if kv_total else 0.0)
 
@@ -157,7 +158,6 @@ class ServerMetrics:
         if preemptions > self._num_preemptions:
             self.preemptions.inc(preemptions - self._num_preemptions)
             self._num_preemptions = preemptions
-        self.kv_slots_cached.set(stats.num_cached_slots)
         if stats.num_cache_queried_tokens > self._num_cache_queried:
             self.prefix_cache_queried.inc(stats.num_cache_queried_tokens - self._num_cache_queried)
             self._num_cache_queried = stats.num_cache_queried_tokens

@@ -38,7 +38,7 @@ class Session:
     session_id: int
     token_ids: list[int] = field(default_factory=list)   # the conversation so far, as the engine saw it
     num_turns: int = 0
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = 0.0                                # the store's clock; set by the store
     # A turn is being prepared or run: another one is refused until it ends.
     busy: bool = False
     # The running turn's stream, once it has started (what ``cancel`` stops).

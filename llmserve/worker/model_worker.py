@@ -189,7 +189,7 @@ class ModelWorker:
         keep = [r for i in sampling for r in range(row_ends[i] - 1 - entries[i].num_draft_tokens, row_ends[i])]
         drafts = [entries[i].token_ids[len(entries[i].token_ids) - entries[i].num_draft_tokens :] for i in sampling]
         try:
-            result = self.sampler.verify(logits[torch.tensor(keep, dtype=torch.long).to(logits.device)],
+            result = self.sampler.verify(logits[torch.tensor(keep, dtype=torch.long).to(logits.device, non_blocking=True)],
                                          [entries[i].req_id for i in sampling], drafts)
         except Exception as err:   # a request's parameters the sampler cannot use: its batch fails with it
             logger.exception("verifying a step's drafts failed")
@@ -198,7 +198,7 @@ class ModelWorker:
             result = None
         for m, i in enumerate(sampling if result is not None else []):
             emitted, lps, tops = result.token_ids[m], result.logprobs[m], result.top_logprobs[m]
-            errors[i] = errors[i] or (result.errors[m] if result.errors else None)
+            errors[i] = result.errors[m] if result.errors else None   # (sampling entries had none before)
             if not emitted:        # the request failed (errors says why)
                 continue
             token_ids[i], logprobs[i], top_logprobs[i] = emitted[0], lps[0] if lps else None, tops[0] if tops else None

@@ -28,7 +28,7 @@ class PrefixSlots:
             if isinstance(op, CacheTokens):
                 # Kept on the host, where the pool counts references: sharing and evicting a
                 # node then never waits for the device (reading a row's slots here does, once).
-                slots = self.req_manager.slots(req_rows[op.req_id], op.start, op.end).cpu()
+                slots = self.req_manager.slots(req_rows[op.req_id], op.start, op.end)
                 self.mem_manager.incref(slots)
                 self.node_slots[op.node_id] = slots
             elif isinstance(op, SplitNode):

@@ -148,9 +148,7 @@ def build_router(state: ServerState) -> APIRouter:
             return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0, "finish_reason": "stop",
                     "session_id": body.session_id, "cached_tokens": 0}
         require(body.n == 1, "an interactive turn has one answer: n must be 1", "n")
-        if state.chat_template is None:
-            raise template_error("this model has no chat template: start the server with --chat-template "
-                                 "NAME, FILE.json or FILE.jinja", "prompt")
+        state.require_chat_template("prompt")
         turn = await open_turn(state, body)
         try:
             prompt = turn.prompt

@@ -201,12 +201,16 @@ class ServerState:
         except Exception as e:
             raise validation_error(f"`{param}` could not be tokenized: {e}", param) from None
 
+    def require_chat_template(self, param: str = "messages") -> None:
+        """A 422 naming ``param`` unless the server has a chat template to render conversations with."""
+        if self.chat_template is None:
+            raise template_error("this model has no chat template: start the server with --chat-template "
+                                 "NAME, FILE.json or FILE.jinja", param)
+
     def encode_chat(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt tokens of a conversation (and the tools it may call), ending where the
         assistant's answer starts."""
-        if self.chat_template is None:
-            raise template_error("this model has no chat template: start the server with --chat-template "
-                                 "NAME, FILE.json or FILE.jinja")
+        self.require_chat_template()
         try:
             text = self.chat_template.render(messages, tools)
         except ChatTemplateError as e:
