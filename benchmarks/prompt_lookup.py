@@ -17,7 +17,8 @@ Two modes.
 ``step`` (``--device cuda --model PATH``; the 8B checkpoint of make_random_model.py)
   Random weights accept nothing, so this times one step instead: a verify step, where each of B
   requests feeds 1 + K tokens on a cached context and the sampler verifies them, against a plain
-  decode step (one token each, CUDA graphs as the server replays them). With the acceptance the
+  decode step (one token each), both replaying CUDA graphs as the server does (cuda_graph.py's
+  DecodeGraphs and VerifyGraphs), and both again eagerly. With the acceptance the
   engine mode measured on a real model (``--accepted-len X``), a step emits 1 + X tokens per
   request instead of 1, so the projected speed-up is (1 + X) * t_decode / t_verify.
 
@@ -167,9 +168,10 @@ class StepResult:
     batch: int
     context: int
     decode_ms: float
-    eager_decode_ms: float           # the same decode step without its CUDA graph (a verify step's mode)
-    verify_ms: float                 # 1 + K tokens per request, logits of every row, Sampler.verify
+    eager_decode_ms: float           # the same decode step without its CUDA graph
+    verify_ms: float                 # 1 + K tokens per request, logits of every row, Sampler.verify (graph)
     verify_forward_ms: float         # the verify step's forward alone (the rest is Sampler.verify)
+    eager_verify_ms: float           # the verify step without CUDA graphs (what the server ran before)
     ratio: float                     # verify / decode
     projected_speedup: float | None  # (1 + accepted_len) / ratio
 
@@ -186,7 +188,8 @@ def step_mode(args: argparse.Namespace) -> list[StepResult]:
     max_len = args.context + args.speculate + 8
     model = get_model_class(peek_model_config(path)["model_type"])(ModelInitParams(
         model_path=path, device=str(device), dtype=dtype, max_total_token_num=max_batch * max_len + 64,
-        max_req_num=max_batch, max_seq_len=max_len, cuda_graph_max_bs=max_batch if device.type == "cuda" else 0))
+        max_req_num=max_batch, max_seq_len=max_len, cuda_graph_max_bs=max_batch if device.type == "cuda" else 0,
+        speculate=args.speculate, speculate_max_batch=max_batch))   # verify graphs, as the server has with --speculate
     sampler = Sampler()
     results = []
     for batch in args.batch_list:
@@ -209,12 +212,15 @@ def step_mode(args: argparse.Namespace) -> list[StepResult]:
         def verify_forward() -> torch.Tensor:
             return model.forward(verify_ids, rows, [args.context] * batch, [1 + k] * batch, return_all_logits=True)
 
-        def eager_decode() -> None:
-            graphs, model.decode_graphs = model.decode_graphs, None
-            try:
-                decode()
-            finally:
-                model.decode_graphs = graphs
+        def eager(step):
+            def run() -> None:
+                graphs = model.decode_graphs, model.verify_graphs
+                model.decode_graphs = model.verify_graphs = None
+                try:
+                    step()
+                finally:
+                    model.decode_graphs, model.verify_graphs = graphs
+            return run
 
         def timed(step) -> float:
             times = []
@@ -230,12 +236,14 @@ def step_mode(args: argparse.Namespace) -> list[StepResult]:
             return statistics.median(times) * 1e3
 
         decode_ms, verify_ms = timed(decode), timed(verify)
-        eager_decode_ms, verify_forward_ms = timed(eager_decode), timed(verify_forward)
+        eager_decode_ms, verify_forward_ms = timed(eager(decode)), timed(verify_forward)
+        eager_verify_ms = timed(eager(verify))
         ratio = verify_ms / decode_ms
         projected = (1 + args.accepted_len) / ratio if args.accepted_len is not None else None
-        results.append(StepResult(batch, args.context, decode_ms, eager_decode_ms, verify_ms, verify_forward_ms, ratio,
-                                  projected))
-        print(f"batch {batch}: decode {decode_ms:.2f} ms, verify 1+{k} {verify_ms:.2f} ms ({ratio:.2f}x)", file=sys.stderr)
+        results.append(StepResult(batch, args.context, decode_ms, eager_decode_ms, verify_ms, verify_forward_ms,
+                                  eager_verify_ms, ratio, projected))
+        print(f"batch {batch}: decode {decode_ms:.2f} ms, verify 1+{k} {verify_ms:.2f} ms ({ratio:.2f}x), "
+              f"eager verify {eager_verify_ms:.2f} ms", file=sys.stderr)
         for r in rows:
             sampler.remove_request(r)
             model.req_manager.free_req(r)
@@ -276,9 +284,9 @@ def main() -> int:
         print(f"\n### Verify step (1 + {args.speculate} tokens per request) vs decode step, context {args.context}, "
               f"{args.device}\n")
         print(markdown_table(["batch", "decode ms", "eager decode ms", "verify ms", "verify forward ms",
-                              "verify / decode", "projected speed-up"],
+                              "eager verify ms", "verify / decode", "projected speed-up"],
                              [[r.batch, f"{r.decode_ms:.2f}", f"{r.eager_decode_ms:.2f}", f"{r.verify_ms:.2f}",
-                               f"{r.verify_forward_ms:.2f}", f"{r.ratio:.2f}",
+                               f"{r.verify_forward_ms:.2f}", f"{r.eager_verify_ms:.2f}", f"{r.ratio:.2f}",
                                "-" if r.projected_speedup is None else f"{r.projected_speedup:.2f}x"] for r in results]))
         if args.accepted_len is not None:
             print(f"\nprojected = (1 + {args.accepted_len}) / (verify / decode): {args.accepted_len} accepted draft tokens "

@@ -42,7 +42,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in tokens (default: from free memory; 16384 on CPU)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="on GPU, decode steps of up to this many requests replay CUDA graphs captured at start-up "
-                        "(batch sizes 1, 2, 4, then multiples of 8); 0 = none (default: 256)")
+                        "(batch sizes 1, 2, 4, then multiples of 8), and with --speculate so do verify steps of up "
+                        "to this many and --speculate-max-batch requests; 0 = none (default: 256)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly, capturing no CUDA graphs (as vLLM's flag)")
     p.add_argument("--dequantize", action="store_true",

@@ -135,6 +135,7 @@ class LLMEngine:
                 dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
                 max_req_num=config.max_running_requests, dist_init_method=init_method,
                 eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
+                speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
                 dequantize=config.dequantize,
             )
             for rank in range(config.tp)
@@ -176,7 +177,8 @@ class LLMEngine:
     def summary(self) -> str:
         """The line ``llmserve`` prints once the model is loaded: what runs, and where."""
         info = self.info
-        graphs = (f"CUDA graphs for decode batches up to {info.cuda_graph_max_bs} (captured in "
+        verify = f" and verify steps up to {info.cuda_graph_verify_bs}" if info.cuda_graph_verify_bs else ""
+        graphs = (f"CUDA graphs for decode batches up to {info.cuda_graph_max_bs}{verify} (captured in "
                   f"{info.cuda_graph_seconds:.1f} s, {info.cuda_graph_mib:.0f} MiB)" if info.cuda_graph_max_bs else "eager")
         weights = f"{info.num_params / 1e6:.0f}M params" + (f" in GGUF {info.quantized} blocks" if info.quantized else "")
         return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "

@@ -56,7 +56,8 @@ class ModelWorker:
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
             mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
-            cuda_graph_max_bs=args.cuda_graph_max_bs, dequantize=args.dequantize,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, speculate=args.speculate,
+            speculate_max_batch=args.speculate_max_batch, dequantize=args.dequantize,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
@@ -351,11 +352,12 @@ def _tokenizer_json(model_path: str) -> str:
 
 
 def _graph_info(model) -> dict:
-    graphs = model.decode_graphs
-    if graphs is None:
+    graphs = [g for g in (model.decode_graphs, model.verify_graphs) if g is not None]
+    if not graphs:
         return {}
-    return dict(cuda_graph_max_bs=graphs.max_batch_size, cuda_graph_seconds=graphs.capture_seconds,
-                cuda_graph_mib=graphs.capture_bytes / 2**20)
+    return dict(cuda_graph_max_bs=graphs[0].max_batch_size, cuda_graph_verify_bs=model.verify_graph_max_bs,
+                cuda_graph_seconds=sum(g.capture_seconds for g in graphs),
+                cuda_graph_mib=sum(g.capture_bytes for g in graphs) / 2**20)
 
 
 @dataclass

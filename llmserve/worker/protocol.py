@@ -61,6 +61,8 @@ class WorkerInitArgs:
     dist_init_method: str = ""       # tcp://127.0.0.1:PORT when world_size > 1
     eos_token_ids: list[int] = field(default_factory=list)  # banned by the sampler below min_tokens
     cuda_graph_max_bs: int = 0       # on CUDA, decode batches up to this size replay CUDA graphs
+    speculate: int = 0               # draft tokens per request (EngineConfig): sizes the verify steps' graphs
+    speculate_max_batch: int = 0
     dequantize: bool = False         # GGUF on CPU: expand the quantized matrices at load (ModelInitParams)
 
 
@@ -77,6 +79,7 @@ class WorkerInfo:
     num_layers: int
     num_params: int
     cuda_graph_max_bs: int = 0       # 0: every step runs eagerly
+    cuda_graph_verify_bs: int = 0    # verify steps of up to this many requests replay graphs too
     cuda_graph_seconds: float = 0.0  # capture time at start-up
     cuda_graph_mib: float = 0.0      # GPU memory the graphs took
     quantized: str = ""              # GGUF block formats the weights run in ("Q4_1/Q8_0"); "": dense

@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from llmserve.common.basemodel.cuda_graph import DecodeGraphs
+from llmserve.common.basemodel.cuda_graph import DecodeGraphs, VerifyGraphs, verify_row_buckets
 from llmserve.common.basemodel.infer_struct import InferStateInfo, InputEmbeds
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
@@ -36,6 +36,10 @@ class ModelInitParams:
     max_seq_len: int | None = None        # longest request; None: min(context window, KV pool)
     # Decode steps of up to this many requests replay CUDA graphs (cuda_graph.py); 0: never.
     cuda_graph_max_bs: int = 0
+    # Speculative verify steps (up to 1 + speculate new tokens a request, in batches of up to
+    # speculate_max_batch and cuda_graph_max_bs requests) replay graphs of their own; 0: none.
+    speculate: int = 0
+    speculate_max_batch: int = 0
     # Test hook: the graphs' padded static-buffer path without capturing (CPU tests).
     cuda_graph_capture: bool = True
     config: dict | None = None            # use this HF-style config instead of the checkpoint's
@@ -72,6 +76,7 @@ class TpPartBaseModel:
         self._init_some_value()
         self._init_custom()
         self.decode_graphs: DecodeGraphs | None = self._init_decode_graphs()
+        self.verify_graphs: VerifyGraphs | None = self._init_verify_graphs()
 
     # -- construction -------------------------------------------------------------------
     def _init_config(self) -> None:
@@ -184,6 +189,26 @@ class TpPartBaseModel:
             return None
         return DecodeGraphs(self, self.cuda_graph_max_bs, capture=self.params.cuda_graph_capture)
 
+    @property
+    def verify_graph_max_bs(self) -> int:
+        """The largest verify step (in requests) that replays a CUDA graph; 0: none."""
+        p = self.params
+        if not self.cuda_graph_max_bs or p.speculate < 1:
+            return 0
+        return min(self.cuda_graph_max_bs, p.speculate_max_batch)
+
+    def _init_verify_graphs(self) -> VerifyGraphs | None:
+        if not self.verify_graph_max_bs:
+            return None
+        decode = self.decode_graphs   # the padding request and the memory pool are shared
+        return VerifyGraphs(self, self.verify_graph_max_bs, 1 + self.params.speculate, decode.pad_row, decode.pad_slot,
+                            capture=self.params.cuda_graph_capture, pool=decode.pool)
+
+    def _graph_rows(self) -> int:
+        """The most rows (new tokens) a graphed step has, which sizes the graphs' memory."""
+        verify_rows = verify_row_buckets(self.verify_graph_max_bs * (1 + self.params.speculate))[-1] if self.verify_graph_max_bs else 0
+        return max(self.cuda_graph_max_bs, verify_rows)
+
     def _auto_kv_size(self, kv_dim_per_layer: int) -> int:
         """KV slots that fit in what the weights left over (GPU), or a modest default (CPU).
 
@@ -199,7 +224,7 @@ class TpPartBaseModel:
         fraction = self.params.mem_fraction
         budget = min(total * fraction - torch.cuda.memory_reserved(self.device), free - total * (1 - fraction))
         if self.cuda_graph_max_bs:
-            budget -= DecodeGraphs.memory_estimate(self.cuda_graph_max_bs, cfg, self.data_type.itemsize, self.world_size_)
+            budget -= DecodeGraphs.memory_estimate(self._graph_rows(), cfg, self.data_type.itemsize, self.world_size_)
         budget -= self._activation_reserve_bytes()
         if budget < bytes_per_token * 1024:
             raise ValueError(
@@ -252,9 +277,11 @@ class TpPartBaseModel:
         is_decode = all(n == 1 for n in b_q_len) and not any(all_logits)
         # A captured step has no place for given embeddings (a one-token prompt chunk may be an
         # image's placeholder): such a step runs eagerly.
-        graphs = self.decode_graphs is not None and input_embeds is None
-        if is_decode and graphs and self.decode_graphs.can_run(len(b_q_len)):
-            return self.decode_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index)
+        if input_embeds is None:
+            if is_decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(b_q_len)):
+                return self.decode_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index)
+            if not is_decode and self.verify_graphs is not None and self.verify_graphs.can_run(b_q_len, all_logits):
+                return self.verify_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, b_q_len, mem_index)
         state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, all_logits, is_decode)
         state.input_embeds = input_embeds
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)

@@ -20,6 +20,11 @@ What makes one capture valid for every later step of its bucket:
 - Nothing inside reads a value back to the host; what the layers take from Python (batch size,
   bounds) is fixed per bucket.
 
+Speculative verify steps (each request brings its sampled token and up to K draft tokens, and
+wants logits for every one) replay graphs of their own, ``VerifyGraphs``: the same static-buffer
+scheme over the context-attention path, one graph per bucket of new tokens (rows), each written
+for the largest batch and 1 + K tokens a request (see that class for why one shape serves all).
+
 ``capture=False`` runs the same padded, static-buffer step without a graph: the CPU tests hold
 that path against the plain forward token for token; the GPU tests hold the graphs against it.
 """
@@ -62,6 +67,7 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+        self.pool = None     # the graphs' memory pool, which the verify graphs share
         if capture:
             self._capture()
 
@@ -118,29 +124,9 @@ class DecodeGraphs:
         return model.forward_layers(inputs[0], state)
 
     # -- start-up ------------------------------------------------------------------------
-    @torch.inference_mode()
     def _capture(self) -> None:
-        device = self.model.device
-        torch.cuda.synchronize(device)
-        # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so that
-        # the difference in free memory is the graphs' own.
-        torch.cuda.empty_cache()
-        free_before, _ = torch.cuda.mem_get_info(device)
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        # Largest first: the smaller graphs then fit in the memory the largest took from the pool.
-        for bucket in reversed(self.buckets):
-            self._write_inputs(bucket, [], [])        # all padding
-            # Once outside the graph: Triton compiles its kernels, cuBLAS picks its algorithms.
-            self._step(bucket)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[bucket] = self._step(bucket)
-            self._graphs[bucket] = graph
-        torch.cuda.synchronize(device)
-        self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        self.pool = torch.cuda.graph_pool_handle()
+        self.capture_seconds, self.capture_bytes = _capture(self, lambda bucket: self._write_inputs(bucket, [], []))
 
     @staticmethod
     def memory_estimate(max_batch_size: int, config, itemsize: int, tp: int) -> int:
@@ -158,3 +144,147 @@ class DecodeGraphs:
         split_rows = max(bs * decode_num_splits(bs, hkv) for bs in batch_size_buckets(max_batch_size))
         scratch = split_rows * hq * (d + 1) * 4
         return int(1.5 * (max_batch_size * per_row + scratch)) + (64 << 20)
+
+
+def verify_row_buckets(max_rows: int) -> list[int]:
+    """The row counts a verify graph is captured for: 1, 2, 4, multiples of 8 up to 64, then
+    steps that double every fourth bucket (80, 96, 112, 128, 160, ..., 256, 320, ...), and the max:
+    a step pads at most about a quarter of its rows, with a few dozen graphs for hundreds of rows."""
+    sizes, size, step = {1, 2, 4}, 8, 8
+    while size < max_rows:
+        sizes.add(size)
+        if size >= 8 * step:
+            step *= 2
+        size += step
+    return sorted(b for b in sizes | {max_rows} if b <= max_rows)
+
+
+class VerifyGraphs:
+    """Speculative verify steps replayed from CUDA graphs.
+
+    A verify step is a context-attention step: request i brings ``q_len[i]`` new tokens (its
+    sampled token and its draft, 1 + K at most) on ``cached[i]`` cached ones, and wants the logits
+    of every new token (or brings one token, a request that did not draft). Its shape varies in
+    two ways, the number of requests and the number of new tokens; a graph is captured per bucket
+    of new tokens (rows) only, because what the layers take from Python is fixed otherwise:
+
+    - The attention's grid is (heads, query blocks of 1 + K tokens, the largest batch): requests
+      past the step's are padding requests with no new tokens, whose programs exit at once.
+    - The new tokens are packed back to back as in the eager step; the rows past them up to the
+      bucket are padding rows that store their KV in the padding slot, that no request attends to,
+      and whose logits are dropped. Per-request columns (table row, first row, new and cached
+      lengths) and per-row inputs (token ids, positions, KV slots) live in static buffers.
+
+    Rows are the lm_head's and the MLP's work, so bucketing rows rather than padding every request
+    to 1 + K keeps a batch of short drafts as cheap as its tokens."""
+
+    def __init__(self, model: TpPartBaseModel, max_batch_size: int, tokens_per_request: int,
+                 pad_row: int, pad_slot: int, *, capture: bool = True, pool=None):
+        if max_batch_size < 1 or tokens_per_request < 2:
+            raise ValueError(f"verify graphs need >= 1 request of >= 2 tokens, got {max_batch_size} x {tokens_per_request}")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.tokens_per_request = tokens_per_request
+        self.buckets = verify_row_buckets(max_batch_size * tokens_per_request)
+        self.pad_row, self.pad_slot = pad_row, pad_slot
+        device, n, rows = model.device, max_batch_size, self.buckets[-1]
+        # One int64 block, one host-to-device copy a step: per request (table row, first row, new
+        # tokens, cached tokens, sequence length), then per row the positions.
+        self._block = torch.zeros(5 * n + rows, dtype=torch.int64, device=device)
+        self._columns = self._block[: 5 * n].view(5, n)
+        self._positions = self._block[5 * n :]
+        self._input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._slots = torch.full((rows,), pad_slot, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.pool = None
+        if capture:
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self.capture_seconds, self.capture_bytes = _capture(self, lambda bucket: self._write_inputs(bucket, [], [], []))
+
+    def can_run(self, b_q_len: list[int], all_logits: list[bool]) -> bool:
+        """Whether a step fits: few enough requests, each with one new token or 1 + K at most whose
+        logits it all wants (the graph computes every row's), and the rows within the buckets."""
+        return (len(b_q_len) <= self.max_batch_size and sum(b_q_len) <= self.buckets[-1]
+                and all(n == 1 or (flag and n <= self.tokens_per_request) for n, flag in zip(b_q_len, all_logits)))
+
+    def bucket(self, num_rows: int) -> int:
+        return next(b for b in self.buckets if b >= num_rows)
+
+    # -- a step --------------------------------------------------------------------------
+    def run(self, input_ids: torch.Tensor, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
+            mem_index: torch.Tensor) -> torch.Tensor:
+        """One verify step (``can_run`` holds; the new tokens' KV slots given in ``mem_index``).
+        Returns float32 logits ``[new tokens, vocab]``, the rows in the step's order: a view of the
+        graph's output, valid until the next step."""
+        num_rows = sum(b_q_len)
+        bucket = self.bucket(num_rows)
+        self._write_inputs(bucket, b_req_idx, b_cached_len, b_q_len)
+        self._input_ids[:num_rows].copy_(input_ids)
+        self._slots[:num_rows].copy_(mem_index)
+        if bucket in self._graphs:
+            self._graphs[bucket].replay()
+            return self._outputs[bucket][:num_rows]
+        return self._step(bucket)[:num_rows]
+
+    def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int]) -> None:
+        """The requests' columns, then padding requests (no new tokens) up to the largest batch;
+        the rows' positions, then padding rows (position 0) up to ``bucket``; every row's KV slot
+        the padding slot (the caller writes the requests' own over theirs)."""
+        pad = self.max_batch_size - len(b_req_idx)
+        num_rows = sum(b_q_len)
+        q_start = [0]
+        for n in b_q_len:
+            q_start.append(q_start[-1] + n)
+        positions = [c + j for c, n in zip(b_cached_len, b_q_len) for j in range(n)]
+        host = torch.tensor(
+            [*b_req_idx, *[self.pad_row] * pad,
+             *q_start[:-1], *[num_rows] * pad,
+             *b_q_len, *[0] * pad,
+             *b_cached_len, *[0] * pad,
+             *[c + n for c, n in zip(b_cached_len, b_q_len)], *[0] * pad,
+             *positions, *[0] * (bucket - num_rows)], dtype=torch.int64)
+        self._block[: host.numel()].copy_(host, non_blocking=True)   # non-blocking: see DecodeGraphs
+        self._slots[:bucket].fill_(self.pad_slot)
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        """The work a graph holds: the layers over ``bucket`` rows of the static buffers."""
+        model = self.model
+        columns = self._columns.int()
+        state = model.infer_state_class(
+            batch_size=self.max_batch_size, total_token_num=bucket, is_decode=False,
+            b_req_idx=columns[0], b_q_start=columns[1], b_q_len=columns[2], b_cached_len=columns[3],
+            b_seq_len=columns[4], max_q_len=self.tokens_per_request, max_seq_len=model.max_seq_len,
+            position_ids=self._positions[:bucket], mem_index=self._slots[:bucket],
+            mem_manager=model.mem_manager, req_manager=model.req_manager, logit_rows=None,
+        )
+        state.init_some_extra_state(model)
+        return model.forward_layers(self._input_ids[:bucket], state)
+
+
+@torch.inference_mode()
+def _capture(graphs: DecodeGraphs | VerifyGraphs, write_padding) -> tuple[float, int]:
+    """Capture a graph per bucket of ``graphs`` into its pool (``write_padding(bucket)`` fills the
+    static buffers with a step of padding alone). Returns the seconds it took and the GPU memory
+    the graphs took."""
+    device = graphs.model.device
+    torch.cuda.synchronize(device)
+    # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so that
+    # the difference in free memory is the graphs' own.
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    start = time.perf_counter()
+    # Largest first: the smaller graphs then fit in the memory the largest took from the pool.
+    for bucket in reversed(graphs.buckets):
+        write_padding(bucket)
+        # Once outside the graph: Triton compiles its kernels, cuBLAS picks its algorithms.
+        graphs._step(bucket)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graphs.pool):
+            graphs._outputs[bucket] = graphs._step(bucket)
+        graphs._graphs[bucket] = graph
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start, free_before - torch.cuda.mem_get_info(device)[0]

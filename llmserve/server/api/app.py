@@ -102,6 +102,7 @@ def create_app(state: ServerState) -> FastAPI:
             "chunked_prefill": state.engine.config.chunked_prefill,
             "prefix_cache": state.engine.config.prefix_cache,
             "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
+            "cuda_graph_verify_bs": i.cuda_graph_verify_bs,
             # prompt-lookup speculation (--speculate; 0: off)
             "speculate": state.engine.config.speculate,
             "speculate_max_batch": state.engine.config.speculate_max_batch,

@@ -13,11 +13,12 @@ import pytest
 import torch
 from transformers import BloomConfig, LlamaConfig
 
-from llmserve.common.basemodel.cuda_graph import batch_size_buckets
+from llmserve.common.basemodel.cuda_graph import batch_size_buckets, verify_row_buckets
 from llmserve.kernels.decode_attention import decode_num_splits
 from parity_utils import EXACT, TEST_DEVICE, build_tiny_hf_model, load_ours, random_prompts, rel_err
 
 MAX_BS = 6             # buckets 1, 2, 4, 6; a larger decode batch runs the plain forward
+SPECULATE, SPECULATE_MAX_BS = 4, 3   # verify steps of up to 3 requests x (1 + 4) tokens replay graphs
 VOCAB = 512
 
 CONFIGS = {
@@ -32,7 +33,8 @@ def eager_and_graphs(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build_tiny_hf_model(CONFIGS[request.param](), path)
     eager = load_ours(path, max_req_num=32)
-    graphs = load_ours(path, max_req_num=32, cuda_graph_max_bs=MAX_BS, cuda_graph_capture=TEST_DEVICE == "cuda")
+    graphs = load_ours(path, max_req_num=32, cuda_graph_max_bs=MAX_BS, cuda_graph_capture=TEST_DEVICE == "cuda",
+                       speculate=SPECULATE, speculate_max_batch=SPECULATE_MAX_BS)
     return eager, graphs
 
 
@@ -40,6 +42,11 @@ def test_buckets():
     assert batch_size_buckets(1) == [1]
     assert batch_size_buckets(12) == [1, 2, 4, 8, 12]
     assert batch_size_buckets(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert verify_row_buckets(15) == [1, 2, 4, 8, 15]
+    assert verify_row_buckets(352) == [1, 2, 4, *range(8, 65, 8), 80, 96, 112, 128, 160, 192, 224, 256, 320, 352]
+    for max_rows in range(1, 600):
+        buckets = verify_row_buckets(max_rows)
+        assert buckets[-1] == max_rows and all(b - a <= max(8, a // 4) for a, b in zip(buckets, buckets[1:])), max_rows
 
 
 @pytest.mark.parametrize("max_bs", [1, 6, 100, 256])
@@ -71,13 +78,14 @@ class Twin:
         self.cached = 0
 
 
-def forward_both(models, twins: list[Twin], chunks: list[list[int]]) -> torch.Tensor:
+def forward_both(models, twins: list[Twin], chunks: list[list[int]], all_logits: list[bool] | bool = False) -> torch.Tensor:
     """One forward of the same batch on both models; the plain forward's logits, after checking
     the other's against them."""
     outs = []
     for m, model in enumerate(models):
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
-        outs.append(model.forward(ids, [t.rows[m] for t in twins], [t.cached for t in twins], [len(c) for c in chunks]).float().cpu())
+        outs.append(model.forward(ids, [t.rows[m] for t in twins], [t.cached for t in twins], [len(c) for c in chunks],
+                                  return_all_logits=all_logits).float().cpu())
     plain, other = outs
     assert other.shape == plain.shape
     assert other.argmax(-1).tolist() == plain.argmax(-1).tolist()
@@ -126,4 +134,52 @@ def test_graph_steps_equal_plain_steps_as_requests_come_and_go(eager_and_graphs)
     buckets = {models[1].decode_graphs.bucket(n) for n in decode_sizes if n <= MAX_BS}
     assert buckets == {1, 2, 4, 6} and max(decode_sizes) > MAX_BS, decode_sizes   # across the buckets, and past them
     for model in models:   # nothing leaked: every slot and row is back (the padding request's excepted)
+        assert model.mem_manager.can_use_mem_size == model.max_total_token_num
+
+
+def test_verify_steps_replay_their_graphs(eager_and_graphs, monkeypatch):
+    """Speculative verify steps (drafting requests bring 1 + draft new tokens and want every
+    one's logits, beside requests bringing one) replay the verify graphs while they fit (at most
+    SPECULATE_MAX_BS requests, 1 + SPECULATE tokens each), padded to a bucket of rows and to the
+    largest batch, and equal the plain forward; the rejected tokens are then cut from the table,
+    as the worker does. Steps that do not fit run the plain forward."""
+    models = eager_and_graphs
+    graphs = models[1].verify_graphs
+    assert graphs is not None and models[1].verify_graph_max_bs == SPECULATE_MAX_BS
+    replayed: list[int] = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda ids, *args: replayed.append(len(ids)) or run(ids, *args))
+    rng = random.Random(1)
+    twins = [Twin(p, 0) for p in random_prompts([rng.randint(2, 40) for _ in range(4)], VOCAB)]
+    for t in twins:
+        t.rows = (models[0].req_manager.alloc_req(), models[1].req_manager.alloc_req())
+    forward_both(models, twins, [t.tokens for t in twins])
+    eager_steps = 0
+    for step in range(40):
+        batch = rng.sample(twins, rng.randint(1, len(twins)))
+        drafts = [[rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 2, 4, 4, 5]))] for _ in batch]
+        if not any(drafts):
+            drafts[0] = [rng.randrange(VOCAB)]
+        chunks = [[t.tokens[-1], *d] for t, d in zip(batch, drafts)]
+        flags = [len(d) > 0 for d in drafts]
+        fits = len(batch) <= SPECULATE_MAX_BS and all(len(d) <= SPECULATE for d in drafts)
+        before = len(replayed)
+        logits = forward_both(models, batch, chunks, flags)
+        assert len(replayed) == before + fits, (len(batch), [len(d) for d in drafts])
+        eager_steps += not fits
+        # keep the first token and a random part of the draft (the rest "rejected"), as verify would
+        at = 0
+        for t, chunk, flag in zip(batch, chunks, flags):
+            kept = rng.randint(1, len(chunk))
+            t.tokens.extend(chunk[1:kept] + [int(logits[at + kept - 1].argmax())])
+            t.cached -= len(chunk) - kept
+            for model, row in zip(models, t.rows):
+                model.req_manager.truncate(row, t.cached)
+            at += len(chunk) if flag else 1
+        assert at == logits.shape[0]
+    assert len(set(graphs.bucket(n) for n in replayed)) >= 3 and eager_steps > 5, (replayed, eager_steps)
+    for t in twins:
+        for model, row in zip(models, t.rows):
+            model.req_manager.free_req(row)
+    for model in models:
         assert model.mem_manager.can_use_mem_size == model.max_total_token_num
