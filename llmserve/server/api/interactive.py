@@ -86,8 +86,7 @@ class Turn:
     @property
     def engine_session(self) -> str | None:
         """The id the engine pins the turn's tokens under. A session's last turn has it too: the
-        ``EndSession`` that follows then drops the whole conversation from the cache (what no
-        other request shares), not just the pin of the turn before."""
+        ``EndSession`` that follows then unpins the whole conversation, not just the turn before."""
         return self.session.engine_id if self.session is not None else None
 
     def answer(self, stream: RequestStream, text: str, reason: str | None, tokens: int) -> dict[str, Any]:
