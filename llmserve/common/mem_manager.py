@@ -129,6 +129,13 @@ class MemoryManager:
 
         Raises ``KVCacheFullError`` (state unchanged) when fewer than ``n`` slots are free.
         """
+        # Not a blocking copy: that would wait for every step queued on the device, which the
+        # overlapped loop keeps one step ahead. (From pageable memory the driver stages the
+        # bytes before returning, so the temporary may go at once.)
+        return self.alloc_host(n).to(self.device, non_blocking=True)
+
+    def alloc_host(self, n: int) -> torch.Tensor:
+        """``alloc``, the slots left on the host (int32, CPU), where the pool keeps its books."""
         if not _is_int(n) or n < 0:
             raise ValueError(f"number of slots to allocate must be a non-negative integer, got {n!r}")
         n = operator.index(n)
@@ -141,10 +148,7 @@ class MemoryManager:
         slots = self._free_stack[top - n : top].flip(0).clone()
         self._num_free = top - n
         self._ref_count[slots.long()] = 1
-        # Not a blocking copy: that would wait for every step queued on the device, which the
-        # overlapped loop keeps one step ahead. (From pageable memory the driver stages the
-        # bytes before returning, so the temporary may go at once.)
-        return slots.to(self.device, non_blocking=True)
+        return slots
 
     def incref(self, slots: torch.Tensor) -> None:
         """Add one reference per occurrence of each slot (to share it, e.g. from a prefix cache).
@@ -213,6 +217,8 @@ class ReqManager:
         rows after each row's current length; both are all-or-nothing.
       * ``truncate`` / ``free_req`` release the dropped positions' slots (one reference each).
       * Entries at positions >= ``seq_len(req_idx)`` are stale and must not be read.
+      * The table has a host copy (the same tensor on a CPU pool) that every change writes too:
+        reading a row's slots (``slots``, ``truncate``, ``free_req``) never waits for the device.
       * Misuse (a row not in use, a length past ``max_sequence_length``) is a ``ValueError`` that
         leaves the state unchanged.
     """
@@ -234,6 +240,13 @@ class ReqManager:
         self.req_to_token: torch.Tensor = torch.zeros(
             (max_request_num, max_sequence_length), dtype=_SLOT_DTYPE, device=self.device
         )
+        # The slots are on the host when they are handed out (the pool's books are there), so
+        # keeping them there too costs a write; reading them back from the device would block
+        # on every step queued before (the overlapped loop keeps one in flight). Calloc'd: a
+        # page costs memory only once a row reaches it.
+        self._host_table: torch.Tensor = (self.req_to_token if self.device.type == "cpu" else
+                                          _lazy_zeros((max_request_num, max_sequence_length), _SLOT_DTYPE,
+                                                      torch.device("cpu")))
         self._seq_len = torch.zeros(max_request_num, dtype=torch.int64)
         # A list, not a tensor: every step checks each of its rows, and reading one element of a
         # tensor costs microseconds (a decode step of 128 rows spent half its bookkeeping there).
@@ -277,16 +290,19 @@ class ReqManager:
         """
         rows, counts, starts = self._check_batch(req_idxs, n_new, expected_lens)
         total = int(counts.sum())
-        slots = self.mem_manager.alloc(total)  # raises before anything below changes
+        host_slots = self.mem_manager.alloc_host(total)  # raises before anything below changes
+        slots = host_slots.to(self.device, non_blocking=True)   # (see MemoryManager.alloc)
         if total == 0:
             return slots
         # Row and position of every new token, in batch order, without a per-request loop.
         tok_rows = torch.repeat_interleave(rows, counts)
         first_of_req = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         tok_pos = torch.repeat_interleave(starts, counts) + (torch.arange(total) - first_of_req)
-        # One host-to-device copy for both index columns.
-        tok_rows, tok_pos = torch.stack([tok_rows, tok_pos]).to(self.device, non_blocking=True)   # (see alloc)
-        self.req_to_token[tok_rows, tok_pos] = slots.to(self.device, non_blocking=True)
+        self._host_table[tok_rows, tok_pos] = host_slots
+        if self._host_table is not self.req_to_token:
+            # One host-to-device copy for both index columns.
+            tok_rows, tok_pos = torch.stack([tok_rows, tok_pos]).to(self.device, non_blocking=True)
+            self.req_to_token[tok_rows, tok_pos] = slots
         self._seq_len[rows] = starts + counts
         return slots
 
@@ -301,17 +317,19 @@ class ReqManager:
         if n > self.max_sequence_length:
             raise ValueError(f"a prefix of {n} tokens exceeds max_sequence_length={self.max_sequence_length}")
         self.mem_manager.incref(slots)
-        self.req_to_token[req_idx, :n] = slots.to(self.device, _SLOT_DTYPE, non_blocking=True)
+        self._host_table[req_idx, :n] = slots.to("cpu", _SLOT_DTYPE)
+        if self._host_table is not self.req_to_token:
+            self.req_to_token[req_idx, :n] = self._host_table[req_idx, :n].to(self.device, non_blocking=True)
         self._seq_len[req_idx] = n
 
     def slots(self, req_idx: int, start: int, end: int) -> torch.Tensor:
-        """The slots of the row's positions [start, end), copied to the host (where the pool counts
-        references); ``ValueError`` past its length."""
+        """The slots of the row's positions [start, end) (a copy, on the host, where the pool counts
+        references; read from the table's host copy, so no device wait); ``ValueError`` past its length."""
         req_idx = self._check_in_use(req_idx)
         if not 0 <= start <= end <= int(self._seq_len[req_idx]):
             raise ValueError(f"positions [{start}, {end}) are not all in request {req_idx}'s row "
                              f"of {int(self._seq_len[req_idx])} tokens")
-        return self.req_to_token[req_idx, start:end].to("cpu", copy=True)   # one copy, on a GPU too
+        return self._host_table[req_idx, start:end].clone()
 
     def truncate(self, req_idx: int, new_len: int) -> None:
         """Drop the tokens at positions >= ``new_len`` and free their slots (e.g. rejected drafts)."""
@@ -321,7 +339,7 @@ class ReqManager:
             raise ValueError(f"cannot truncate request {req_idx} of length {cur} to {new_len!r}")
         if new_len == cur:
             return
-        self.mem_manager.free(self.req_to_token[req_idx, new_len:cur])
+        self.mem_manager.free(self._host_table[req_idx, new_len:cur])
         self._seq_len[req_idx] = new_len
 
     def free_req(self, req_idx: int) -> None:
@@ -329,7 +347,7 @@ class ReqManager:
         req_idx = self._check_in_use(req_idx)
         cur = int(self._seq_len[req_idx])
         if cur:
-            self.mem_manager.free(self.req_to_token[req_idx, :cur])
+            self.mem_manager.free(self._host_table[req_idx, :cur])
         self._seq_len[req_idx] = 0
         self._in_use[req_idx] = False
         self._free_rows.append(req_idx)

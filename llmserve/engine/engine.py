@@ -195,7 +195,7 @@ class LLMEngine:
         return req
 
     def end_session(self, session_id: str) -> None:
-        """Unpin the session's tokens in the prefix cache, and drop those only it used."""
+        """Unpin the session's tokens in the prefix cache: they stay, evictable like any entry."""
         self.scheduler.end_session(session_id)
 
     def reset_prefix_cache(self) -> int:

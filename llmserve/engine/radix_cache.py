@@ -151,17 +151,6 @@ class RadixCache:
                 heapq.heappush(leaves, (parent.last_access, parent.id, parent))
         return freed
 
-    def evict_branch(self, node: Node) -> int:
-        """Evict ``node`` and then its ancestors, while each is a leaf nothing holds: the part of
-        the tree only ``node``'s path used (an ended session's conversation). Returns the slots
-        freed."""
-        freed = 0
-        while node is not self.root and not node.children and not node.held:
-            parent = node.parent
-            freed += self._remove(node)
-            node = parent
-        return freed
-
     def take_ops(self) -> list[CacheOp]:
         ops, self.ops = self.ops, []
         return ops

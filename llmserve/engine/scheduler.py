@@ -388,13 +388,13 @@ class Scheduler:
             self.cache.unpin(old)
         self.sessions[session_id] = node
 
-    def end_session(self, session_id: str) -> int:
-        """Unpin the session's conversation and drop what only it used; the slots freed."""
+    def end_session(self, session_id: str) -> None:
+        """Unpin the session's conversation. Its tokens stay cached, evictable (least recently used
+        first) like any other entry: a prefix it shares (a common system prompt) serves the
+        requests that come after it, and even its own turns are worth keeping while there is room."""
         node = self.sessions.pop(session_id, None) if self.cache is not None else None
-        if node is None:
-            return 0
-        self.cache.unpin(node)
-        return self.cache.evict_branch(node)
+        if node is not None:
+            self.cache.unpin(node)
 
     def _make_room(self, num_slots: int) -> None:
         """Evict the tree's least recently used entries until ``num_slots`` more slots are free,

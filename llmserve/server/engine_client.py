@@ -271,7 +271,7 @@ class EngineClient:
             self._observe_end(stream, FinishReason.ABORT)
 
     def end_session(self, session_id: str) -> None:
-        """The interactive session is over: the core may drop the tokens its last turn left cached."""
+        """The interactive session is over: the core unpins the tokens its last turn left cached."""
         if self.error is None:
             self._send(EndSession(session_id))
 

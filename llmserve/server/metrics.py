@@ -126,10 +126,8 @@ class ServerMetrics:
                                             "Tokens of admitted requests looked up in the prefix cache.")
         self.prefix_cache_hits = counter("llmserve_prefix_cache_hit_tokens",
                                          "Tokens of admitted requests found in the prefix cache (not computed again).")
-        self._num_cache_queried = self._num_cache_hits = 0
         self.preemptions = counter("llmserve_num_preemptions",
                                    "Requests taken out of the running batch to free KV cache (prefilled again later).")
-        self._num_preemptions = 0
         # -- speculation (--speculate) ------------------------------------------------------------
         self.spec_draft_tokens = counter("llmserve_spec_draft_tokens", "Prompt-lookup draft tokens verified.")
         self.spec_accepted_tokens = counter("llmserve_spec_accepted_tokens",
@@ -137,7 +135,10 @@ class ServerMetrics:
         self.spec_accepted_length = histogram("llmserve_spec_accepted_length",
                                               "Draft tokens accepted per verified draft (0 to --speculate).",
                                               _ACCEPTED_LENGTH_BUCKETS)
-        self._spec_counts: tuple[int, int, tuple[int, ...]] = (0, 0, ())   # the engine's, as last observed
+        # The engine's counts are totals since it started: each counter's total as last observed
+        # (``_count_growth``), and the accepted-length histogram's counts per length.
+        self._totals: dict[Counter, int] = {}
+        self._accepted_length_counts: tuple[int, ...] = ()
 
     def track_engine(self, num_waiting: Callable[[], int], num_running: Callable[[], int],
                      kv_used: Callable[[], int], kv_cached: Callable[[], int], kv_total: int) -> None:
@@ -154,29 +155,28 @@ class ServerMetrics:
         if outputs.num_step_tokens:
             self.iteration_tokens.observe(outputs.num_step_tokens)
         stats = outputs.stats
-        preemptions = stats.num_preemptions
-        if preemptions > self._num_preemptions:
-            self.preemptions.inc(preemptions - self._num_preemptions)
-            self._num_preemptions = preemptions
-        if stats.num_cache_queried_tokens > self._num_cache_queried:
-            self.prefix_cache_queried.inc(stats.num_cache_queried_tokens - self._num_cache_queried)
-            self._num_cache_queried = stats.num_cache_queried_tokens
-        if stats.num_cache_hit_tokens > self._num_cache_hits:
-            self.prefix_cache_hits.inc(stats.num_cache_hit_tokens - self._num_cache_hits)
-            self._num_cache_hits = stats.num_cache_hit_tokens
-        self._observe_speculation(stats)
+        self._count_growth(self.preemptions, stats.num_preemptions)
+        self._count_growth(self.prefix_cache_queried, stats.num_cache_queried_tokens)
+        self._count_growth(self.prefix_cache_hits, stats.num_cache_hit_tokens)
+        self._count_growth(self.spec_draft_tokens, stats.num_draft_tokens)
+        self._count_growth(self.spec_accepted_tokens, stats.num_accepted_tokens)
+        self._observe_accepted_lengths(stats)
 
-    def _observe_speculation(self, stats: EngineStats) -> None:
-        """The engine's speculation counts are totals since start: add what grew since the last message."""
-        drafted, accepted, lengths = self._spec_counts
-        if stats.num_draft_tokens == drafted:
-            return
-        self.spec_draft_tokens.inc(stats.num_draft_tokens - drafted)
-        self.spec_accepted_tokens.inc(stats.num_accepted_tokens - accepted)
+    def _count_growth(self, counter: Counter, total: int) -> None:
+        """Add to ``counter`` what the engine's ``total`` (a count since it started) grew by since
+        the last message."""
+        last = self._totals.get(counter, 0)
+        if total > last:
+            counter.inc(total - last)
+            self._totals[counter] = total
+
+    def _observe_accepted_lengths(self, stats: EngineStats) -> None:
+        """The verifies since the last message, by draft tokens accepted, into the histogram."""
+        before = self._accepted_length_counts
         for length, count in enumerate(stats.accepted_length_counts):
-            for _ in range(count - (lengths[length] if length < len(lengths) else 0)):
+            for _ in range(count - (before[length] if length < len(before) else 0)):
                 self.spec_accepted_length.observe(length)
-        self._spec_counts = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_length_counts)
+        self._accepted_length_counts = stats.accepted_length_counts
 
     def observe_first_token(self, queue_time: float | None, prefill_time: float | None) -> None:
         if queue_time is not None:

@@ -26,8 +26,8 @@ class PrefixSlots:
         """Mirror the tree's changes; ``req_rows``: each request's row of the req->token table."""
         for op in ops:
             if isinstance(op, CacheTokens):
-                # Kept on the host, where the pool counts references: sharing and evicting a
-                # node then never waits for the device (reading a row's slots here does, once).
+                # Read from, and kept on, the host, where the pool counts references: taking,
+                # sharing and evicting a node's slots never waits for the device.
                 slots = self.req_manager.slots(req_rows[op.req_id], op.start, op.end)
                 self.mem_manager.incref(slots)
                 self.node_slots[op.node_id] = slots

@@ -227,6 +227,27 @@ def test_shared_prefix_survives_one_owner_finishing() -> None:
     assert mem.can_use_mem_size == 8
 
 
+def test_row_bookkeeping_never_reads_the_device_table() -> None:
+    """On a GPU a read of ``req_to_token`` waits for every step queued before it. A "meta" pool
+    stands in for one whose table cannot be read at all: reading a row's slots, sharing them as
+    a prefix, truncating and freeing rows all work from the host copy."""
+    mem = MemoryManager(16, torch.float32, 1, 1, 1, device="meta")
+    reqs = ReqManager(max_request_num=2, max_sequence_length=8, mem_manager=mem)
+    r = reqs.alloc_req()
+    assert reqs.alloc_batch([r], [5]).device.type == "meta"
+    own = reqs.slots(r, 0, 5)
+    assert own.device.type == "cpu" and own.tolist() == list(range(5))
+    other = reqs.alloc_req()
+    reqs.share_prefix(other, own[:3])
+    reqs.append_tokens(other, 2)
+    assert reqs.slots(other, 0, 5).tolist() == [0, 1, 2, 5, 6]
+    reqs.truncate(other, 4)
+    reqs.free_req(r)
+    assert mem.can_use_mem_size == 16 - 4 and mem.ref_counts[:7].tolist() == [1, 1, 1, 0, 0, 1, 0]
+    reqs.free_req(other)
+    assert mem.can_use_mem_size == 16
+
+
 # ---------------------------------------------------------------------------------------------
 # Property-based: random operation sequences against a plain Python model
 

@@ -175,7 +175,7 @@ def run_alone(engine, prompt: list[int], session_id: str | None = None):
     return req
 
 
-def test_a_session_pin_outlives_lru_eviction_until_the_session_ends(cached):
+def test_a_session_pin_outlives_lru_eviction_until_the_session_ends_then_lru_may_take_it(cached):
     engine, scheduler = cached.engine, cached.engine.scheduler
     cached.reset_prefix_cache()
     rng = random.Random(4)
@@ -194,9 +194,31 @@ def test_a_session_pin_outlives_lru_eviction_until_the_session_ends(cached):
     assert scheduler.cache.num_pinned_tokens == second.num_tokens - 1   # the pin moved to the new turn
     cached_before = scheduler.num_cached_slots
     engine.end_session("s1")
+    # Unpinned, not evicted: the conversation stays cached, now evictable like any other entry.
     assert scheduler.cache.num_pinned_tokens == 0 and not scheduler.sessions
-    assert scheduler.num_cached_slots == cached_before - (second.num_tokens - 1)   # only its own entries went
-    assert scheduler.cache.prefix_length(first.cache_key(kept)) == 0
+    assert scheduler.num_cached_slots == cached_before == scheduler.cache.num_evictable_tokens
+    assert scheduler.cache.prefix_length(second.cache_key(second.num_tokens - 1)) == second.num_tokens - 1
+
+
+def test_ending_sessions_keeps_the_prefix_they_share_cached(cached):
+    """Two sessions share a long system prompt: ending one leaves the other's next turn a full
+    hit, and once both have ended a new request with that prompt still finds it cached."""
+    engine, scheduler = cached.engine, cached.engine.scheduler
+    cached.reset_prefix_cache()
+    rng = random.Random(6)
+    vocab = engine.info.vocab_size
+    shared = tokens(rng, 80, vocab)
+    one = run_alone(engine, shared + tokens(rng, 10, vocab), session_id="one")
+    two = run_alone(engine, shared + tokens(rng, 10, vocab), session_id="two")
+    assert two.num_cached_prefix == len(shared)
+    engine.end_session("one")
+    again = run_alone(engine, two.all_token_ids + tokens(rng, 5, vocab), session_id="two")
+    assert again.num_cached_prefix == two.num_tokens - 1
+    engine.end_session("two")
+    assert scheduler.cache.num_pinned_tokens == 0
+    fresh = run_alone(engine, shared + tokens(rng, 10, vocab))
+    assert fresh.num_cached_prefix == len(shared)
+    assert scheduler.cache.prefix_length(one.cache_key(one.num_tokens - 1)) == one.num_tokens - 1
 
 
 def test_a_prompt_is_cached_once_prefilled_even_when_its_last_chunk_is_one_token(cached):

@@ -176,3 +176,25 @@ def test_eviction_takes_least_recently_used_leaves_first():
     assert cache.evict(1) == 2 and cache.prefix_length([2, 2]) == 0 and cache.prefix_length([1, 1]) == 2
     cache.lock(a)
     assert cache.evict(10) == 0                # locked: kept
+
+
+def test_the_workers_mirror_never_reads_the_device():
+    """Every op of a step is applied from the slots' host copy: a "meta" pool, whose table cannot
+    be read (a GPU's read would wait for the steps queued before), takes, splits, shares and
+    evicts nodes all the same."""
+    mem = MemoryManager(16, torch.float32, 1, 1, 1, device="meta")
+    req_manager = ReqManager(2, 8, mem)
+    slots = PrefixSlots(req_manager)
+    cache = RadixCache()
+    row = req_manager.alloc_req()
+    req_manager.append_tokens(row, 4)
+    leaf, _ = cache.insert([1, 2, 3, 4], req_id=7)
+    node, _ = cache.match([1, 2, 9])
+    slots.apply(cache.take_ops(), {7: row})
+    assert slots.node_slots[node.id].tolist() == [0, 1] and slots.node_slots[leaf.id].tolist() == [2, 3]
+    other = req_manager.alloc_req()
+    slots.share(other, [node.id])
+    req_manager.free_req(row)
+    cache.evict(16)
+    slots.apply(cache.take_ops(), {})
+    assert not slots.node_slots and mem.ref_counts[:4].tolist() == [1, 1, 0, 0]

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmserve.engine.messages import EngineOutputs, EngineStats
+from llmserve.server.metrics import ServerMetrics
 from serving_utils import ServerProcess
 
 DASHBOARD = Path(__file__).parents[2] / "docker" / "grafana" / "llmserve.json"
@@ -121,3 +123,27 @@ def test_a_client_that_hangs_up_counts_as_an_abort(server, before_and_after):
     assert after["llmserve_request_generation_tokens_count"] == before["llmserve_request_generation_tokens_count"] + 1
     # a cut request's decode time is not a decode time
     assert after["llmserve_request_decode_time_seconds_count"] == before["llmserve_request_decode_time_seconds_count"]
+
+
+def test_the_engines_totals_become_counter_increases():
+    """The engine core sends totals since it started; each message adds what grew (no server needed)."""
+    metrics = ServerMetrics("m")
+
+    def value(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    totals = dict(num_preemptions=2, num_cache_queried_tokens=100, num_cache_hit_tokens=40,
+                  num_draft_tokens=6, num_accepted_tokens=3, accepted_length_counts=(1, 0, 1))
+    metrics.observe_engine(EngineOutputs(stats=EngineStats(**totals)))
+    metrics.observe_engine(EngineOutputs(stats=EngineStats(**totals)))      # nothing grew: nothing added
+    metrics.observe_engine(EngineOutputs(stats=EngineStats(
+        num_preemptions=3, num_cache_queried_tokens=150, num_cache_hit_tokens=40, num_draft_tokens=10,
+        num_accepted_tokens=6, accepted_length_counts=(1, 1, 1, 1))))
+    assert value("llmserve_num_preemptions_total") == 3
+    assert value("llmserve_prefix_cache_queried_tokens_total") == 150
+    assert value("llmserve_prefix_cache_hit_tokens_total") == 40
+    assert value("llmserve_spec_draft_tokens_total") == 10
+    assert value("llmserve_spec_accepted_tokens_total") == 6
+    assert value("llmserve_spec_accepted_length_count") == 4
+    assert value("llmserve_spec_accepted_length_sum") == 0 + 1 + 2 + 3
+    assert value("llmserve_spec_accepted_length_bucket", le="1.0") == 2

@@ -6,7 +6,6 @@ template); streaming and the session rules (session_len, a busy session, cancel,
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -95,10 +94,6 @@ def tiny(tiny_sessions_server) -> httpx.Client:
         yield client
 
 
-def slots_cached(server: ServerProcess) -> float:
-    return server.metrics()["llmserve_kv_cache_slots_cached"]
-
-
 def test_a_streamed_turn(tiny):
     first = turn(tiny, -1, "hi", request_output_len=4, temperature=0)
     session_id = first["session_id"]
@@ -130,21 +125,16 @@ def test_session_len_bounds_the_session(tiny):
     assert turn(tiny, 1, "x", request_output_len=1)["history_tokens"] == history
 
 
-def test_ending_a_session_drops_its_tokens_from_the_cache(tiny, tiny_sessions_server):
+def test_an_ended_session_leaves_its_tokens_cached(tiny):
     unique = " ".join(f"word{i}" for i in range(30))
     first = turn(tiny, 30, unique, request_output_len=8, ignore_eos=True)
     # the same first turn as a one-off chat: the cache holds its prompt (but the token computed anew)
     while_alive = turn(tiny, -1, unique, interactive=False, request_output_len=1)
     assert while_alive["cached_tokens"] >= first["input_tokens"] - 1
-    cached = slots_cached(tiny_sessions_server)     # the session's first turn among them
     turn(tiny, 30, "more", interactive=False, request_output_len=8, ignore_eos=True)     # ends the session
-    deadline = time.monotonic() + 30
-    while slots_cached(tiny_sessions_server) > cached - 30 and time.monotonic() < deadline:
-        time.sleep(0.2)      # the engine drops them with its next loop, and reports with its next step
-    assert slots_cached(tiny_sessions_server) <= cached - 30
+    # Ending it unpinned its tokens, and nothing has needed their room since: still a hit.
     after_end = turn(tiny, -1, unique, interactive=False, request_output_len=1)
-    # only what other requests share (the system message, ...) is left, not the 30 words
-    assert after_end["cached_tokens"] < while_alive["cached_tokens"] - 30
+    assert after_end["cached_tokens"] >= while_alive["cached_tokens"]
 
 
 def test_a_busy_session_and_cancel(tiny):
