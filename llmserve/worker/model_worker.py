@@ -222,7 +222,9 @@ class ModelWorker:
             row = self.req_rows.get(e.req_id) if e.req_id in self._unverified else None
             if row is not None and self.model.req_manager.seq_len(row) > e.num_cached:
                 self.model.req_manager.truncate(row, e.num_cached)
-        self._unverified.clear()
+        # Only the entries here: a drafting request that this step does not carry (a step that
+        # only flushes cache ops) still owes its truncation to the step that next carries it.
+        self._unverified.difference_update(e.req_id for e in entries)
 
     def _input_ids(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The step's new tokens, those the engine sent and those still only on the device
@@ -332,6 +334,7 @@ class ModelWorker:
         return logprobs, top_logprobs
 
     def _free_kv(self, req_id: int) -> None:
+        self._unverified.discard(req_id)
         row = self.req_rows.pop(req_id, None)
         if row is not None:
             self.model.req_manager.free_req(row)

@@ -107,8 +107,25 @@ def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
         prompts, params = random_workload(512, 6, seed=1)
         want = llm.generate(prompts, plain(params))
         got, accepted = generate_counting(llm, prompts, params)
-    assert_same_tokens(got, want)
-    assert accepted > 0 and llm.engine.num_draft_tokens > accepted
+        assert_same_tokens(got, want)
+        assert accepted > 0 and llm.engine.num_draft_tokens > accepted
+        # A step that carries no request (a flush of cache ops) between a draft and its request's
+        # next step: rank 1 must still drop that draft's rejected tokens then (it used to forget
+        # them, and its next step found the row too long and the rank exited).
+        engine = llm.engine
+        reqs = [engine.new_request(p, dataclasses.replace(q, max_new_tokens=40, ignore_eos=True))
+                for p, q in zip(prompts, params) if q.speculate]
+        for req in reqs:
+            engine.enqueue(req)
+        drafted = engine.num_draft_tokens
+        while engine.num_draft_tokens == drafted and engine.has_unfinished():
+            engine.step()
+        assert engine.num_draft_tokens > drafted and engine.has_unfinished()
+        llm.reset_prefix_cache()
+        while engine.has_unfinished():
+            engine.step()
+        engine.flush()
+        assert all(len(r.output_token_ids) == 40 for r in reqs)
 
 
 # -- the embedded model, on prompts whose answers copy from them ----------------------------------
