@@ -33,10 +33,13 @@ if [ -d "$tok" ]; then
   # that need the embedded GGUF itself are left to the CPU suite, and so are those holding the
   # engine's greedy tokens against HF's on the CPU (the GPU's float32 GEMMs sum in another order,
   # and a tiny random model's near-ties then flip a token: seen on an H100 in test_llm_images'
-  # text-only prompt, whose logits the bf16 parity tests above check to tolerance)
+  # text-only prompt, whose logits the bf16 parity tests above check to tolerance). Speculation's
+  # tests run its verify steps through the verify CUDA graphs here.
   run engine env LLMSERVE_TEST_TOKENIZER_DIR="$tok" LLMSERVE_TEST_DTYPE=float32 python3 -m pytest -q -p no:cacheprovider \
     tests/test_llm.py tests/test_llm_images.py tests/engine/test_overlap.py tests/worker/test_sampler.py tests/test_grammar.py \
-    tests/test_model_errors.py tests/test_cli.py tests/chat_template -k "not paris and not transformers and not stop_ and not missing_model_is and not hf_greedy"
+    tests/test_model_errors.py tests/test_cli.py tests/chat_template \
+    tests/engine/test_speculation.py tests/engine/test_speculation_sampling.py tests/worker/test_sampler_verify.py tests/engine/test_prefix_cache.py \
+    -k "not paris and not transformers and not stop_ and not missing_model_is and not hf_greedy and not grounded and not stops_and_lengths"
   # the HTTP server on the GPU, driven by the three clients (the embedded model stays on the CPU);
   # a fixed KV cache, because several test servers share the GPU
   run api env LLMSERVE_TEST_TOKENIZER_DIR="$tok" LLMSERVE_TEST_SERVER_ARGS="--dtype float32 --max-total-token-num 16384" python3 -m pytest -q \
