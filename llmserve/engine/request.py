@@ -74,8 +74,12 @@ class Request:
     finish_reason: FinishReason | None = None
     # Why the request failed (finish_reason ERROR): one line, fit for the client.
     error: str | None = None
-    # Its n-gram index for drafts (speculation), made by the scheduler on its first draft.
+    # Its n-gram index for drafts (speculation), made by the scheduler on its first draft; its
+    # draft attempts in a row that gained nothing, and the steps it sits out before the next
+    # (the scheduler's back-off: Scheduler.draft_missed).
     prompt_lookup: PromptLookup | None = field(default=None, repr=False)
+    num_draft_misses: int = 0
+    draft_wait: int = 0
     # An interactive session's id: when the request finishes, the prefix cache keeps its tokens
     # pinned for the session's next turn.
     session_id: str | None = None

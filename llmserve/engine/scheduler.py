@@ -29,7 +29,8 @@ preemption. (Constrained requests draft too: the verifier judges each draft toke
 state after the ones before it.) A draft never takes a request past ``max_new_tokens`` (at most
 ``max_new_tokens - num_output - 1`` tokens, the verify step's own token being the last). Batches
 of more than ``speculate_max_batch`` decodes take no drafts: there, verifying costs the device
-more than the accepted tokens save.
+more than the accepted tokens save. A request whose drafts keep gaining nothing (no n-gram of its
+end recurs, or the model accepts none of the draft) backs off: see ``draft_missed``.
 With the prefix cache (``SchedulerConfig.prefix_cache``, radix_cache.py) a request is admitted
 with its longest cached prefix already in place (``num_cached`` starts there; it locks the tree's
 path), and its tokens join the tree when its prefill completes, when it is preempted and when it
@@ -47,6 +48,10 @@ from dataclasses import dataclass, field
 from llmserve.engine.prompt_lookup import PromptLookup
 from llmserve.engine.radix_cache import Node, RadixCache
 from llmserve.engine.request import FinishReason, Request, RequestStatus
+
+
+# The most decode steps a request whose drafts gain nothing sits out between two lookups.
+_MAX_DRAFT_WAIT = 15
 
 
 @dataclass
@@ -202,7 +207,7 @@ class Scheduler:
         """Whether the next step may carry drafts (speculation is on and the batch is small enough).
         The engine then runs it without look-ahead: a draft continues tokens it must have read."""
         return (0 < self.config.speculate and 0 < len(self.running) <= self.config.speculate_max_batch
-                and any(self._draftable(req) for req in self.running))
+                and any(self._draftable(req) and not req.draft_wait for req in self.running))
 
     def _add_drafts(self, decodes: list[ScheduledRequest], token_budget: int) -> int:
         """Give the step's decodes their drafts, within ``token_budget`` and the KV slots to spare;
@@ -216,10 +221,15 @@ class Scheduler:
             req = s.request
             if room <= 0:
                 break
+            if req.draft_wait:
+                req.draft_wait -= 1
+                continue
             if not self._may_draft(req):
                 continue
             k = min(self.config.speculate, req.params.max_new_tokens - req.num_output_tokens - 1, room)
             draft = self._prompt_lookup(req).propose(k)
+            if not draft and k > 0:
+                self.draft_missed(req)
             s.draft_token_ids = draft
             s.num_new_tokens += len(draft)
             room -= len(draft)
@@ -233,6 +243,27 @@ class Scheduler:
     def _may_draft(self, req: Request) -> bool:
         # A token in flight (overlapped step) is not known yet: nothing can continue it.
         return self._draftable(req) and req.num_pending_tokens == 0
+
+    @staticmethod
+    def draft_missed(req: Request) -> None:
+        """A draft attempt gained nothing: no n-gram of the request's end recurred, or the model
+        accepted none of the draft. Rules, in order:
+
+        1. The request counts the miss (``num_draft_misses``; a draft with any token accepted
+           resets the count: ``draft_hit``).
+        2. From the second miss in a row it sits out 1, 3, 7, then 15 decode steps
+           (``draft_wait``) before it looks for a draft again.
+
+        An answer that copies nothing then costs a lookup every 16 steps rather than a verify
+        step (1 + K rows; on a GPU also a step without the overlapped loop's look-ahead) every
+        step, while one that copies in runs with a miss between them keeps drafting."""
+        req.num_draft_misses += 1
+        req.draft_wait = min(2 ** (req.num_draft_misses - 1), _MAX_DRAFT_WAIT + 1) - 1
+
+    @staticmethod
+    def draft_hit(req: Request) -> None:
+        """A verified draft had tokens accepted: the request drafts every step again."""
+        req.num_draft_misses = 0
 
     def _prompt_lookup(self, req: Request) -> PromptLookup:
         """The request's n-gram index, made on its first draft and brought up to its last token."""

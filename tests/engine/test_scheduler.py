@@ -527,6 +527,49 @@ def test_no_drafts_for_large_batches_or_requests_that_opt_out():
     assert drafts(scheduler.schedule()) == {0: 4}
 
 
+def test_a_request_whose_drafts_gain_nothing_backs_off():
+    """No n-gram of its end recurs (every token new): from the second miss in a row the request
+    sits out 1, 3, 7, then 15 steps between lookups, and meanwhile the scheduler says no step
+    drafts (the engine runs those with look-ahead). A draft the model accepts none of is a miss
+    too; one with a token accepted puts the request back to drafting every step."""
+    scheduler = make_scheduler(1000, speculate=4)
+    req = Request(req_id=0, prompt_token_ids=list(range(100, 120)), params=SamplingParams(max_new_tokens=200))
+    scheduler.add_request(req)
+    run_step(scheduler)                                 # the prefill; its token is TOKEN, new
+    lookups, fresh = [], iter(range(1000, 2000))
+    for step in range(64):
+        looked = scheduler.drafting()
+        output = scheduler.schedule()
+        assert drafts(output) == {}
+        scheduler.update_after_step(output)
+        req.append_token(next(fresh))
+        if looked:
+            lookups.append(step)
+    assert lookups == [0, 1, 3, 7, 15, 31, 47, 63]
+    # Its end recurs (a token of the prompt) when it next looks: a draft, verified by the engine.
+    def draft_after(token: int) -> SchedulerOutput:
+        while True:
+            output = scheduler.schedule()
+            scheduler.update_after_step(output)
+            req.append_token(token if req.draft_wait == 0 else next(fresh))
+            if req.draft_wait == 0:
+                output = scheduler.schedule()
+                scheduler.update_after_step(output)
+                return output
+
+    assert drafts(draft_after(105)) == {0: 4}
+    req.num_cached -= 4                                 # none of it accepted (the worker truncates)
+    scheduler.draft_missed(req)                         # (the engine reports it)
+    req.append_token(next(fresh))
+    assert not scheduler.drafting() and req.draft_wait == 15
+    assert drafts(draft_after(110)) == {0: 4}
+    req.num_cached -= 3                                 # one accepted
+    scheduler.draft_hit(req)
+    req.append_token(111)
+    req.append_token(112)
+    assert scheduler.drafting() and drafts(scheduler.schedule()) == {0: 4}
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(40, 160), st.lists(st.tuples(st.integers(1, 30), st.integers(1, 40)), min_size=1, max_size=6),
        st.integers(0, 10))
