@@ -10,6 +10,7 @@ step at a time, each step timed the way ours is (CUDA events around forward + ar
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -80,3 +81,29 @@ class HFPeer:
         if not bool(torch.isfinite(out.logits).all()):
             raise RuntimeError(f"{self.mode}: non-finite logits")
         return prefill_s, timer.elapsed_ms()[warmup:]
+
+
+@torch.inference_mode()
+def hf_generate_decode(model, prompt_ids: list[int], max_new_tokens: int,
+                       prompt_lookup_num_tokens: int | None = None) -> tuple[list[int], float]:
+    """One greedy ``model.generate`` of a prompt (batch 1: HF's prompt lookup takes no larger
+    batch), with HF's own prompt-lookup decoding when ``prompt_lookup_num_tokens`` is set. Returns
+    the tokens and the seconds of the decode phase: the whole call less a one-token call (the
+    prefill and the first token), as ``prompt_lookup.py`` times ours from every first token."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    kwargs = dict(do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
+    if prompt_lookup_num_tokens:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
+
+    def timed(n: int) -> tuple[torch.Tensor, float]:
+        synchronize(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, **kwargs)
+        synchronize(device)
+        return out, time.perf_counter() - start
+
+    timed(2)                                              # warm-up
+    _, first = timed(1)
+    out, whole = timed(max_new_tokens)
+    return out[0, len(prompt_ids):].tolist(), whole - first
