@@ -33,15 +33,18 @@ tokens brings k + 1 rows of logits, and row j goes through the pipeline above as
 0..j-1 had been emitted (its matcher fed them, min_tokens and the penalties count them). Greedy
 rows keep the draft while it is the argmax; sampling rows keep draft token t with probability p(t)
 and, at the first rejection, draw from p without t (speculative sampling with a one-hot draft:
-the tokens come out as ``sample`` would draw them). All rows at once, one read of the device.
+the tokens come out as ``sample`` would draw them). All rows at once, one read of the device: an
+all-greedy batch reads every row's argmax and finds the accepted runs on the host; a batch with
+sampling requests decides on the device (its last draws need the runs there), its per-row host
+columns sent in one copy. On a GPU these steps cost launches and transfers, not arithmetic.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -222,40 +225,48 @@ class Sampler:
     def _verify_one_by_one(logits: torch.Tensor, states: list[_RequestState],
                            draft_token_ids: list[list[int]]) -> VerifyResult:
         """The slow path after a failed batch: each request alone, its failure its own."""
-        result = VerifyResult([], [], [], [])
-        start = 0
-        for state, draft in zip(states, draft_token_ids):
-            end = start + 1 + len(draft)
-            saved, fed = _RandomState.save(state), [0]
+        starts = [0]
+        for draft in draft_token_ids:
+            starts.append(starts[-1] + 1 + len(draft))
+
+        def one(i: int) -> VerifyResult:
+            saved, fed = _RandomState.save(states[i]), [0]
             try:
-                one = _verify_batch(logits[start:end].clone(), [state], [draft], fed)
-                token_ids, logprobs, top, error = one.token_ids[0], one.logprobs[0], one.top_logprobs[0], one.errors[0]
-            except Exception as e:
+                return _verify_batch(logits[starts[i] : starts[i + 1]].clone(), [states[i]], [draft_token_ids[i]], fed)
+            except Exception:
                 saved.restore()
-                _unfeed([state], fed)
-                token_ids, logprobs, top, error = [], None, None, error_line(e)
-            result.token_ids.append(token_ids)
-            result.logprobs.append(logprobs)
-            result.top_logprobs.append(top)
-            result.errors.append(error)
-            start = end
-        return result
+                _unfeed([states[i]], fed)
+                raise
+
+        return _each_alone(VerifyResult([], [], [], []), len(states), one, no_tokens=list)
 
     @staticmethod
     def _sample_row_by_row(logits: torch.Tensor, states: list[_RequestState]) -> SampleResult:
         """The slow path after a failed batch: each row alone, its failure its own."""
-        result = SampleResult([], [], [], [])
-        for row, state in enumerate(states):
-            try:
-                one = _sample_batch(logits[row : row + 1].clone(), [state]).result()
-                token_id, logprob, top, error = one.token_ids[0], one.logprobs[0], one.top_logprobs[0], one.errors[0]
-            except Exception as e:
-                token_id, logprob, top, error = None, None, None, error_line(e)
-            result.token_ids.append(token_id)
-            result.logprobs.append(logprob)
-            result.top_logprobs.append(top)
-            result.errors.append(error)
-        return result
+        def one(row: int) -> SampleResult:
+            return _sample_batch(logits[row : row + 1].clone(), [states[row]]).result()
+
+        return _each_alone(SampleResult([], [], [], []), len(states), one, no_tokens=lambda: None)
+
+
+_Result = TypeVar("_Result", SampleResult, VerifyResult)
+
+
+def _each_alone(result: _Result, num: int, one: Callable[[int], _Result],
+                no_tokens: Callable[[], list[int] | None]) -> _Result:
+    """Fill ``result`` (empty) with ``one(i)``'s one-request answer for each i < num, or, where it raises,
+    ``no_tokens()`` and the error: the slow path after a failed batch, each failure its own."""
+    for i in range(num):
+        try:
+            alone = one(i)
+            tokens, logprobs, top, error = alone.token_ids[0], alone.logprobs[0], alone.top_logprobs[0], alone.errors[0]
+        except Exception as e:
+            tokens, logprobs, top, error = no_tokens(), None, None, error_line(e)
+        result.token_ids.append(tokens)
+        result.logprobs.append(logprobs)
+        result.top_logprobs.append(top)
+        result.errors.append(error)
+    return result
 
 
 class PendingSample:
@@ -327,12 +338,7 @@ def _sample_batch(logits: torch.Tensor, states: list[_RequestState]) -> PendingS
     token_ids = _choose_tokens(logits, states)
     device_out, logprob_rows = _gather_logprobs(raw_logprobs, token_ids, states)
     device_out["token_ids"] = token_ids
-    # Copies to the host that do not wait for the device; an event says when they are done.
-    host = {name: t.to("cpu", non_blocking=True) for name, t in device_out.items()}
-    ready = None
-    if token_ids.is_cuda:
-        ready = torch.cuda.Event()
-        ready.record()
+    host, ready = _copy_to_host(device_out)
     for state in states:
         state.num_sampled += 1
     return PendingSample(states, token_ids, host, logprob_rows, ready)
@@ -347,7 +353,37 @@ def _on(values: list, device: torch.device, dtype: torch.dtype | None = None) ->
     """A tensor of ``values`` on ``device``, copied without waiting for the device: a blocking
     copy (``torch.tensor(values, device=...)`` makes one) would wait for the step queued before
     it, which the overlapped loop keeps running while this one is prepared."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return _columns_on(device, (values, dtype))[0]
+
+
+def _columns_on(device: torch.device, *columns: tuple[list, torch.dtype | None]) -> list[torch.Tensor]:
+    """``_on`` for several columns (values, dtype) at once: on a GPU one copy from pinned memory
+    (the columns side by side as bytes, each at an 8-byte boundary, viewed back on the device
+    without a kernel), since each copy costs a launch and a transfer however small it is."""
+    host = [torch.tensor(values, dtype=dtype) for values, dtype in columns]
+    if device.type == "cpu":
+        return host
+    sizes = [t.numel() * t.element_size() for t in host]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + (size + 7) // 8 * 8)
+    staging = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True)
+    for t, offset, size in zip(host, offsets, sizes):
+        staging[offset : offset + size] = t.view(torch.uint8)
+    # The caching host allocator keeps the staging buffer until the copy is done.
+    packed = staging.to(device, non_blocking=True)
+    return [packed[offset : offset + size].view(t.dtype) for t, offset, size in zip(host, offsets, sizes)]
+
+
+def _copy_to_host(device_out: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+    """Copies of the tensors on the host that do not wait for the device, and an event recorded after
+    them that says when they are done (None on the CPU: done already)."""
+    host = {name: t.to("cpu", non_blocking=True) for name, t in device_out.items()}
+    ready = None
+    if any(t.is_cuda for t in device_out.values()):
+        ready = torch.cuda.Event()
+        ready.record()
+    return host, ready
 
 
 def _row_indices(selected: list[bool], device: torch.device) -> torch.Tensor:
@@ -357,10 +393,12 @@ def _row_indices(selected: list[bool], device: torch.device) -> torch.Tensor:
 
 def _raw_logprobs(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor | None:
     """log_softmax of the rows that asked for logprobs ([n_asking, vocab]), or None."""
-    if not any(s.wants_logprobs for s in states):
+    asking = [s.wants_logprobs for s in states]
+    if not any(asking):
         return None
-    rows = _row_indices([s.wants_logprobs for s in states], logits.device)
-    return torch.log_softmax(logits[rows], dim=-1)
+    if all(asking):
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits[_row_indices(asking, logits.device)], dim=-1)
 
 
 def _apply_grammar(logits: torch.Tensor, states: list[_RequestState]) -> None:
@@ -453,7 +491,8 @@ def _ban_stop_tokens_below_min_tokens(logits: torch.Tensor, states: list[_Reques
             rows += [row] * len(banned)
             cols += banned
     if rows:
-        logits[_on(rows, logits.device), _on(cols, logits.device)] = float("-inf")
+        row_index, col_index = _columns_on(logits.device, (rows, torch.long), (cols, torch.long))
+        logits[row_index, col_index] = float("-inf")
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> None:
@@ -472,24 +511,22 @@ def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> None:
             token_counts.extend(state.token_counts.values())
         cumsum_seq_len.append(len(token_ids))
     max_len_in_batch = max(b - a for a, b in zip(cumsum_seq_len, cumsum_seq_len[1:]))
-
-    def column(values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
-        return _on(values, logits.device, dtype)
-
-    apply_penalty(
-        logits,
-        column([s.params.presence_penalty for s in states], torch.float32),
-        column([s.params.frequency_penalty for s in states], torch.float32),
-        column([s.params.repetition_penalty for s in states], torch.float32),
-        column(token_ids, torch.int32),
-        column(token_counts, torch.int32),
-        column(cumsum_seq_len, torch.int32),
-        max_len_in_batch,
+    columns = _columns_on(
+        logits.device,
+        ([s.params.presence_penalty for s in states], torch.float32),
+        ([s.params.frequency_penalty for s in states], torch.float32),
+        ([s.params.repetition_penalty for s in states], torch.float32),
+        (token_ids, torch.int32),
+        (token_counts, torch.int32),
+        (cumsum_seq_len, torch.int32),
     )
+    apply_penalty(logits, *columns, max_len_in_batch)
 
 
 def _choose_tokens(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
     """One token id per row: argmax for greedy rows, a random draw for the others."""
+    if all(s.is_greedy for s in states):
+        return logits.argmax(dim=-1)
     token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
     greedy_rows = _row_indices([s.is_greedy for s in states], logits.device)
     random_rows = _row_indices([not s.is_greedy for s in states], logits.device)
@@ -510,16 +547,21 @@ def _sample_random(logits: torch.Tensor, states: list[_RequestState]) -> torch.T
 def _warp(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
     """Temperature, top-k, top-p, typical-p: the order of HF's ``_get_logits_processor``.
     Returns new logits with the excluded tokens at -inf."""
-    device = logits.device
-    temperatures = _on([s.params.temperature for s in states], device)
+    cuts = any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in states)
+    typical = any(s.params.typical_p < 1.0 for s in states)
+    # The columns that apply, sent in one copy.
+    columns = [([s.params.temperature for s in states], torch.float32)]
+    if cuts:
+        columns += [([s.params.top_k for s in states], torch.long), ([s.params.top_p for s in states], torch.float32)]
+    if typical:
+        columns.append(([s.params.typical_p for s in states], torch.float32))
+    temperatures, *rest = _columns_on(logits.device, *columns)
     logits = logits / temperatures.unsqueeze(1)
-    if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in states):
-        top_k = _on([s.params.top_k for s in states], device)
-        top_p = _on([s.params.top_p for s in states], device)
+    if cuts:
+        top_k, top_p, *rest = rest
         logits = _apply_top_k_top_p(logits, top_k, top_p)
-    if any(s.params.typical_p < 1.0 for s in states):
-        typical_p = _on([s.params.typical_p for s in states], device)
-        logits = _apply_typical_p(logits, typical_p)
+    if typical:
+        logits = _apply_typical_p(logits, rest[0])
     return logits
 
 
@@ -623,13 +665,23 @@ def _draw(probs: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
     exponential race, equivalent to the Gumbel-max trick), needs no cumulative sum, and
     lets every row take its noise from its own generator.
     """
-    noise = torch.empty_like(probs)
-    for row, s in enumerate(states):
-        # Row by row in place: torch.stack of separate rows costs ~5x more on the CPU.
-        noise[row].exponential_(generator=s.generator_on(probs.device))
-    # q == 0 would turn a masked token's 0 / 0 into NaN, and argmax picks NaN.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    noise = _exponential_noise([s.generator_on(probs.device) for s in states], probs.shape[-1], probs.device,
+                               probs.dtype)
     return (probs / noise).argmax(dim=-1)
+
+
+def _exponential_noise(generators: list[torch.Generator | None], vocab_size: int, device: torch.device,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The exponential race's noise (``_draw``): per generator a row of Exp(1) draws from it, ones
+    where it is None (a row that draws nothing); [len(generators), vocab_size]."""
+    fill = torch.empty if all(g is not None for g in generators) else torch.ones
+    noise = fill(len(generators), vocab_size, device=device, dtype=dtype)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            # Row by row in place: torch.stack of separate rows costs ~5x more on the CPU.
+            noise[row].exponential_(generator=generator)
+    # q == 0 would turn a masked token's 0 / 0 into NaN, and argmax picks NaN.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def _gather_logprobs(
@@ -640,7 +692,7 @@ def _gather_logprobs(
     if raw_logprobs is None:
         return {}, []
     rows = [i for i, s in enumerate(states) if s.wants_logprobs]
-    chosen_ids = token_ids[_on(rows, token_ids.device)]
+    chosen_ids = token_ids if len(rows) == len(states) else token_ids[_on(rows, token_ids.device)]
     chosen = raw_logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
     top_values, top_ids = _topk(raw_logprobs, max(states[i].params.logprobs for i in rows))
     return {"chosen": chosen, "top_values": top_values, "top_ids": top_ids}, rows
@@ -682,86 +734,129 @@ def _verify_batch(logits: torch.Tensor, states: list[_RequestState], drafts: lis
                   fed: list[int]) -> VerifyResult:
     """``Sampler.verify`` over all requests at once (``logits`` is modified in place). ``fed[i]``
     counts the draft tokens request i's matcher has taken so far, so that a failure can undo them."""
-    device = logits.device
     starts = [0]
     for draft in drafts:
         starts.append(starts[-1] + 1 + len(draft))
-    num_rows = starts[-1]
-    if logits.shape[0] != num_rows:
-        raise ValueError(f"verify: {logits.shape[0]} rows of logits for {num_rows} (1 + draft per request)")
+    if logits.shape[0] != starts[-1]:
+        raise ValueError(f"verify: {logits.shape[0]} rows of logits for {starts[-1]} (1 + draft per request)")
     rows = [_row_state(state, draft[:j]) for state, draft in zip(states, drafts) for j in range(len(draft) + 1)]
     raw_logprobs = _raw_logprobs(logits, rows)  # before the penalties touch logits
     _apply_draft_grammar(logits, states, drafts, starts, fed)
     _ban_stop_tokens_below_min_tokens(logits, rows)
     _apply_penalties(logits, rows)
+    if all(s.is_greedy for s in states):
+        decided = _decide_greedy(logits, raw_logprobs, rows, drafts, starts)
+    else:
+        decided = _decide_on_device(logits, raw_logprobs, states, rows, drafts, starts)
+    return _verify_result(decided, states, drafts, starts, fed)
 
+
+@dataclass
+class _Decided:
+    """What verify decided, on the host: per request, how many draft tokens it keeps and the token
+    after them; and the logprobs of the emitted rows (``_gather_logprobs``' tensors, copied)."""
+    num_accepted: list[int]
+    next_ids: list[int]
+    logprobs: dict[str, torch.Tensor]
+    logprob_rows: list[int]
+
+
+def _decide_greedy(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[_RequestState],
+                   drafts: list[list[int]], starts: list[int]) -> _Decided:
+    """An all-greedy batch: the argmax of every row on the device, one read, the accepted runs on the
+    host (a few hundred ints). ``_decide_on_device``'s rule for greedy rows: a draft token is kept
+    where it is the argmax and the processing left it allowed (> -inf)."""
+    best = logits.argmax(dim=-1)
+    # Where the draft token is the argmax, it is banned exactly when the argmax is: a row whose
+    # every token is banned (or NaN, which argmax picks and no comparison passes).
+    allowed = logits.gather(1, best.unsqueeze(1)).squeeze(1) > float("-inf")
+    # Every emitted row emits its argmax (an accepted draft token is one), so its logprob is there.
+    device_out, logprob_rows = _gather_logprobs(raw_logprobs, best, rows)
+    host, ready = _copy_to_host(device_out | {"best": best, "allowed": allowed})
+    if ready is not None:
+        ready.synchronize()
+    best_ids, allowed_rows = host["best"].tolist(), host["allowed"].tolist()
+    num_accepted: list[int] = []
+    for start, draft in zip(starts, drafts):
+        n = 0
+        while n < len(draft) and allowed_rows[start + n] and best_ids[start + n] == draft[n]:
+            n += 1
+        num_accepted.append(n)
+    next_ids = [best_ids[start + n] for start, n in zip(starts, num_accepted)]
+    return _Decided(num_accepted, next_ids, host, logprob_rows)
+
+
+def _decide_on_device(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, states: list[_RequestState],
+                      rows: list[_RequestState], drafts: list[list[int]], starts: list[int]) -> _Decided:
+    """A batch with sampling requests: every decision on the device (the last draw needs the accepted
+    runs there), the host's per-row columns sent in one copy, the outcome read once."""
+    device, vocab_size = logits.device, logits.shape[-1]
+    greedy = [s.is_greedy for s in states]
     # The token each row checks: draft token j at row j; none (0, never accepted) at the last row.
-    vocab_size = logits.shape[-1]
     checked = [t for draft in drafts for t in (*draft, 0)]
     has_draft = [j < len(draft) for draft in drafts for j in range(len(draft) + 1)]
-    checked_ids = _on(checked, device, torch.long).clamp_(0, vocab_size - 1)
-    # Rows with a draft token the vocabulary has (a draft is the request's own tokens, so always,
-    # but an id past the logits must not stand for another).
-    checkable = _on([d and 0 <= t < vocab_size for d, t in zip(has_draft, checked)], device, torch.bool)
+    # [requests, longest draft] row indices for the accepted runs; past a request's draft, a row
+    # (one past the last) that is never accepted.
+    max_draft = max(len(d) for d in drafts)
+    run_rows = [starts[i] + j if j < len(d) else starts[-1] for i, d in enumerate(drafts) for j in range(max_draft)]
+    random_rows = [r for r, state in enumerate(rows) if not state.is_greedy]
+    checked_ids, checkable, greedy_row, run_index, first_rows, draft_lengths, random_request, random_index = _columns_on(
+        device,
+        ([min(max(t, 0), vocab_size - 1) for t in checked], torch.long),
+        # Rows with a draft token the vocabulary has (a draft is the request's own tokens, so
+        # always, but an id past the logits must not stand for another).
+        ([d and 0 <= t < vocab_size for d, t in zip(has_draft, checked)], torch.bool),
+        ([g for g, draft in zip(greedy, drafts) for _ in range(len(draft) + 1)], torch.bool),
+        (run_rows, torch.long),
+        (starts[:-1], torch.long),
+        ([len(d) for d in drafts], torch.long),
+        ([not g for g in greedy], torch.bool),
+        (random_rows, torch.long),
+    )
     # A token the processing banned (grammar, min_tokens) is never accepted, even by an argmax
     # over a row where every token is banned.
     accepted = checkable & (logits.gather(1, checked_ids.unsqueeze(1)).squeeze(1) > float("-inf"))
-
-    greedy = [s.is_greedy for s in states]
-    greedy_row = _on([g for g, draft in zip(greedy, drafts) for _ in range(len(draft) + 1)], device, torch.bool)
     keeps = torch.zeros_like(accepted)
-    best = probs = noise = None
+    best = None
     if any(greedy):
         best = logits.argmax(dim=-1)
         keeps |= greedy_row & (best == checked_ids)
-    if not all(greedy):
-        probs = _verify_probs(logits, rows, greedy_row, all(not g for g in greedy))
-        uniforms, noise = _verify_noise(states, drafts, vocab_size, device)
-        keeps |= ~greedy_row & (uniforms < probs.gather(1, checked_ids.unsqueeze(1)).squeeze(1))
+    probs = _verify_probs(logits, rows, None if len(random_rows) == len(rows) else random_index)
+    uniforms, noise = _verify_noise(states, drafts, vocab_size, device)
+    keeps |= ~greedy_row & (uniforms < probs.gather(1, checked_ids.unsqueeze(1)).squeeze(1))
     accepted &= keeps
 
-    num_accepted = _leading_run(accepted, starts, drafts)
-    last_rows = _on(starts[:-1], device, torch.long) + num_accepted
-    next_ids = torch.zeros(len(states), dtype=torch.long, device=device)
-    if best is not None:
-        next_ids = best[last_rows]
-    if probs is not None:
-        # At a rejection (stopped short of the draft's end) the rejected token is removed; the
-        # exponential race draws from what is left in proportion, so renormalising is implicit.
-        last_probs = probs[last_rows]
-        rejected = (num_accepted < _on([len(d) for d in drafts], device, torch.long)) & checkable[last_rows]
-        rejected_ids = checked_ids[last_rows].unsqueeze(1)
-        last_probs.scatter_(1, rejected_ids, last_probs.gather(1, rejected_ids) * (~rejected).unsqueeze(1))
-        drawn = (last_probs / noise).argmax(dim=-1)
-        next_ids = torch.where(_on([not g for g in greedy], device, torch.bool), drawn, next_ids)
+    # Per request, how many of its draft rows in a row, from the first, are accepted.
+    run = torch.cat([accepted, accepted.new_zeros(1)])[run_index.view(len(drafts), max_draft)]
+    num_accepted = run.long().cumprod(dim=1).sum(dim=1)
+    last_rows = first_rows + num_accepted
+    next_ids = torch.zeros(len(states), dtype=torch.long, device=device) if best is None else best[last_rows]
+    # At a rejection (stopped short of the draft's end) the rejected token is removed; the
+    # exponential race draws from what is left in proportion, so renormalising is implicit.
+    last_probs = probs[last_rows]
+    rejected = (num_accepted < draft_lengths) & checkable[last_rows]
+    rejected_ids = checked_ids[last_rows].unsqueeze(1)
+    last_probs.scatter_(1, rejected_ids, last_probs.gather(1, rejected_ids) * (~rejected).unsqueeze(1))
+    drawn = (last_probs / noise).argmax(dim=-1)
+    next_ids = torch.where(random_request, drawn, next_ids)
 
     emitted_ids = checked_ids.clone()
     emitted_ids[last_rows] = next_ids
     device_out, logprob_rows = _gather_logprobs(raw_logprobs, emitted_ids, rows)
-    device_out |= {"num_accepted": num_accepted, "next_ids": next_ids}
-    host = {name: t.cpu() for name, t in device_out.items()}
-    return _verify_result(host, logprob_rows, states, drafts, starts, fed)
+    host, ready = _copy_to_host(device_out | {"num_accepted": num_accepted, "next_ids": next_ids})
+    if ready is not None:
+        ready.synchronize()
+    return _Decided(host["num_accepted"].tolist(), host["next_ids"].tolist(), host, logprob_rows)
 
 
-def _verify_probs(logits: torch.Tensor, rows: list[_RequestState], greedy_row: torch.Tensor,
-                  all_random: bool) -> torch.Tensor:
-    """The distribution ``sample`` draws from at each sampling row (warped); zeros at greedy rows."""
-    if all_random:
+def _verify_probs(logits: torch.Tensor, rows: list[_RequestState], random_index: torch.Tensor | None) -> torch.Tensor:
+    """The distribution ``sample`` draws from at each sampling row (warped); zeros at greedy rows.
+    ``random_index``: the sampling rows, or None where every row samples."""
+    if random_index is None:
         return torch.softmax(_warp(logits, rows), dim=-1)
-    random_rows = [r for r, state in enumerate(rows) if not state.is_greedy]
-    index = _on(random_rows, logits.device, torch.long)
     probs = torch.zeros_like(logits)
-    probs[index] = torch.softmax(_warp(logits[index], [rows[r] for r in random_rows]), dim=-1)
+    probs[random_index] = torch.softmax(_warp(logits[random_index], [r for r in rows if not r.is_greedy]), dim=-1)
     return probs
-
-
-def _leading_run(accepted: torch.Tensor, starts: list[int], drafts: list[list[int]]) -> torch.Tensor:
-    """Per request, how many of its draft rows in a row, from the first, are accepted."""
-    num_rows, max_draft = starts[-1], max(len(d) for d in drafts)
-    # [requests, longest draft] row indices; past a request's draft, a row that is never accepted.
-    padded = [[starts[i] + j if j < len(d) else num_rows for j in range(max_draft)] for i, d in enumerate(drafts)]
-    index = _on(padded, accepted.device, torch.long).view(len(drafts), max_draft)
-    return torch.cat([accepted, accepted.new_zeros(1)])[index].long().cumprod(dim=1).sum(dim=1)
 
 
 def _edits_logits(states: list[_RequestState]) -> bool:
@@ -773,7 +868,9 @@ def _edits_logits(states: list[_RequestState]) -> bool:
 def _row_state(state: _RequestState, prefix: list[int]) -> _RequestState:
     """The request's state as ``sample`` would see it had ``prefix`` (draft tokens) been emitted:
     counted by the penalties and towards min_tokens. Read only; shares the generator and matcher."""
-    if not prefix:
+    # Only the penalties' counts and min_tokens see the prefix: a request with neither is its own
+    # row state (a copy per row would cost more than the rest of a greedy verify on a GPU).
+    if not prefix or not (state.has_penalties or state.below_min_tokens):
         return state
     token_counts = state.token_counts
     if state.has_penalties:
@@ -832,34 +929,30 @@ def _unfeed(states: list[_RequestState], fed: list[int]) -> None:
 def _verify_noise(states: list[_RequestState], drafts: list[list[int]], vocab_size: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, a uniform that decides its draft token; per request, the exponential noise of its
-    last draw (_draw's). Each sampling request takes them from its own generator, uniforms first,
-    so a seeded request draws the same whatever its batch; greedy requests take none (ones)."""
+    last draw (``_exponential_noise``). Each sampling request takes them from its own generator,
+    uniforms first, so a seeded request draws the same whatever its batch; greedy requests take
+    none (ones)."""
     uniforms = torch.ones(sum(len(d) + 1 for d in drafts), device=device)
-    noise = torch.ones(len(states), vocab_size, device=device)
     start = 0
-    for row, (state, draft) in enumerate(zip(states, drafts)):
+    for state, draft in zip(states, drafts):
         if not state.is_greedy:
-            # In place, row by row: torch.stack of separate rows costs ~5x more on the CPU.
-            generator = state.generator_on(device)
-            uniforms[start : start + len(draft)].uniform_(generator=generator)  # the last row has no draft token
-            noise[row].exponential_(generator=generator)
+            # The last row has no draft token to decide.
+            uniforms[start : start + len(draft)].uniform_(generator=state.generator_on(device))
         start += len(draft) + 1
-    # q == 0 would turn a masked token's 0 / 0 into NaN, and argmax picks NaN.
-    return uniforms, noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    generators = [None if s.is_greedy else s.generator_on(device) for s in states]
+    return uniforms, _exponential_noise(generators, vocab_size, device)
 
 
-def _verify_result(host: dict[str, torch.Tensor], logprob_rows: list[int], states: list[_RequestState],
-                   drafts: list[list[int]], starts: list[int], fed: list[int]) -> VerifyResult:
+def _verify_result(decided: _Decided, states: list[_RequestState], drafts: list[list[int]], starts: list[int],
+                   fed: list[int]) -> VerifyResult:
     """The emitted tokens per request, counted into its state: the penalties' counts, min_tokens,
     and its matcher (rolled back to the accepted prefix, then fed the rest)."""
-    num_accepted = host["num_accepted"].tolist()
-    next_ids = host["next_ids"].tolist()
     rows = [state for state, draft in zip(states, drafts) for _ in range(len(draft) + 1)]
-    row_logprobs, row_top_logprobs = _logprob_lists(host, logprob_rows, rows)
+    row_logprobs, row_top_logprobs = _logprob_lists(decided.logprobs, decided.logprob_rows, rows)
     result = VerifyResult([], [], [], [])
     for i, (state, draft) in enumerate(zip(states, drafts)):
-        n = num_accepted[i]
-        token_ids = [*draft[:n], next_ids[i]]
+        n = decided.num_accepted[i]
+        token_ids = [*draft[:n], decided.next_ids[i]]
         error = None
         if state.matcher is not None:
             kept = min(n, fed[i])
