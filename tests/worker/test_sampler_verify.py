@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
+import llmserve.worker.sampler as sampler_module
 from llmserve.sampling_params import GuidedDecodingParams, SamplingParams
 from llmserve.worker.sampler import Sampler
 from sampler_test_utils import (
@@ -23,6 +24,7 @@ from sampler_test_utils import (
 
 SMALL_VOCAB = 12
 EOS = 3
+DECIDE_GREEDY = sampler_module._decide_greedy
 
 
 def history_logits(req_id: int, tokens: list[int], vocab_size: int) -> torch.Tensor:
@@ -132,6 +134,54 @@ def test_greedy_verify_equals_step_by_step_sampling(reference_penalty: None):
     assert EOS not in reference[3][:8] and 5 not in reference[3][:8] and {EOS, 5} & set(reference[3][8:])
     assert reference[1] != reference[0]
 
+
+
+# An all-greedy batch finds its accepted runs on the host; beside a sampling request, the same greedy
+# requests are decided on the device. Random rows have no ties, so the two must agree exactly.
+HOST_PATH_REQUESTS = {
+    0: SamplingParams(temperature=0.0),
+    1: SamplingParams(temperature=0.0, logprobs=2),
+    2: SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4, min_tokens=3,
+                      stop_token_ids=[5], logprobs=0),
+    # Every token banned below min_tokens: the argmax of such a row (token 0) is never accepted.
+    3: SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=list(range(VOCAB))),
+}
+
+
+def test_greedy_batch_decided_on_the_host_equals_the_device_path(monkeypatch: pytest.MonkeyPatch):
+    decided_on_host = []
+    monkeypatch.setattr(sampler_module, "_decide_greedy",
+                        lambda *args: decided_on_host.append(1) or DECIDE_GREEDY(*args))
+    rng = random.Random(0)
+    greedy_ids, sampling_id = list(HOST_PATH_REQUESTS), 9
+    alone = make_sampler(HOST_PATH_REQUESTS, eos_token_ids=(EOS,))
+    mixed = make_sampler({**HOST_PATH_REQUESTS, sampling_id: SamplingParams(temperature=1.0, seed=0)},
+                         eos_token_ids=(EOS,))
+    emitted = 0
+    for step in range(12):
+        lengths = [rng.randint(0, 5) for _ in greedy_ids]
+        starts = [sum(lengths[:i]) + i for i in range(len(lengths))]
+        logits = random_logits(sum(lengths) + len(lengths), VOCAB, seed=step)
+        # The raw argmax chain of each request's rows (its penalties may cut it), sometimes one token
+        # wrong, or past the vocabulary where no penalty counts it (that would fail the request).
+        # Request 3 drafts token 0: its rows' argmax while every token is banned.
+        drafts = [logits[s : s + k].argmax(dim=-1).tolist() for s, k in zip(starts, lengths)]
+        drafts[3] = [0] * lengths[3]
+        for i in (0, 1, 2):
+            if drafts[i] and rng.random() < 0.3:
+                wrong = [rng.randrange(VOCAB), VOCAB + 2] if i < 2 else [rng.randrange(VOCAB)]
+                drafts[i][rng.randrange(len(drafts[i]))] = rng.choice(wrong)
+        on_host = alone.verify(logits.clone(), greedy_ids, drafts)
+        on_device = mixed.verify(torch.cat([logits, random_logits(2, VOCAB, seed=100 + step)]),
+                                 [*greedy_ids, sampling_id], [*drafts, [1]])
+        assert on_host.token_ids == on_device.token_ids[:-1], f"step {step}"
+        assert on_host.logprobs == on_device.logprobs[:-1] and on_host.top_logprobs == on_device.top_logprobs[:-1]
+        assert on_host.errors == on_device.errors[:-1] == [None] * len(greedy_ids)
+        emitted += sum(map(len, on_host.token_ids))
+        if step < 4:
+            assert on_host.token_ids[3] == [0], "a draft token of a row where every token is banned is refused"
+    assert len(decided_on_host) == 12, "the greedy batches took the host's path, the mixed ones the device's"
+    assert emitted > 1.5 * 12 * len(greedy_ids), "drafts were accepted"
 
 
 # --------------------------------------------------------------------------------------
