@@ -11,6 +11,8 @@ What is measured
   verify), sampling ones accept what p gives. Median wall time per call (synchronised), ms.
   Settings: greedy; sampling (temperature 0.8, top-p 0.95); sampling with penalties
   (repetition 1.1, frequency 0.2, over a ``--context``-token prompt); greedy with logprobs=5.
+  Each setting also checks one verify's answer: no request failed, and greedy ones emitted the
+  whole chain plus the last row's argmax.
 
 Run (GPU):   python benchmarks/sampler_verify.py
 Run (CPU):   python benchmarks/sampler_verify.py --device cpu
@@ -32,7 +34,7 @@ remove_script_dir_from_sys_path()
 import torch  # noqa: E402
 
 from llmserve.sampling_params import SamplingParams  # noqa: E402
-from llmserve.worker.sampler import Sampler  # noqa: E402
+from llmserve.worker.sampler import Sampler, VerifyResult  # noqa: E402
 
 SETTINGS: dict[str, dict] = {
     "greedy": {"temperature": 0.0},
@@ -70,6 +72,17 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> flo
     return statistics.median(times)
 
 
+def check_verify(result: VerifyResult, logits: torch.Tensor, chain: list[list[int]], params: SamplingParams) -> None:
+    """No request failed, each emitted a prefix of its draft and one more token, and greedy ones their
+    whole draft (the rows' argmax chain) and the last row's argmax: the path just timed gives the
+    right tokens on this device."""
+    assert result.errors == [None] * len(chain), result.errors
+    assert all(1 <= len(t) <= len(d) + 1 and t[:-1] == d[: len(t) - 1] for t, d in zip(result.token_ids, chain))
+    if params.is_greedy:
+        last = logits.view(len(chain), len(chain[0]) + 1, -1)[:, -1].argmax(dim=-1).tolist()
+        assert result.token_ids == [[*draft, t] for draft, t in zip(chain, last)], "greedy verify's tokens"
+
+
 def measure(setting: str, args: argparse.Namespace, device: torch.device) -> list[object]:
     params = SamplingParams(**SETTINGS[setting])
     rng = random.Random(0)
@@ -86,6 +99,7 @@ def measure(setting: str, args: argparse.Namespace, device: torch.device) -> lis
     sample_ms = median_ms(lambda: one.sample(logits[: args.batch], req_ids), device, args.iters)
     sample_rows_ms = median_ms(lambda: many.sample(logits, list(range(rows))), device, args.iters)
     verify_ms = median_ms(lambda: spec.verify(logits, req_ids, chain), device, args.iters)
+    check_verify(fresh_sampler(params, args.batch, prompt).verify(logits, req_ids, chain), logits, chain, params)
     return [setting, f"{sample_ms:.2f}", f"{sample_rows_ms:.2f}", f"{verify_ms:.2f}", f"{verify_ms / sample_ms:.1f}x"]
 
 
