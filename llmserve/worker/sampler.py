@@ -747,7 +747,7 @@ def _verify_batch(logits: torch.Tensor, states: list[_RequestState], drafts: lis
         starts.append(starts[-1] + 1 + len(draft))
     if logits.shape[0] != starts[-1]:
         raise ValueError(f"verify: {logits.shape[0]} rows of logits for {starts[-1]} (1 + draft per request)")
-    rows = [_row_state(state, draft[:j]) for state, draft in zip(states, drafts) for j in range(len(draft) + 1)]
+    rows = [row for state, draft in zip(states, drafts) for row in _row_states(state, draft)]
     raw_logprobs = _raw_logprobs(logits, rows)  # before the penalties touch logits
     _apply_draft_grammar(logits, states, drafts, starts, fed)
     _ban_stop_tokens_below_min_tokens(logits, rows)
@@ -873,19 +873,22 @@ def _edits_logits(states: list[_RequestState]) -> bool:
     return any(s.matcher is not None or s.below_min_tokens or s.has_penalties for s in states)
 
 
-def _row_state(state: _RequestState, prefix: list[int]) -> _RequestState:
-    """The request's state as ``sample`` would see it had ``prefix`` (draft tokens) been emitted:
-    counted by the penalties and towards min_tokens. Read only; shares the generator and matcher."""
-    # Only the penalties' counts and min_tokens see the prefix: a request with neither is its own
-    # row state (a copy per row would cost more than the rest of a greedy verify on a GPU).
-    if not prefix or not (state.has_penalties or state.below_min_tokens):
-        return state
+def _row_states(state: _RequestState, draft: list[int]) -> list[_RequestState]:
+    """The request's state at each of its rows, as ``sample`` would see it had the draft tokens before
+    the row been emitted: counted by the penalties and towards min_tokens. Read only; they share the
+    generator and matcher."""
+    # Only the penalties' counts and min_tokens see the draft: a request with neither is its own
+    # state at every row (a copy per row would cost more than the rest of a greedy verify on a GPU).
+    if not (state.has_penalties or state.below_min_tokens):
+        return [state] * (len(draft) + 1)
+    rows = [state]
     token_counts = state.token_counts
-    if state.has_penalties:
-        token_counts = dict(token_counts)
-        for token_id in prefix:
+    for j, token_id in enumerate(draft):
+        if state.has_penalties:
+            token_counts = dict(token_counts)
             token_counts[token_id] = token_counts.get(token_id, 0) + 1
-    return replace(state, token_counts=token_counts, num_sampled=state.num_sampled + len(prefix))
+        rows.append(replace(state, token_counts=token_counts, num_sampled=state.num_sampled + j + 1))
+    return rows
 
 
 def _apply_draft_grammar(logits: torch.Tensor, states: list[_RequestState], drafts: list[list[int]],
