@@ -1,7 +1,9 @@
 """Sampler.verify: speculative verification of drafts, against step-by-step Sampler.sample.
 
 The "model" here is a function of the request's tokens so far, so that a row of logits for a draft
-position is exactly the row the non-speculative run sees once it has emitted that prefix.
+position is exactly the row the non-speculative run sees once it has emitted that prefix. The logits
+go to ``LLMSERVE_TEST_DEVICE`` (the CPU unless set), so that ``LLMSERVE_TEST_DEVICE=cuda`` checks
+the sampler's device paths (pinned copies, one read) on a GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import llmserve.worker.sampler as sampler_module
 from llmserve.sampling_params import GuidedDecodingParams, SamplingParams
 from llmserve.worker.sampler import Sampler
+from parity_utils import TEST_DEVICE
 from sampler_test_utils import (
     GRAMMAR_CHARS, GRAMMAR_EOS, VOCAB, expected_penalized, grammar_sampler, make_sampler,
     random_logits,
@@ -25,6 +28,11 @@ from sampler_test_utils import (
 SMALL_VOCAB = 12
 EOS = 3
 DECIDE_GREEDY = sampler_module._decide_greedy
+
+
+def on_device(logits: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` on the test device."""
+    return logits.to(TEST_DEVICE, copy=True)
 
 
 def history_logits(req_id: int, tokens: list[int], vocab_size: int) -> torch.Tensor:
@@ -58,7 +66,7 @@ def reference_run(sampler: Sampler, requests: dict[int, SamplingParams], prompts
     logprobs = {r: [] for r in req_ids}
     for _ in range(num_tokens):
         logits = torch.stack([history_logits(r, prompts[r] + tokens[r], vocab_size) for r in req_ids])
-        result = sampler.sample(logits, req_ids)
+        result = sampler.sample(on_device(logits), req_ids)
         assert result.errors == [None] * len(req_ids)
         for n, r in enumerate(req_ids):
             tokens[r].append(result.token_ids[n])
@@ -80,9 +88,9 @@ def speculative_run(sampler: Sampler, requests: dict[int, SamplingParams], promp
         drafts = [draft_for(rng, reference[r][len(tokens[r]) :], vocab_size) for r in live]
         rows = [history_logits(r, prompts[r] + tokens[r] + draft[:j], vocab_size)
                 for r, draft in zip(live, drafts) for j in range(len(draft) + 1)]
-        logits = torch.stack(rows)
+        logits = on_device(torch.stack(rows))
         result = sampler.verify(logits, live, drafts)
-        assert torch.equal(logits, torch.stack(rows)), "the caller's logits are left as they are"
+        assert torch.equal(logits.cpu(), torch.stack(rows)), "the caller's logits are left as they are"
         verified += len(live)
         assert result.errors == [None] * len(live)
         for n, r in enumerate(live):
@@ -171,15 +179,16 @@ def test_greedy_batch_decided_on_the_host_equals_the_device_path(monkeypatch: py
             if drafts[i] and rng.random() < 0.3:
                 wrong = [rng.randrange(VOCAB), VOCAB + 2] if i < 2 else [rng.randrange(VOCAB)]
                 drafts[i][rng.randrange(len(drafts[i]))] = rng.choice(wrong)
-        on_host = alone.verify(logits.clone(), greedy_ids, drafts)
-        on_device = mixed.verify(torch.cat([logits, random_logits(2, VOCAB, seed=100 + step)]),
+        host_path = alone.verify(on_device(logits), greedy_ids, drafts)
+        device_path = mixed.verify(on_device(torch.cat([logits, random_logits(2, VOCAB, seed=100 + step)])),
                                  [*greedy_ids, sampling_id], [*drafts, [1]])
-        assert on_host.token_ids == on_device.token_ids[:-1], f"step {step}"
-        assert on_host.logprobs == on_device.logprobs[:-1] and on_host.top_logprobs == on_device.top_logprobs[:-1]
-        assert on_host.errors == on_device.errors[:-1] == [None] * len(greedy_ids)
-        emitted += sum(map(len, on_host.token_ids))
+        assert host_path.token_ids == device_path.token_ids[:-1], f"step {step}"
+        assert host_path.logprobs == device_path.logprobs[:-1]
+        assert host_path.top_logprobs == device_path.top_logprobs[:-1]
+        assert host_path.errors == device_path.errors[:-1] == [None] * len(greedy_ids)
+        emitted += sum(map(len, host_path.token_ids))
         if step < 4:
-            assert on_host.token_ids[3] == [0], "a draft token of a row where every token is banned is refused"
+            assert len(host_path.token_ids[3]) == 1, "a draft token of a row where every token is banned is refused"
     assert len(decided_on_host) == 12, "the greedy batches took the host's path, the mixed ones the device's"
     assert emitted > 1.5 * 12 * len(greedy_ids), "drafts were accepted"
 
@@ -263,7 +272,7 @@ def first_two_tokens(params: SamplingParams, first_draft: list[int], num_samples
         drafts = [first_draft if not tokens[i] else likeliest(DIST_PROMPT + tokens[i], 2) for i in live]
         rows = [history_logits(0, DIST_PROMPT + tokens[i] + d[:j], DIST_VOCAB)
                 for i, d in zip(live, drafts) for j in range(len(d) + 1)]
-        result = sampler.verify(torch.stack(rows), live, drafts)
+        result = sampler.verify(on_device(torch.stack(rows)), live, drafts)
         for i, emitted in zip(live, result.token_ids):
             tokens[i] += emitted
         live = [i for i in live if len(tokens[i]) < 2]
@@ -333,7 +342,7 @@ def verify_once(requests: dict[int, SamplingParams], drafts: dict[int, list[int]
         req_ids = list(requests)
         rows = [history_logits(r, [1, 2] + out[r][0] + drafts[r][:j], VOCAB)
                 for r in req_ids for j in range(len(drafts[r]) + 1)]
-        result = sampler.verify(torch.stack(rows) * 3, req_ids, [drafts[r] for r in req_ids])
+        result = sampler.verify(on_device(torch.stack(rows) * 3), req_ids, [drafts[r] for r in req_ids])
         for n, r in enumerate(req_ids):
             out[r][0].extend(result.token_ids[n])
             out[r][1].extend(result.logprobs[n] or [])
@@ -357,8 +366,8 @@ def test_an_empty_draft_draws_what_sample_draws():
     requests = {r: SamplingParams(temperature=0.9, top_k=20, seed=r, logprobs=1) for r in range(6)}
     requests[6] = SamplingParams(temperature=0.0, presence_penalty=1.0)
     logits = random_logits(len(requests), VOCAB, seed=3)
-    sampled = make_sampler(requests).sample(logits.clone(), list(requests))
-    verified = make_sampler(requests).verify(logits.clone(), list(requests), [[]] * len(requests))
+    sampled = make_sampler(requests).sample(on_device(logits), list(requests))
+    verified = make_sampler(requests).verify(on_device(logits), list(requests), [[]] * len(requests))
     assert verified.token_ids == [[t] for t in sampled.token_ids]
     assert verified.logprobs[:6] == [[lp] for lp in sampled.logprobs[:6]]
     assert verified.top_logprobs[:6] == [[top] for top in sampled.top_logprobs[:6]]
@@ -368,7 +377,7 @@ def test_logprobs_of_every_emitted_token_are_those_of_its_raw_row():
     params = SamplingParams(temperature=0.0, repetition_penalty=3.0, logprobs=3)
     logits = random_logits(4, VOCAB, seed=2)
     draft = logits[:3].argmax(dim=-1).tolist()   # the raw argmax chain: the penalty may cut it
-    result = make_sampler({0: params}, {0: [9]}).verify(logits.clone(), [0], [draft])
+    result = make_sampler({0: params}, {0: [9]}).verify(on_device(logits), [0], [draft])
     raw = torch.log_softmax(logits, dim=-1)
     for row, (token_id, logprob, top) in enumerate(zip(result.token_ids[0], result.logprobs[0],
                                                        result.top_logprobs[0])):
@@ -384,12 +393,12 @@ def test_a_request_that_breaks_the_step_fails_alone(grammar_compiler):
     # Request 1 (rows 3-5) drafts its greedy chain of digits, which it accepts whole, after the
     # matcher took it once in the failed attempt.
     drafts = [[4, 4], logits[3:5, :10].argmax(dim=-1).tolist(), [GRAMMAR_CHARS.index("3")] * 3]
-    expected = grammar_sampler(grammar_compiler, requests).verify(logits.clone(), [0, 1, 2], drafts)
+    expected = grammar_sampler(grammar_compiler, requests).verify(on_device(logits), [0, 1, 2], drafts)
 
     broken = SamplingParams(temperature=1.0, seed=3)
     broken.top_k = 2**70   # past validation: no tensor holds it
     sampler = grammar_sampler(grammar_compiler, {**requests, 9: broken})
-    got = sampler.verify(torch.cat([logits, logits[:1]]), [0, 1, 2, 9], [*drafts, []])
+    got = sampler.verify(on_device(torch.cat([logits, logits[:1]])), [0, 1, 2, 9], [*drafts, []])
     assert got.token_ids[:3] == expected.token_ids and got.errors[:3] == [None] * 3
     assert got.token_ids[3] == [] and got.logprobs[3] is None and got.errors[3]
     assert len(got.token_ids[1]) == 3 and got.token_ids[1][-1] < 10, "the matcher was rolled back for the retry"
@@ -399,5 +408,5 @@ def test_a_draft_token_past_the_logits_is_rejected_and_removes_nothing():
     logits = random_logits(2, VOCAB, seed=6)
     logits[0, VOCAB - 1] += 40   # the clamp's stand-in for an id past the logits: removing it would show
     sampler = make_sampler({0: SamplingParams(temperature=1.0, seed=0), 1: SamplingParams(temperature=0.0)})
-    result = sampler.verify(torch.cat([logits[:1], logits]), [0, 1], [[VOCAB + 5], []])
+    result = sampler.verify(on_device(torch.cat([logits[:1], logits])), [0, 1], [[VOCAB + 5], []])
     assert result.token_ids == [[VOCAB - 1], [int(logits[1].argmax())]]
