@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import random
 import statistics
 import sys
@@ -91,16 +92,22 @@ WORKLOADS = {
 class Result:
     workload: str
     batch: int
+    output_len: int                  # most tokens per answer (--output-len for this batch)
     output_tokens: int
     tokens_per_forward_on: float
     mean_accepted_len: float         # draft tokens accepted per verify
-    tok_per_s_off: float
+    tok_per_s_off: float             # medians over the repeats
     tok_per_s_on: float
-    speedup: float
+    speedup: float                   # median of the back-to-back pairs' off / on seconds
+    cpu_ms_per_token_off: float      # the worker's CPU time per output token (medians)
+    cpu_ms_per_token_on: float
+    cpu_speedup: float               # median of the pairs' off / on CPU seconds
+    load: str                        # the 1-minute load average at each pair's start
+    runs: list[tuple[float, float, float, float]]  # (off s, on s, off CPU s, on CPU s) of each pair
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float, int]:
-    """Run the prompts together to their end: their outputs, the seconds from the step that gave
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], Timing, int]:
+    """Run the prompts together to their end: their outputs, the time from the step that gave
     every request its first token to the end (the decode phase: prefill costs the same either
     way), and the (request, step) pairs of that phase in which a request got tokens (its forwards)."""
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -109,12 +116,72 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     while any(not r.is_finished for r in reqs):
         got = {d.req_id for d in engine.step()}
         if start is None and all(r.num_output_tokens for r in reqs):
-            start = time.perf_counter()
+            start = Timing.now(engine)
         elif start is not None:
             forwards += len(got)
-    seconds = time.perf_counter() - start
+    took = Timing.now(engine) - start
     engine.flush()
-    return [r.output_token_ids for r in reqs], seconds, forwards
+    return [r.output_token_ids for r in reqs], took, forwards
+
+
+@dataclass
+class Timing:
+    """Wall-clock seconds, and the CPU seconds the model worker used (all its threads): on a
+    machine whose cores others share, the wall clock of a step swings 10-50x with their load
+    (an OpenMP region waits for its slowest thread), while the worker's CPU time stays near what
+    the work costs."""
+    wall: float
+    cpu: float
+
+    @classmethod
+    def now(cls, engine: LLMEngine) -> Timing:
+        ticks = 0
+        for client in engine.workers.clients:
+            # /proc/PID/stat fields 14 and 15 (after the ")" that ends the command name: 12 and 13)
+            fields = Path(f"/proc/{client.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        return cls(time.perf_counter(), ticks / os.sysconf("SC_CLK_TCK"))
+
+    def __sub__(self, other: Timing) -> Timing:
+        return Timing(self.wall - other.wall, self.cpu - other.cpu)
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (the other processes' share of the cores)."""
+    return os.getloadavg()[0]
+
+
+def warm_up(engine: LLMEngine, texts: list[list[int]]) -> None:
+    """Run each distinct prompt once, a few tokens with drafts: the code paths warm, and every
+    prompt's KV lands in the prefix cache, so that the timed batches prefill one token per request
+    instead of all of them (batch 32 on code-edit was 15k prompt tokens, a minute of CPU per run)."""
+    run_batch(engine, texts, SamplingParams(max_new_tokens=8, temperature=0))
+
+
+def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: int, repeats: int) -> Result:
+    """``repeats`` back-to-back pairs of the batch without drafts, then with (off first, as a run
+    can only warm the next): tokens per forward and acceptance are those of every "on" run (the
+    same greedy outputs each time), the tok/s medians, the speed-up the median of the pairs'."""
+    on = SamplingParams(max_new_tokens=output_len, temperature=0)
+    off = SamplingParams(max_new_tokens=output_len, temperature=0, speculate=False)
+    batch, runs, loads = len(prompts), [], []
+    for _ in range(repeats):
+        loads.append(load_average())
+        out_off, s_off, _ = run_batch(engine, prompts, off)
+        accepted, verifies = engine.num_accepted_tokens, sum(engine.accepted_length_counts)
+        out_on, s_on, forwards = run_batch(engine, prompts, on)
+        verifies = sum(engine.accepted_length_counts) - verifies
+        accepted = engine.num_accepted_tokens - accepted
+        if out_on != out_off:
+            raise SystemExit(f"{name} batch {batch}: speculation changed the greedy output")
+        runs.append((s_off.wall, s_on.wall, s_off.cpu, s_on.cpu))
+    tokens = sum(map(len, out_on)) - batch     # those after each request's first
+    median = statistics.median
+    return Result(name, batch, output_len, tokens, tokens / forwards, accepted / verifies if verifies else 0.0,
+                  tokens / median(r[0] for r in runs), tokens / median(r[1] for r in runs),
+                  median(r[0] / r[1] for r in runs), 1e3 * median(r[2] for r in runs) / tokens,
+                  1e3 * median(r[3] for r in runs) / tokens, median(r[2] / max(r[3], 1e-9) for r in runs),
+                  "/".join(f"{x:.1f}" for x in loads), runs)
 
 
 def engine_mode(args: argparse.Namespace) -> list[Result]:
@@ -126,25 +193,15 @@ def engine_mode(args: argparse.Namespace) -> list[Result]:
     try:
         for name in args.workload_list:
             texts = [llm.chat_prompt([{"role": "user", "content": t}]) for t in WORKLOADS[name]()]
-            for batch in args.batch_list:
+            warm_up(engine, texts)
+            for batch, output_len in zip(args.batch_list, args.output_lens):
                 prompts = [texts[i % len(texts)] for i in range(batch)]
-                on = SamplingParams(max_new_tokens=args.output_len, temperature=0)
-                off = SamplingParams(max_new_tokens=args.output_len, temperature=0, speculate=False)
-                run_batch(engine, prompts[:1], on)                                    # warm-up
-                drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
-                verifies = sum(engine.accepted_length_counts)
-                out_on, s_on, forwards = run_batch(engine, prompts, on)
-                verifies = sum(engine.accepted_length_counts) - verifies
-                accepted = engine.num_accepted_tokens - accepted
-                out_off, s_off, _ = run_batch(engine, prompts, off)
-                if out_on != out_off:
-                    raise SystemExit(f"{name} batch {batch}: speculation changed the greedy output")
-                tokens = sum(map(len, out_on)) - batch     # those after each request's first
-                results.append(Result(name, batch, tokens, tokens / forwards, accepted / verifies if verifies else 0.0,
-                                      tokens / s_off, tokens / s_on, s_off / s_on))
-                r = results[-1]
+                r = measure(engine, name, prompts, output_len, args.repeats)
+                results.append(r)
                 print(f"{name} batch {batch}: {r.tokens_per_forward_on:.2f} tok/forward, accepted {r.mean_accepted_len:.2f}, "
-                      f"{r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x)", file=sys.stderr)
+                      f"{r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x; CPU {r.cpu_speedup:.2f}x; pairs "
+                      f"{', '.join(f'{a:.1f}/{b:.1f} s, CPU {c:.1f}/{d:.1f} s' for a, b, c, d in r.runs)}; load {r.load})",
+                      file=sys.stderr)
     finally:
         llm.close()
     return results
@@ -263,7 +320,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--speculate", type=int, default=10, help="draft tokens per step, K (default: 10)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default: 1,8,32)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    p.add_argument("--output-len", type=int, default=256, help="engine mode: most tokens per answer (default: 256)")
+    p.add_argument("--output-len", default="256",
+                   help="engine mode: most tokens per answer (default: 256); a comma-separated list gives each batch "
+                        "its own (e.g. 96,96,48 for 1,8,32: batch 32's verify steps are 352 rows on a CPU)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="engine mode: off/on pairs per row, run back to back (tok/s and speed-up: their medians)")
     p.add_argument("--context", type=int, default=1024, help="step mode: cached tokens per request (default: 1024)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
@@ -273,6 +334,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",") if b.strip()]
     args.workload_list = [w for w in args.workloads.split(",") if w.strip()]
+    lens = [int(n) for n in args.output_len.split(",") if n.strip()]
+    if len(lens) not in (1, len(args.batch_list)):
+        p.error(f"--output-len: one length, or one per batch ({len(args.batch_list)})")
+    args.output_lens = lens * len(args.batch_list) if len(lens) == 1 else lens
     args.mode = args.mode or ("step" if args.device.startswith("cuda") else "engine")
     return args
 
@@ -293,13 +358,15 @@ def main() -> int:
                   "per verify (measured on the embedded model on CPU), random weights accepting nothing here")
     else:
         results = engine_mode(args)
-        print(f"\n### Prompt lookup, K = {args.speculate}, greedy, up to {args.output_len} tokens; proposal at a "
+        print(f"\n### Prompt lookup, K = {args.speculate}, greedy, {args.repeats} off/on pair(s) a row; proposal at a "
               f"32k context: {proposal_us():.1f} us\n")
-        print(markdown_table(["workload", "batch", "tokens", "tokens / forward", "accepted / verify", "off tok/s",
-                              "on tok/s", "speed-up"],
-                             [[r.workload, r.batch, r.output_tokens, f"{r.tokens_per_forward_on:.2f}",
+        print(markdown_table(["workload", "batch", "max tokens", "tokens", "tokens / forward", "accepted / verify",
+                              "off tok/s", "on tok/s", "speed-up", "CPU ms / token off", "on", "CPU speed-up",
+                              "load (1 min)"],
+                             [[r.workload, r.batch, r.output_len, r.output_tokens, f"{r.tokens_per_forward_on:.2f}",
                                f"{r.mean_accepted_len:.2f}", f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
-                               f"{r.speedup:.2f}x"] for r in results]))
+                               f"{r.speedup:.2f}x", f"{r.cpu_ms_per_token_off:.0f}", f"{r.cpu_ms_per_token_on:.0f}",
+                               f"{r.cpu_speedup:.2f}x", r.load] for r in results]))
     if args.json:
         write_json(args.json, {"benchmark": "prompt_lookup", "mode": args.mode,
                                "environment": environment(torch.device(args.device)),
