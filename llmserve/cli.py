@@ -57,9 +57,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup speculation: draft up to K tokens per decoding request per step from "
                         "n-grams of its own prompt and output, and verify them in one forward; the same tokens, "
                         "faster on outputs that copy their input (TGI's flag) (default: 0, off)")
-    p.add_argument("--speculate-max-batch", type=int, default=32, metavar="N",
+    p.add_argument("--speculate-max-batch", type=int, default=None, metavar="N",
                    help="steps of more than N decoding requests draft nothing: there verifying costs more than "
-                        "it saves (default: 32)")
+                        "it saves (default: 32 on a GPU, 1 on a CPU, where a step's cost grows with its rows)")
     p.add_argument("--prompt-lookup-max-ngram", type=int, default=3, metavar="N",
                    help="longest n-gram of a sequence's end looked up for a draft (default: 3)")
     p.add_argument("--prompt-lookup-min-ngram", type=int, default=1, metavar="N",

@@ -13,6 +13,7 @@ there. Only a ``WorkerError`` (a worker died or fell out of step) escapes ``step
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -56,14 +57,23 @@ class EngineConfig:
     overlap: bool | None = None
     dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
     # Prompt-lookup speculation (see scheduler.py): draft tokens per decoding request per step
-    # (0: off), the largest decode batch that still drafts, and the n-gram sizes matched.
+    # (0: off), the largest decode batch that still drafts (None: the device's, from
+    # SPECULATE_MAX_BATCH), and the n-gram sizes matched.
     speculate: int = 0
-    speculate_max_batch: int = 32
+    speculate_max_batch: int | None = None
     prompt_lookup_min_ngram: int = 1
     prompt_lookup_max_ngram: int = 3
     # Keep computed tokens' KV in a radix tree and start requests from their longest cached prefix
     # (engine/radix_cache.py); off: every prompt is prefilled in full.
     prefix_cache: bool = True
+
+
+# The largest decode batch that drafts, by device, when --speculate-max-batch is not given. On a
+# GPU a verify step of 32 x (1 + 10) rows is still bound by reading the weights, as a decode step
+# is. On a CPU a step's cost grows with its rows: at batch 2 verifying already costs more than the
+# accepted drafts save (benchmarks/README.md, "prompt_lookup.py": code-edit at 1.9 tokens per
+# forward, 0.8x at batch 2), so only a request decoding alone drafts.
+SPECULATE_MAX_BATCH = {"cuda": 32, "cpu": 1}
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,7 @@ class LLMEngine:
         before it knows the model, so that they import torch meanwhile); else started here."""
         if config.overlap and config.tp > 1:   # before any worker loads a model
             raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
+        config = with_device_defaults(config, model.device)   # what /info reports: the values in force
         _check_speculation(config)
         self.config = config
         self.model = model
@@ -440,6 +451,13 @@ class LLMEngine:
         self.workers.close()
         if self._trace is not None:
             self._trace.close()
+
+
+def with_device_defaults(config: EngineConfig, device: str) -> EngineConfig:
+    """``config`` with the fields it leaves to the device (None) set to that device's values."""
+    if config.speculate_max_batch is None:
+        config = dataclasses.replace(config, speculate_max_batch=SPECULATE_MAX_BATCH[device])
+    return config
 
 
 def _check_speculation(config: EngineConfig) -> None:

@@ -17,10 +17,12 @@ import torch
 from transformers import BloomConfig, LlamaConfig
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.engine import LLMEngine
+from llmserve.engine.engine import SPECULATE_MAX_BATCH, EngineConfig, LLMEngine, with_device_defaults
 from parity_utils import build_tiny_hf_model, build_tiny_llava
 
 SPECULATE = 10
+# Every test batches drafting requests: above the CPU's default (1) they would draft nothing.
+MAX_BATCH = 32
 # Small vocabularies: a random model's greedy output soon cycles, and its prompt's n-grams recur,
 # so drafts are proposed and some are accepted.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
@@ -85,7 +87,7 @@ def tiny_model_dir(request, tmp_path_factory, smollm2_tokenizer) -> str:
 
 def test_greedy_equals_plain_on_each_architecture(tiny_model_dir):
     # A KV pool of the test's size: on a GPU the default one takes most of its memory.
-    with LLM(tiny_model_dir, speculate=SPECULATE, max_prefill_tokens=48, max_total_token_num=8192) as llm:
+    with LLM(tiny_model_dir, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48, max_total_token_num=8192) as llm:
         prompts, params = random_workload(512, 6, seed=0)
         want = llm.generate(prompts, plain(params))
         got, accepted = generate_counting(llm, prompts, params)
@@ -103,7 +105,7 @@ def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
         pytest.skip("tp=2 needs 2 GPUs")
     build_tiny_hf_model(ARCHITECTURES["llama-tied"](), tmp_path)
     smollm2_tokenizer.save_pretrained(tmp_path)
-    with LLM(str(tmp_path), tp=2, speculate=SPECULATE) as llm:
+    with LLM(str(tmp_path), tp=2, speculate=SPECULATE, speculate_max_batch=MAX_BATCH) as llm:
         prompts, params = random_workload(512, 6, seed=1)
         want = llm.generate(prompts, plain(params))
         got, accepted = generate_counting(llm, prompts, params)
@@ -156,7 +158,7 @@ def grounded_prompts(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
 
 @pytest.fixture(scope="module")
 def llm(default_model_path):
-    with LLM(default_model_path, speculate=SPECULATE) as llm:
+    with LLM(default_model_path, speculate=SPECULATE, speculate_max_batch=MAX_BATCH) as llm:
         yield llm
 
 
@@ -246,3 +248,12 @@ def test_stops_and_lengths_inside_accepted_runs_under_preemption_chunking_and_ov
     assert scheduler.num_preemptions > preemptions and accepted > 0
     for i, at in enumerate(placed):
         assert len(want[i].token_ids) == at + 1 and want[i].finish_reason in ("stop_sequence", "length"), i
+
+
+def test_max_batch_default_is_the_devices():
+    # On a CPU a step's cost grows with its rows: there only a request decoding alone drafts.
+    config = EngineConfig(speculate=SPECULATE)
+    assert with_device_defaults(config, "cpu").speculate_max_batch == SPECULATE_MAX_BATCH["cpu"] == 1
+    assert with_device_defaults(config, "cuda").speculate_max_batch == SPECULATE_MAX_BATCH["cuda"] == 32
+    assert with_device_defaults(dataclasses.replace(config, speculate_max_batch=8), "cpu").speculate_max_batch == 8
+    assert config.speculate_max_batch is None      # the caller's config is left as it was

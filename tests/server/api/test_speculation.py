@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from llmserve.engine.engine import SPECULATE_MAX_BATCH
 from serving_utils import ServerProcess
 
 # The embedded model copies a passage it is asked to repeat: its drafts are accepted.
@@ -71,5 +72,7 @@ def test_openai_stream_equals_plain_and_info(server):
     assert spec == plain and len(spec) >= MAX_NEW - 1    # a chunk per token (the last may only carry the finish)
     info = httpx.get(server.url + "/info").json()
     assert info["speculate"] == 10 and info["prompt_lookup_ngram"] == [1, 3]
+    # --speculate-max-batch left unset: the device's default, resolved by the engine
+    assert info["speculate_max_batch"] == SPECULATE_MAX_BATCH[info["model_device_type"]]
     r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "x", "speculate": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculate"
