@@ -6,12 +6,16 @@ Two modes.
   Greedy requests on prompts whose answers copy from them, built from text that ships with this
   repository: edit a Python source file ("rename X to Y, output the whole file"), repeat a
   passage, answer from a passage, summarise it. Each workload runs at batch 1, 8 and 32 (the
-  batch's prompts cycle through the workload's texts), once with drafts and once without (the
-  same engine; ``SamplingParams.speculate`` off), the outputs checked equal token for token.
+  batch's prompts cycle through the workload's texts), without drafts and then with them (the
+  same engine; ``SamplingParams.speculate`` off), ``--repeats`` such pairs back to back, the
+  outputs checked equal token for token. Each distinct prompt is prefilled once first, into the
+  prefix cache, so that the timed runs prefill one token per request.
 
   Columns, over the decode phase (from the step that gave every request its first token):
   tokens per forward (output tokens over the (request, step) pairs that made them), mean
-  accepted length (draft tokens accepted per verify), out tok/s on and off, speed-up.
+  accepted length (draft tokens accepted per verify), out tok/s on and off (medians), speed-up
+  (the median pair's), the same by the worker's CPU time, and the load average at each pair.
+  On a machine whose cores others share, only pairs run at a steady load compare.
   It also times the prompt-lookup proposal itself at a 32k-token context.
 
 ``step`` (``--device cuda --model PATH``; the 8B checkpoint of make_random_model.py)
@@ -22,7 +26,7 @@ Two modes.
   engine mode measured on a real model (``--accepted-len X``), a step emits 1 + X tokens per
   request instead of 1, so the projected speed-up is (1 + X) * t_decode / t_verify.
 
-Run (CPU):  python benchmarks/prompt_lookup.py
+Run (CPU):  python benchmarks/prompt_lookup.py --batches 1,2,4,8,32 --output-len 96,96,96,96,48 --repeats 2
 Run (GPU):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
             python benchmarks/prompt_lookup.py --device cuda --model /tmp/llama3-8b-random --accepted-len 2.6
 Smoke (CPU, step mode):  python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
@@ -126,10 +130,10 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 
 @dataclass
 class Timing:
-    """Wall-clock seconds, and the CPU seconds the model worker used (all its threads): on a
-    machine whose cores others share, the wall clock of a step swings 10-50x with their load
-    (an OpenMP region waits for its slowest thread), while the worker's CPU time stays near what
-    the work costs."""
+    """Wall-clock seconds, and the CPU seconds the model worker used (all its threads). On a
+    machine whose cores others share, a step's wall clock swings 10-70x with their load (each
+    OpenMP region waits for its slower thread); the CPU time is a second view, steadier under a
+    light load, but it grows too under a heavy one (the waiting threads spin, and that counts)."""
     wall: float
     cpu: float
 
