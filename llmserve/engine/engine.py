@@ -70,9 +70,9 @@ class EngineConfig:
 
 # The largest decode batch that drafts, by device, when --speculate-max-batch is not given. On a
 # GPU a verify step of 32 x (1 + 10) rows is still bound by reading the weights, as a decode step
-# is. On a CPU a step's cost grows with its rows: at batch 2 verifying already costs more than the
-# accepted drafts save (benchmarks/README.md, "prompt_lookup.py": code-edit at 1.9 tokens per
-# forward, 0.8x at batch 2), so only a request decoding alone drafts.
+# is. On a CPU a step's cost grows with its rows: drafts gain at batch 1 (1.35-1.43x on the
+# embedded model's code edits and answers) and are a wash from batch 2 on (0.74-1.20x; see
+# benchmarks/README.md, "prompt_lookup.py"), so only a request decoding alone drafts.
 SPECULATE_MAX_BATCH = {"cuda": 32, "cpu": 1}
 
 
