@@ -265,7 +265,7 @@ def hf_peer(args: argparse.Namespace, prompts: dict[str, list[int]], results: li
 
 def engine_mode(args: argparse.Namespace) -> tuple[list[Result], list[PeerResult]]:
     llm = LLM(args.model, dtype=args.dtype, speculate=args.speculate, speculate_max_batch=max(args.batch_list),
-              max_running_requests=max(args.batch_list))
+              max_running_requests=max(args.batch_list), overlap=False if args.no_overlap else None)
     engine = llm.engine
     print(engine.summary(), file=sys.stderr)
     results = []
@@ -417,6 +417,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--accepted-len", type=float, default=None,
                    help="step mode: mean accepted draft tokens per verify, measured in engine mode, for the projection")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="engine mode: run every step without the overlapped loop's look-ahead (on a GPU drafting "
+                        "steps already do: this shows what the look-ahead is worth to the plain steps)")
     p.add_argument("--peer", choices=["none", "hf"], default="none",
                    help="engine mode: also time HF transformers' generate on the same checkpoint at batch 1, plain "
                         "and with its own prompt lookup (prompt_lookup_num_tokens=K)")
