@@ -69,8 +69,8 @@ class EngineConfig:
 
 
 # The largest decode batch that drafts, by device, when --speculate-max-batch is not given. On a
-# GPU a verify step of 32 x (1 + 10) rows is still bound by reading the weights, as a decode step
-# is. On a CPU a step's cost grows with its rows: drafts gain at batch 1 (1.35-1.43x on the
+# GPU a graphed verify step of 32 x (1 + 10) rows costs about 1.5x a decode step (Llama-3-8B
+# shapes on an H100; 1.1-1.2x up to batch 16). On a CPU a step's cost grows with its rows: drafts gain at batch 1 (1.35-1.43x on the
 # embedded model's code edits and answers) and are a wash from batch 2 on (0.74-1.20x; see
 # benchmarks/README.md, "prompt_lookup.py"), so only a request decoding alone drafts.
 SPECULATE_MAX_BATCH = {"cuda": 32, "cpu": 1}

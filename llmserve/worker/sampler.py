@@ -388,6 +388,14 @@ def _copy_to_host(device_out: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
     return host, ready
 
 
+def _read_to_host(device_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``_copy_to_host``, waited for: every tensor read back with one wait for the device."""
+    host, ready = _copy_to_host(device_out)
+    if ready is not None:
+        ready.synchronize()
+    return host
+
+
 def _row_indices(selected: list[bool], device: torch.device) -> torch.Tensor:
     """The indices of the selected batch rows, as an index tensor."""
     return _on([i for i, is_selected in enumerate(selected) if is_selected], device, torch.long)
@@ -780,9 +788,7 @@ def _decide_greedy(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, rows
     allowed = logits.gather(1, best.unsqueeze(1)).squeeze(1) > float("-inf")
     # Every emitted row emits its argmax (an accepted draft token is one), so its logprob is there.
     device_out, logprob_rows = _gather_logprobs(raw_logprobs, best, rows)
-    host, ready = _copy_to_host(device_out | {"best": best, "allowed": allowed})
-    if ready is not None:
-        ready.synchronize()
+    host = _read_to_host(device_out | {"best": best, "allowed": allowed})
     best_ids, allowed_rows = host["best"].tolist(), host["allowed"].tolist()
     num_accepted: list[int] = []
     for start, draft in zip(starts, drafts):
@@ -851,9 +857,7 @@ def _decide_on_device(logits: torch.Tensor, raw_logprobs: torch.Tensor | None, s
     emitted_ids = checked_ids.clone()
     emitted_ids[last_rows] = next_ids
     device_out, logprob_rows = _gather_logprobs(raw_logprobs, emitted_ids, rows)
-    host, ready = _copy_to_host(device_out | {"num_accepted": num_accepted, "next_ids": next_ids})
-    if ready is not None:
-        ready.synchronize()
+    host = _read_to_host(device_out | {"num_accepted": num_accepted, "next_ids": next_ids})
     return _Decided(host["num_accepted"].tolist(), host["next_ids"].tolist(), host, logprob_rows)
 
 

@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from llmserve.common.basemodel.cuda_graph import DecodeGraphs, VerifyGraphs, verify_row_buckets
+from llmserve.common.basemodel.cuda_graph import DecodeGraphs, VerifyGraphs
 from llmserve.common.basemodel.infer_struct import InferStateInfo, InputEmbeds
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
@@ -206,8 +206,7 @@ class TpPartBaseModel:
 
     def _graph_rows(self) -> int:
         """The most rows (new tokens) a graphed step has, which sizes the graphs' memory."""
-        verify_rows = verify_row_buckets(self.verify_graph_max_bs * (1 + self.params.speculate))[-1] if self.verify_graph_max_bs else 0
-        return max(self.cuda_graph_max_bs, verify_rows)
+        return max(self.cuda_graph_max_bs, self.verify_graph_max_bs * (1 + self.params.speculate))
 
     def _auto_kv_size(self, kv_dim_per_layer: int) -> int:
         """KV slots that fit in what the weights left over (GPU), or a modest default (CPU).

@@ -46,12 +46,68 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return sorted(sizes)
 
 
-class DecodeGraphs:
+class _StepGraphs:
+    """What decode and verify graphs share: one graph per bucket of rows, replayed (or, not
+    captured, the same padded step run), captured largest first into one memory pool.
+    A subclass fills the static buffers (``_write_padding``) and holds the step (``_step``)."""
+
+    def __init__(self, model: TpPartBaseModel, buckets: list[int]):
+        self.model = model
+        self.buckets = buckets
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.pool = None     # the graphs' memory pool (the verify graphs share the decode graphs')
+
+    def bucket(self, num_rows: int) -> int:
+        return next(b for b in self.buckets if b >= num_rows)
+
+    def _replay(self, bucket: int, num_rows: int) -> torch.Tensor:
+        """The step of the inputs written for ``bucket``: its first ``num_rows`` rows of logits."""
+        if bucket in self._graphs:
+            self._graphs[bucket].replay()
+            return self._outputs[bucket][:num_rows]
+        return self._step(bucket)[:num_rows]
+
+    def _write_padding(self, bucket: int) -> None:
+        raise NotImplementedError
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def _capture(self, pool) -> None:
+        """A graph per bucket, into ``pool``; records the seconds it took and the GPU memory the
+        graphs took."""
+        self.pool = pool
+        device = self.model.device
+        torch.cuda.synchronize(device)
+        # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so that
+        # the difference in free memory is the graphs' own.
+        torch.cuda.empty_cache()
+        free_before, _ = torch.cuda.mem_get_info(device)
+        start = time.perf_counter()
+        # Largest first: the smaller graphs then fit in the memory the largest took from the pool.
+        for bucket in reversed(self.buckets):
+            self._write_padding(bucket)
+            # Once outside the graph: Triton compiles its kernels, cuBLAS picks its algorithms.
+            self._step(bucket)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[bucket] = self._step(bucket)
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+
+
+class DecodeGraphs(_StepGraphs):
     def __init__(self, model: TpPartBaseModel, max_batch_size: int, *, capture: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.model = model
-        self.buckets = batch_size_buckets(max_batch_size)
+        super().__init__(model, batch_size_buckets(max_batch_size))
         self.max_batch_size = self.buckets[-1]
         device = model.device
         # The padding request (the pools hold one row and one slot more than they report).
@@ -63,19 +119,11 @@ class DecodeGraphs:
         self._slots = torch.full((n,), self.pad_slot, dtype=torch.int32, device=device)
         self._q_start = torch.arange(n, dtype=torch.int32, device=device)
         self._q_len = torch.ones(n, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self.capture_seconds = 0.0
-        self.capture_bytes = 0
-        self.pool = None     # the graphs' memory pool, which the verify graphs share
         if capture:
-            self._capture()
+            self._capture(torch.cuda.graph_pool_handle())
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch_size
-
-    def bucket(self, batch_size: int) -> int:
-        return next(b for b in self.buckets if b >= batch_size)
 
     # -- a step --------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, b_req_idx: list[int], b_cached_len: list[int],
@@ -89,10 +137,7 @@ class DecodeGraphs:
         self._write_inputs(bucket, b_req_idx, b_cached_len)
         self._inputs[0, :bs].copy_(input_ids)
         self._slots[:bs].copy_(mem_index)
-        if bucket in self._graphs:
-            self._graphs[bucket].replay()
-            return self._outputs[bucket][:bs]
-        return self._step(bucket)[:bs]
+        return self._replay(bucket, bs)
 
     def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int]) -> None:
         """Rows, lengths and positions of the requests, then of the padding request up to
@@ -108,6 +153,9 @@ class DecodeGraphs:
         self._inputs[:, :bucket].copy_(host, non_blocking=True)   # a blocking copy would wait for the step before
         self._slots[:bucket].fill_(self.pad_slot)
 
+    def _write_padding(self, bucket: int) -> None:
+        self._write_inputs(bucket, [], [])
+
     def _step(self, bucket: int) -> torch.Tensor:
         """The work a graph holds: the layers over the static buffers' first ``bucket`` rows."""
         model = self.model
@@ -122,11 +170,6 @@ class DecodeGraphs:
         )
         state.init_some_extra_state(model)
         return model.forward_layers(inputs[0], state)
-
-    # -- start-up ------------------------------------------------------------------------
-    def _capture(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-        self.capture_seconds, self.capture_bytes = _capture(self, lambda bucket: self._write_inputs(bucket, [], []))
 
     @staticmethod
     def memory_estimate(max_batch_size: int, config, itemsize: int, tp: int) -> int:
@@ -159,7 +202,7 @@ def verify_row_buckets(max_rows: int) -> list[int]:
     return sorted(b for b in sizes | {max_rows} if b <= max_rows)
 
 
-class VerifyGraphs:
+class VerifyGraphs(_StepGraphs):
     """Speculative verify steps replayed from CUDA graphs.
 
     A verify step is a context-attention step: request i brings ``q_len[i]`` new tokens (its
@@ -182,10 +225,9 @@ class VerifyGraphs:
                  pad_row: int, pad_slot: int, *, capture: bool = True, pool=None):
         if max_batch_size < 1 or tokens_per_request < 2:
             raise ValueError(f"verify graphs need >= 1 request of >= 2 tokens, got {max_batch_size} x {tokens_per_request}")
-        self.model = model
+        super().__init__(model, verify_row_buckets(max_batch_size * tokens_per_request))
         self.max_batch_size = max_batch_size
         self.tokens_per_request = tokens_per_request
-        self.buckets = verify_row_buckets(max_batch_size * tokens_per_request)
         self.pad_row, self.pad_slot = pad_row, pad_slot
         device, n, rows = model.device, max_batch_size, self.buckets[-1]
         # One int64 block, one host-to-device copy a step: per request (table row, first row, new
@@ -195,23 +237,14 @@ class VerifyGraphs:
         self._positions = self._block[5 * n :]
         self._input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self._slots = torch.full((rows,), pad_slot, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self.capture_seconds = 0.0
-        self.capture_bytes = 0
-        self.pool = None
         if capture:
-            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            self.capture_seconds, self.capture_bytes = _capture(self, lambda bucket: self._write_inputs(bucket, [], [], []))
+            self._capture(pool if pool is not None else torch.cuda.graph_pool_handle())
 
     def can_run(self, b_q_len: list[int], all_logits: list[bool]) -> bool:
         """Whether a step fits: few enough requests, each with one new token or 1 + K at most whose
         logits it all wants (the graph computes every row's), and the rows within the buckets."""
         return (len(b_q_len) <= self.max_batch_size and sum(b_q_len) <= self.buckets[-1]
                 and all(n == 1 or (flag and n <= self.tokens_per_request) for n, flag in zip(b_q_len, all_logits)))
-
-    def bucket(self, num_rows: int) -> int:
-        return next(b for b in self.buckets if b >= num_rows)
 
     # -- a step --------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
@@ -224,10 +257,7 @@ class VerifyGraphs:
         self._write_inputs(bucket, b_req_idx, b_cached_len, b_q_len)
         self._input_ids[:num_rows].copy_(input_ids)
         self._slots[:num_rows].copy_(mem_index)
-        if bucket in self._graphs:
-            self._graphs[bucket].replay()
-            return self._outputs[bucket][:num_rows]
-        return self._step(bucket)[:num_rows]
+        return self._replay(bucket, num_rows)
 
     def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int]) -> None:
         """The requests' columns, then padding requests (no new tokens) up to the largest batch;
@@ -249,6 +279,9 @@ class VerifyGraphs:
         self._block[: host.numel()].copy_(host, non_blocking=True)   # non-blocking: see DecodeGraphs
         self._slots[:bucket].fill_(self.pad_slot)
 
+    def _write_padding(self, bucket: int) -> None:
+        self._write_inputs(bucket, [], [], [])
+
     def _step(self, bucket: int) -> torch.Tensor:
         """The work a graph holds: the layers over ``bucket`` rows of the static buffers."""
         model = self.model
@@ -263,28 +296,3 @@ class VerifyGraphs:
         state.init_some_extra_state(model)
         return model.forward_layers(self._input_ids[:bucket], state)
 
-
-@torch.inference_mode()
-def _capture(graphs: DecodeGraphs | VerifyGraphs, write_padding) -> tuple[float, int]:
-    """Capture a graph per bucket of ``graphs`` into its pool (``write_padding(bucket)`` fills the
-    static buffers with a step of padding alone). Returns the seconds it took and the GPU memory
-    the graphs took."""
-    device = graphs.model.device
-    torch.cuda.synchronize(device)
-    # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so that
-    # the difference in free memory is the graphs' own.
-    torch.cuda.empty_cache()
-    free_before, _ = torch.cuda.mem_get_info(device)
-    start = time.perf_counter()
-    # Largest first: the smaller graphs then fit in the memory the largest took from the pool.
-    for bucket in reversed(graphs.buckets):
-        write_padding(bucket)
-        # Once outside the graph: Triton compiles its kernels, cuBLAS picks its algorithms.
-        graphs._step(bucket)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graphs.pool):
-            graphs._outputs[bucket] = graphs._step(bucket)
-        graphs._graphs[bucket] = graph
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - start, free_before - torch.cuda.mem_get_info(device)[0]
