@@ -395,10 +395,7 @@ class LLMEngine:
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"the worker accepted {num_accepted} tokens of a draft of {num_drafted}")
         s.request.num_cached -= num_drafted - num_accepted
-        if num_accepted:
-            self.scheduler.draft_hit(s.request)
-        else:
-            self.scheduler.draft_missed(s.request)
+        self.scheduler.draft_verified(s, num_accepted)
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.accepted_length_counts[num_accepted] += 1

@@ -76,7 +76,7 @@ class Request:
     error: str | None = None
     # Its n-gram index for drafts (speculation), made by the scheduler on its first draft; its
     # draft attempts in a row that gained nothing, and the steps it sits out before the next
-    # (the scheduler's back-off: Scheduler.draft_missed).
+    # (the scheduler's back-off: Scheduler.draft_verified).
     prompt_lookup: PromptLookup | None = field(default=None, repr=False)
     num_draft_misses: int = 0
     draft_wait: int = 0

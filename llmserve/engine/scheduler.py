@@ -30,7 +30,7 @@ state after the ones before it.) A draft never takes a request past ``max_new_to
 ``max_new_tokens - num_output - 1`` tokens, the verify step's own token being the last). Batches
 of more than ``speculate_max_batch`` decodes take no drafts: there, verifying costs the device
 more than the accepted tokens save. A request whose drafts keep gaining nothing (no n-gram of its
-end recurs, or the model accepts none of the draft) backs off: see ``draft_missed``.
+end recurs, or the model accepts none of a well-matched draft) backs off: see ``draft_verified``.
 With the prefix cache (``SchedulerConfig.prefix_cache``, radix_cache.py) a request is admitted
 with its longest cached prefix already in place (``num_cached`` starts there; it locks the tree's
 path), and its tokens join the tree when its prefill completes, when it is preempted and when it
@@ -95,6 +95,9 @@ class ScheduledRequest:
     # A decode's draft: fed after its sampled token (they are part of num_new_tokens), verified
     # by the step's sampler, which keeps the prefix the model agrees with.
     draft_token_ids: list[int] = field(default_factory=list)
+    # How many of the request's last tokens agree with the text the draft was copied from (see
+    # prompt_lookup.Draft): the back-off's evidence (``Scheduler.draft_verified``).
+    draft_match_len: int = 0
     # A chunk of a prompt (or of a preempted request's tokens), not a decode: the step that
     # samples after one completes a prefill, whose tokens then join the prefix cache.
     prefill: bool = False
@@ -228,12 +231,12 @@ class Scheduler:
                 continue
             k = min(self.config.speculate, req.params.max_new_tokens - req.num_output_tokens - 1, room)
             draft = self._prompt_lookup(req).propose(k)
-            if not draft and k > 0:
-                self.draft_missed(req)
-            s.draft_token_ids = draft
-            s.num_new_tokens += len(draft)
-            room -= len(draft)
-            total += len(draft)
+            if not draft.token_ids and k > 0:
+                self._draft_missed(req)
+            s.draft_token_ids, s.draft_match_len = draft.token_ids, draft.match_len
+            s.num_new_tokens += len(draft.token_ids)
+            room -= len(draft.token_ids)
+            total += len(draft.token_ids)
         return total
 
     @staticmethod
@@ -244,26 +247,30 @@ class Scheduler:
         # A token in flight (overlapped step) is not known yet: nothing can continue it.
         return self._draftable(req) and req.num_pending_tokens == 0
 
+    def draft_verified(self, s: ScheduledRequest, num_accepted: int) -> None:
+        """The step verified ``s``'s draft and kept ``num_accepted`` of its tokens. The back-off's
+        rules, in order:
+
+        1. A draft with any token accepted puts the request back to drafting every step
+           (``num_draft_misses`` = 0).
+        2. A draft rejected whole is a miss (``_draft_missed``) if its match was 2 tokens or more.
+           One that continued a lone recurring token is a guess of 2 tokens at most (see
+           prompt_lookup.py), cheap to verify and often wrong: it costs the request nothing here.
+        3. So is a lookup that finds nothing (``_add_drafts``).
+
+        From the second miss in a row the request sits out 1, 3, 7, then 15 decode steps
+        (``draft_wait``) before it looks for a draft again. An answer that copies nothing then costs
+        a lookup every 16 steps rather than a verify step (on a GPU also a step without the
+        overlapped loop's look-ahead) every step, while one that copies in runs keeps drafting."""
+        if num_accepted:
+            s.request.num_draft_misses = 0
+        elif s.draft_match_len >= 2:
+            self._draft_missed(s.request)
+
     @staticmethod
-    def draft_missed(req: Request) -> None:
-        """A draft attempt gained nothing: no n-gram of the request's end recurred, or the model
-        accepted none of the draft. Rules, in order:
-
-        1. The request counts the miss (``num_draft_misses``; a draft with any token accepted
-           resets the count: ``draft_hit``).
-        2. From the second miss in a row it sits out 1, 3, 7, then 15 decode steps
-           (``draft_wait``) before it looks for a draft again.
-
-        An answer that copies nothing then costs a lookup every 16 steps rather than a verify
-        step (1 + K rows; on a GPU also a step without the overlapped loop's look-ahead) every
-        step, while one that copies in runs with a miss between them keeps drafting."""
+    def _draft_missed(req: Request) -> None:
         req.num_draft_misses += 1
         req.draft_wait = min(2 ** (req.num_draft_misses - 1), _MAX_DRAFT_WAIT + 1) - 1
-
-    @staticmethod
-    def draft_hit(req: Request) -> None:
-        """A verified draft had tokens accepted: the request drafts every step again."""
-        req.num_draft_misses = 0
 
     def _prompt_lookup(self, req: Request) -> PromptLookup:
         """The request's n-gram index, made on its first draft and brought up to its last token."""

@@ -1,4 +1,5 @@
-"""Prompt-lookup drafts (``llmserve.engine.prompt_lookup``) against the seed's search, on random sequences."""
+"""Prompt-lookup drafts (``llmserve.engine.prompt_lookup``) against a plain search of the same rule,
+on random sequences as tokens append."""
 
 from __future__ import annotations
 
@@ -6,30 +7,42 @@ import random
 
 import pytest
 
-from llmserve.engine.prompt_lookup import PromptLookup
+from llmserve.engine.prompt_lookup import CANDIDATES, DRAFT_PER_MATCHED_TOKEN, MAX_MATCH, Draft, PromptLookup
 
 
-def seed_lookup(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
-    """Seed 003's ``find_candidate_pred_tokens`` over a list, with its two bounds as this project
-    states the rule: the continuation may be shorter than k (the seed asked for all k), and the
-    matched n-gram may be any earlier occurrence but the suffix itself (the seed also skipped those
-    that overlap the suffix)."""
+def reference(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> Draft:
+    """The rule, searched the slow way: the seed's n from max_ngram down to min_ngram (the first n
+    whose last n tokens occur earlier); of that n-gram's CANDIDATES latest earlier occurrences, the
+    one whose agreement with the sequence's end reaches furthest back (at most MAX_MATCH tokens;
+    the latest among equals); its continuation, DRAFT_PER_MATCHED_TOKEN tokens per agreeing token,
+    at most k, copied on past the sequence's end as if the copy wrote there."""
     length = len(token_ids)
     for n in range(max_ngram, min_ngram - 1, -1):
-        if n > length:
+        if n >= length:
             continue
         ngram = token_ids[length - n :]
-        for idx in range(length - n + 1):            # the seed's windows, in order
-            if token_ids[idx : idx + n] == ngram:
-                start, end = idx + n, min(idx + n + k, length)
-                if start < end:
-                    return token_ids[start:end]
-    return []
+        starts = [i for i in range(length - n) if token_ids[i : i + n] == ngram][::-1][:CANDIDATES]
+        if not starts:
+            continue
+
+        def agreement(i: int) -> int:
+            m = 0
+            while m < MAX_MATCH and i + n - 1 - m >= 0 and token_ids[i + n - 1 - m] == token_ids[length - 1 - m]:
+                m += 1
+            return m
+
+        best = max(starts, key=lambda i: (agreement(i), i))
+        size = min(k, DRAFT_PER_MATCHED_TOKEN * agreement(best))
+        extended = list(token_ids)
+        for i in range(size):          # copying on as if writing at the end: may copy the copy
+            extended.append(extended[best + n + i])
+        return Draft(extended[length:], agreement(best))
+    return Draft([])
 
 
 @pytest.mark.parametrize("vocab", [2, 5, 50])
 @pytest.mark.parametrize(("min_ngram", "max_ngram"), [(1, 3), (2, 4), (1, 1)])
-def test_propose_follows_the_seed_as_tokens_append(vocab, min_ngram, max_ngram):
+def test_propose_follows_the_rule_as_tokens_append(vocab, min_ngram, max_ngram):
     rng = random.Random(vocab * 100 + max_ngram)
     for _ in range(20):
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
@@ -37,14 +50,43 @@ def test_propose_follows_the_seed_as_tokens_append(vocab, min_ngram, max_ngram):
         seq = list(prompt)
         for _ in range(40):
             k = rng.randrange(0, 12)
-            assert lookup.propose(k) == seed_lookup(seq, k, min_ngram, max_ngram) if k else lookup.propose(k) == []
-            new = [rng.randrange(vocab) for _ in range(rng.choice([1, 1, 1, 3, 70]))]   # 70: the bulk path
+            assert lookup.propose(k) == (reference(seq, k, min_ngram, max_ngram) if k else Draft([]))
+            new = [rng.randrange(vocab) for _ in range(rng.choice([1, 1, 1, 3, 70]))]
             lookup.extend(new)
             seq += new
 
 
-def test_a_proposal_copies_what_followed_the_first_match():
-    lookup = PromptLookup([7, 1, 2, 3, 4, 5, 9, 1, 2, 8, 1, 2])
-    assert lookup.propose(3) == [3, 4, 5]       # "1 2" first occurs at 1; "8 1 2" does not recur
-    assert lookup.propose(0) == []
-    assert PromptLookup([1, 2, 3]).propose(4) == []   # nothing recurs
+def test_a_copy_under_way_continues_where_it_is():
+    """The output copies the second of two lines that share "1 2 3": the draft continues the second
+    (the longer match), not the first line (the seed's first occurrence)."""
+    first, second = [1, 2, 3, 4, 5, 6, 7, 8], [9, 1, 2, 3, 11, 12, 13, 14, 15, 16]
+    lookup = PromptLookup(first + second + [0, 9, 1, 2, 3])
+    assert lookup.propose(10) == Draft([11, 12, 13, 14, 15, 16, 0, 9], 4)   # 8: 2 per matched token
+    lookup = PromptLookup(first + second + [8, 9, 1, 2, 3])
+    assert lookup.propose(10) == Draft([11, 12, 13, 14, 15, 16, 8, 9, 1, 2], 5)
+
+
+def test_a_weak_match_gets_a_short_draft():
+    lookup = PromptLookup([5, 1, 2, 3, 4, 5, 6, 7, 9, 1])   # only "1" recurs
+    assert lookup.propose(10) == Draft([2, 3], 1)
+    assert lookup.propose(1) == Draft([2], 1)
+    assert lookup.propose(0) == Draft([])
+    assert PromptLookup([1, 2, 3]).propose(4) == Draft([])   # nothing recurs
+    assert PromptLookup([]).propose(4) == Draft([])
+
+
+def test_the_latest_of_equal_matches_wins_and_only_candidates_are_looked_at():
+    # "1" occurs at 0 and 2, each a 1-token match: the latest, at 2, is continued
+    assert PromptLookup([1, 9, 1, 8, 1]).propose(2).token_ids == [8, 1]
+
+
+def test_a_copy_that_reaches_the_end_copies_itself():
+    assert PromptLookup([7] * 5).propose(4) == Draft([7] * 4, 4)            # a run of one token
+    assert PromptLookup([5, 1, 2, 3, 1, 2, 3]).propose(8) == Draft([1, 2, 3, 1, 2, 3], 3)   # a loop; 6 = 2 x 3
+    # A long match older than CANDIDATES later occurrences of its n-gram is not seen.
+    old = [40, 41, 42, 1, 2, 3, 4]
+    noise = [tok for i in range(CANDIDATES) for tok in (50 + i, 1, 2, 3, 60 + i)]
+    lookup = PromptLookup(old + noise + [41, 42, 1, 2, 3])
+    assert lookup.propose(10) == Draft([60 + CANDIDATES - 1, 41, 42, 1, 2, 3], 3)
+    lookup = PromptLookup(old + noise[5:] + [41, 42, 1, 2, 3])        # one fewer: now it is
+    assert lookup.propose(10) == Draft([4, *noise[5:14]], 5)

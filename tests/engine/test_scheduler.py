@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.engine.request import FinishReason, Request, RequestStatus
-from llmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 2
 TOKEN = 7  # any token that does not stop a request
@@ -531,7 +531,8 @@ def test_a_request_whose_drafts_gain_nothing_backs_off():
     """No n-gram of its end recurs (every token new): from the second miss in a row the request
     sits out 1, 3, 7, then 15 steps between lookups, and meanwhile the scheduler says no step
     drafts (the engine runs those with look-ahead). A draft the model accepts none of is a miss
-    too; one with a token accepted puts the request back to drafting every step."""
+    too, if its match was 2 tokens or more; one with a token accepted puts the request back to
+    drafting every step."""
     scheduler = make_scheduler(1000, speculate=4)
     req = Request(req_id=0, prompt_token_ids=list(range(100, 120)), params=SamplingParams(max_new_tokens=200))
     scheduler.add_request(req)
@@ -546,28 +547,35 @@ def test_a_request_whose_drafts_gain_nothing_backs_off():
         if looked:
             lookups.append(step)
     assert lookups == [0, 1, 3, 7, 15, 31, 47, 63]
-    # Its end recurs (a token of the prompt) when it next looks: a draft, verified by the engine.
-    def draft_after(token: int) -> SchedulerOutput:
-        while True:
-            output = scheduler.schedule()
-            scheduler.update_after_step(output)
-            req.append_token(token if req.draft_wait == 0 else next(fresh))
-            if req.draft_wait == 0:
-                output = scheduler.schedule()
-                scheduler.update_after_step(output)
-                return output
+    assert req.num_draft_misses == 8 and req.draft_wait == 15
 
-    assert drafts(draft_after(105)) == {0: 4}
-    req.num_cached -= 4                                 # none of it accepted (the worker truncates)
-    scheduler.draft_missed(req)                         # (the engine reports it)
-    req.append_token(next(fresh))
-    assert not scheduler.drafting() and req.draft_wait == 15
-    assert drafts(draft_after(110)) == {0: 4}
-    req.num_cached -= 3                                 # one accepted
-    scheduler.draft_hit(req)
-    req.append_token(111)
-    req.append_token(112)
-    assert scheduler.drafting() and drafts(scheduler.schedule()) == {0: 4}
+    def verified(match_len: int, num_accepted: int) -> None:
+        s = ScheduledRequest(req, 5, draft_token_ids=[1, 2, 3, 4], draft_match_len=match_len)
+        scheduler.draft_verified(s, num_accepted)      # (the engine reports it)
+
+    req.draft_wait = 0                                  # its wait over, it drafts again:
+    verified(match_len=3, num_accepted=1)               # a token accepted: drafting every step again
+    assert req.num_draft_misses == 0
+    verified(match_len=1, num_accepted=0)               # a lone token's 2-token guess: no miss
+    assert req.num_draft_misses == 0 and req.draft_wait == 0
+    verified(match_len=2, num_accepted=0)
+    verified(match_len=5, num_accepted=0)
+    assert req.num_draft_misses == 2 and req.draft_wait == 1
+    verified(match_len=1, num_accepted=0)
+    assert req.num_draft_misses == 2 and req.draft_wait == 1
+
+
+def test_a_draft_is_as_long_as_its_evidence():
+    """Two draft tokens per matched token (prompt_lookup.py): a lone recurring token gets 2 at
+    speculate=10, a long match all 10."""
+    scheduler = make_scheduler(1000, speculate=10)
+    req = Request(req_id=0, prompt_token_ids=list(range(1, 40)), params=SamplingParams(max_new_tokens=50))
+    decoding(scheduler, req)             # its first token is TOKEN (7): "7" recurs, "39 7" does not
+    [s] = scheduler.schedule().scheduled
+    assert (s.draft_token_ids, s.draft_match_len) == ([8, 9], 1)
+    scheduler = make_scheduler(1000, speculate=10)
+    decoding(scheduler, make_request(0, 20, max_new_tokens=50))     # TOKEN repeated: a 20-token match
+    assert drafts(scheduler.schedule()) == {0: 10}
 
 
 @settings(max_examples=60, deadline=None)
