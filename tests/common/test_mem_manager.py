@@ -359,12 +359,24 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
-        r = data.draw(st.sampled_from(sorted(self.rows)))
-        new_len = data.draw(st.integers(0, len(self.rows[r])))
-        self.reqs.truncate(r, new_len)
-        for s in self.rows[r][new_len:]:
-            self.refs[s] -= 1
-        self.rows[r] = self.rows[r][:new_len]
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, unique=True))
+        new_lens = [data.draw(st.integers(0, len(self.rows[r]))) for r in rows]
+        if len(rows) == 1:
+            self.reqs.truncate(rows[0], new_lens[0])
+        else:
+            self.reqs.truncate_batch(rows, new_lens)
+        for r, new_len in zip(rows, new_lens):
+            for s in self.rows[r][new_len:]:
+                self.refs[s] -= 1
+            self.rows[r] = self.rows[r][:new_len]
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def truncate_past_the_end(self, data: st.DataObject) -> None:
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, unique=True))
+        new_lens = [data.draw(st.integers(0, len(self.rows[r]))) for r in rows]
+        new_lens[-1] = len(self.rows[rows[-1]]) + 1      # the last one cannot be cut: none is
+        self._expect_unchanged(ValueError, self.reqs.truncate_batch, rows, new_lens)
 
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
