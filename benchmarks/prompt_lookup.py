@@ -37,7 +37,6 @@ Smoke (CPU, step mode):  python benchmarks/make_random_model.py --shape tiny --d
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import random
 import statistics
@@ -58,33 +57,36 @@ from llmserve.engine.engine import LLMEngine, resolve_model_path  # noqa: E402
 from llmserve.engine.prompt_lookup import PromptLookup  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 # -- the prompts -------------------------------------------------------------------------------
 
-# (source file, name, its new name)
+# The texts are pinned copies (benchmarks/texts/, this repository's files and module docstrings as
+# of 2026-11-25, commit 1fea7fa): the live files change with the code, and so did the workloads'
+# outputs (after one docstring edit, repeat at batch 1 went from 5.94 to 1.07 tokens per forward).
+TEXTS = Path(__file__).resolve().parent / "texts"
+
+# (source file, name, its new name); the file's text is TEXTS / "<its name>.txt"
 CODE_EDITS = [("llmserve/engine/prompt_lookup.py", "propose", "draft"),
               ("llmserve/engine/admission.py", "check_request", "validate_request"),
               ("llmserve/detokenize.py", "step", "push"),
               ("benchmarks/common.py", "markdown_table", "md_table")]
 
 
+def source(rel: str) -> str:
+    """A screenful of a pinned source file: 32 of them fit the CPU's default KV cache."""
+    return (TEXTS / f"{Path(rel).name}.txt").read_text()[:1500]
+
+
 def code_edit_asks() -> list[str]:
     """Rename a function in a source file of this repository and print the file back."""
-    asks = []
-    for rel, old, new in CODE_EDITS:
-        source = (REPO / rel).read_text()[:1500]      # a screenful: 32 of them fit the CPU's default KV cache
-        asks.append(f"Here is a Python file:\n\n```python\n{source}\n```\n\nRename `{old}` to `{new}` everywhere "
-                    "in this file. Output the whole file, nothing else.")
-    return asks
+    return [f"Here is a Python file:\n\n```python\n{source(rel)}\n```\n\nRename `{old}` to `{new}` everywhere "
+            "in this file. Output the whole file, nothing else." for rel, old, new in CODE_EDITS]
 
 
 def passages() -> list[str]:
-    """Module docstrings of this repository: prose about its own workings."""
-    from llmserve.engine import core, engine, request, scheduler
-
-    return [inspect.getdoc(m) for m in (scheduler, request, core, engine)]
+    """Module docstrings of this repository (the engine's scheduler, request, core and engine):
+    prose about its own workings."""
+    return [(TEXTS / f"{name}_doc.txt").read_text().rstrip("\n") for name in ("scheduler", "request", "core", "engine")]
 
 
 def code_continue_prompts() -> list[str]:
@@ -93,8 +95,7 @@ def code_continue_prompts() -> list[str]:
     the file; here it continues it, as an editor's completion of a changed file would."""
     prompts = []
     for rel, old, new in CODE_EDITS:
-        source = (REPO / rel).read_text()[:1500]
-        prompts.append(f"```python\n# {rel}\n{source}\n```\n\nThe same file with `{old}` renamed to `{new}`:\n\n"
+        prompts.append(f"```python\n# {rel}\n{source(rel)}\n```\n\nThe same file with `{old}` renamed to `{new}`:\n\n"
                        f"```python\n# {rel}\n")
     return prompts
 
@@ -282,13 +283,17 @@ def engine_mode(args: argparse.Namespace) -> tuple[list[Result], list[PeerResult
                 [ours[name]] = [r.token_ids for r in llm.generate([texts[0]], SamplingParams(
                     max_new_tokens=length, temperature=0, speculate=False))]
             for batch, output_len in zip(args.batch_list, args.output_lens):
-                prompts = [texts[i % len(texts)] for i in range(batch)]
-                r = measure(engine, name, prompts, output_len, args.repeats)
-                results.append(r)
-                print(f"{name} batch {batch}: {r.tokens_per_forward_on:.2f} tok/forward, accepted {r.mean_accepted_len:.2f}, "
-                      f"{r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x; CPU {r.cpu_speedup:.2f}x; pairs "
-                      f"{', '.join(f'{a:.1f}/{b:.1f} s, CPU {c:.1f}/{d:.1f} s' for a, b, c, d in r.runs)}; load {r.load})",
-                      file=sys.stderr)
+                if batch == 1 and args.each_prompt:    # a row per text, each alone
+                    rows = [(f"{name} #{i + 1}", [text]) for i, text in enumerate(texts)]
+                else:
+                    rows = [(name, [texts[i % len(texts)] for i in range(batch)])]
+                for row_name, prompts in rows:
+                    r = measure(engine, row_name, prompts, output_len, args.repeats)
+                    results.append(r)
+                    pairs = ", ".join(f"{a:.1f}/{b:.1f} s, CPU {c:.1f}/{d:.1f} s" for a, b, c, d in r.runs)
+                    print(f"{row_name} batch {batch}: {r.tokens_per_forward_on:.2f} tok/forward, accepted "
+                          f"{r.mean_accepted_len:.2f}, {r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x; "
+                          f"CPU {r.cpu_speedup:.2f}x; pairs {pairs}; load {r.load})", file=sys.stderr)
     finally:
         llm.close()
     return results, hf_peer(args, peer_prompts, results, ours) if peer_prompts else []
@@ -417,6 +422,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--accepted-len", type=float, default=None,
                    help="step mode: mean accepted draft tokens per verify, measured in engine mode, for the projection")
+    p.add_argument("--each-prompt", action="store_true",
+                   help="engine mode: at batch 1, a row for each of a workload's texts, run alone (default: its first)")
     p.add_argument("--no-overlap", action="store_true",
                    help="engine mode: run every step without the overlapped loop's look-ahead (on a GPU drafting "
                         "steps already do: this shows what the look-ahead is worth to the plain steps)")
