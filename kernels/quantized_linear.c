@@ -18,15 +18,31 @@
  *
  * The work is split over output rows. A thread dequantizes rows of W into a small buffer, then
  * multiplies them with every row of x in MR x NR register tiles: one pass over W's bytes per call
- * whatever M is, which is the point at decode (M = batch size, W read from DRAM once).
- *  - M < BLOCK_M (decode at batch 1..7): NR rows a buffer (L1-resident), each met by all of x.
- *  - M >= BLOCK_M (batched decode, prefill): up to NC_MAX rows a buffer (L2-resident), and each
- *    MR-row tile of x meets all of them while it sits in L1, so x is read from L2/L3 once per
- *    buffer rather than once per NR rows (x is 1.2 MB at M = 512, K = 576; 3 MB at K = 1536,
- *    more than a core's L2). A full tile's 16 dot products are summed together through a
- *    transpose (AVX-512), about a third of the cost of 16 horizontal sums. 2-core EPYC (Zen 5),
- *    Q4_1 [3072 x 576] at M = 512: 4.8 ms (375 GFLOP/s), against 7.0 ms with NR-row buffers only
- *    and 8.0 ms for torch's GEMM on the dequantized matrix; at M = 8, 0.105 against 0.119 ms.
+ * whatever M is, which is the point at decode (M = batch size, W read from DRAM once). The rows
+ * past the last MR-row tile (M mod MR) go through one tile of their height (3, 2 or 1 rows: each
+ * tile reads its NR weight vectors once a step of k), and a tile sums its mr x NR dot products
+ * together through a transpose (AVX-512), about a third of the cost of 16 horizontal sums.
+ *  - M < BLOCK_M (decode, prompt-lookup verify steps, short prefill chunks): NR rows a buffer
+ *    (L1-resident), each met by all of x.
+ *  - M >= BLOCK_M (prefill): up to NC_MAX rows a buffer (L2-resident), and each MR-row tile of x
+ *    meets all of them while it sits in L1, so x is read from L2/L3 once per buffer rather than
+ *    once per NR rows (x is 1.2 MB at M = 512, K = 576; 3 MB at K = 1536, more than a core's L2).
+ *    2-core EPYC (Zen 5), Q4_1 [3072 x 576] at M = 512: 4.8 ms (375 GFLOP/s), against 7.0 ms with
+ *    NR-row buffers only and 8.0 ms for torch's GEMM on the dequantized matrix.
+ * 2-core Intel Xeon (AVX-512; 4 MB L2 in all, 48 KB L1d a core), 2 threads, the embedded model's
+ * Q4_1 gate_up [3072 x 576] and Q8_0 lm_head [49152 x 576], ms a call
+ * (benchmarks/quantized_linear_rows.py; the machine shared, so +-10%):
+ *     M                     1      2      3      4      6      8     11     12     16
+ *     gate_up           0.084  0.092  0.106  0.109  0.146  0.161  0.215  0.214  0.268
+ *     lm_head           1.16   1.31   1.56   1.58   2.20   2.43   3.28   3.28   4.14
+ *     gate_up, before   0.095  0.122  0.151  0.130  0.195  0.208  0.317  0.267  0.317
+ *     lm_head, before   1.36   1.69   2.19   1.85   2.89   3.23   4.97   4.10   4.94
+ * "before": a tile of one row for each row past the last MR-row tile (M = 11 cost what M = 16
+ * did), horizontal sums wherever a tile had fewer than 16 outputs, BLOCK_M = 8. With the sums
+ * transposed the NR-row buffers are the faster here at every M below 64 (gate_up, 2 threads:
+ * M = 8, 0.161 against 0.210 ms blocked; M = 63, 0.95 against 1.02), the two about even from 96
+ * to 256, and the blocked path far ahead at 512 (one thread: 14.5 against 17.4 ms; down
+ * [576 x 1536], 7.6 against 15.8).
  * Every path sums each output in the same order (16 lanes, each over k = lane mod 16 in order,
  * then the lanes 0..15 in turn), so a row of y is bit for bit the same whatever M is and
  * whichever path ran.
@@ -44,7 +60,8 @@ static inline int omp_get_num_threads(void) { return 1; }
 #define VL 16   /* floats per vector */
 #define NR 4    /* weight rows per tile */
 #define MR 4    /* x rows per tile */
-#define BLOCK_M 8                     /* rows of x from which a buffer holds up to NC_MAX rows of W */
+#define BLOCK_M 64   /* rows of x from which a buffer holds up to NC_MAX rows of W (the tests take
+                        M = 64..67 for the blocked path) */
 #define NC_MAX 64
 #define NC_BYTES (192 * 1024)         /* ... and at most this many bytes (a core's L2 is 1-2 MB) */
 
@@ -156,11 +173,12 @@ static inline float hsum(vf v) {
 }
 
 /* y[r][n0 + i] = x[r] . w[i] for r < mr, i < nr; w: NR rows of K floats. Called with constant mr,
- * nr and big so the accumulators stay in registers. big (the large-M path): each x vector is
- * loaded into a register once rather than folded into its NR FMAs as a memory operand (GCC's
- * choice, one load an FMA), and a full tile's 16 sums are done at once by a transpose; both give
- * the bits hsum gives. The small-M path keeps the code it had (its speed at M = 1 and 8 is the
- * decode step's). */
+ * nr and big so the accumulators stay in registers. A tile of NR weight rows (any mr) does its
+ * mr * NR sums at once by a transpose, the vectors past mr * NR zero (AVX-512): the bits hsum
+ * gives, and cheaper even than 4 horizontal sums (against hsum on this path: 12% off Q4_1
+ * [3072 x 576] at M = 1, 16% at M = 4, one thread, the Xeon above). big (the large-M path): each x
+ * vector is loaded into a register once rather than folded into its NR FMAs as a memory operand
+ * (GCC's choice, one load an FMA); same bits. */
 static inline __attribute__((always_inline)) void
 tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_t N, int64_t n0, int big) {
     (void)big;   /* read only where there is AVX-512 */
@@ -179,10 +197,10 @@ tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_
         }
     }
 #if defined(__AVX512F__)
-    if (big && mr * nr == VL) {
+    if (nr == NR) {
         /* lane l of accumulator j is lane j of t[l]: adding t[0..15] in turn to 0 is hsum of all 16 */
         __m512 t[VL];
-        for (int j = 0; j < VL; j++) t[j] = (__m512)acc[j / nr][j % nr];
+        for (int j = 0; j < VL; j++) t[j] = j < mr * nr ? (__m512)acc[j / nr][j % nr] : _mm512_setzero_ps();
         transpose16(t);
         __m512 s = _mm512_setzero_ps();
         for (int l = 0; l < VL; l++) s = _mm512_add_ps(s, t[l]);
@@ -196,11 +214,22 @@ tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_
         for (int i = 0; i < nr; i++) y[r * N + n0 + i] = hsum(acc[r][i]);
 }
 
+_Static_assert(MR == 4, "the rows past the last MR-row tile go through tiles of 3, 2 or 1 rows");
+
+/* Small M: y[:, n0 .. n0 + nr) for nr <= NR rows of W in w. The rows past the last MR-row tile
+ * (M mod MR) go through one tile of their height, not one tile a row: each tile reads its NR
+ * weight vectors once a step of k, whatever its height. */
 static void rows_times_x(int nr, const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n0) {
     int64_t r = 0;
     if (nr == NR) {
         for (; r + MR <= M; r += MR) tile(MR, NR, x + r * K, K, w, y + r * N, N, n0, 0);
-        for (; r < M; r++) tile(1, NR, x + r * K, K, w, y + r * N, N, n0, 0);
+        const float *xr = x + r * K;
+        float *yr = y + r * N;
+        switch (M - r) {
+        case 3: tile(3, NR, xr, K, w, yr, N, n0, 0); break;
+        case 2: tile(2, NR, xr, K, w, yr, N, n0, 0); break;
+        case 1: tile(1, NR, xr, K, w, yr, N, n0, 0); break;
+        }
     } else {
         for (; r < M; r++)
             for (int i = 0; i < nr; i++) tile(1, 1, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 0);
@@ -224,8 +253,13 @@ block_times_x(int nr, const float *x, int64_t M, int64_t K, const float *w, floa
     int64_t r = 0;
     for (; r + MR <= M; r += MR)
         for (int i = 0; i < nr; i += NR) tile(MR, NR, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 1);
-    for (; r < M; r++)
-        for (int i = 0; i < nr; i += NR) tile(1, NR, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 1);
+    const float *xr = x + r * K;
+    float *yr = y + r * N;
+    switch (M - r) {   /* the rows left over, as in rows_times_x */
+    case 3: for (int i = 0; i < nr; i += NR) tile(3, NR, xr, K, w + i * K, yr, N, n0 + i, 1); break;
+    case 2: for (int i = 0; i < nr; i += NR) tile(2, NR, xr, K, w + i * K, yr, N, n0 + i, 1); break;
+    case 1: for (int i = 0; i < nr; i += NR) tile(1, NR, xr, K, w + i * K, yr, N, n0 + i, 1); break;
+    }
 }
 
 /* M >= BLOCK_M. Each thread takes an equal share of W's NR-row groups (so 576 rows split 288 / 288,

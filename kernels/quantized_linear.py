@@ -191,23 +191,25 @@ def _library() -> ctypes.CDLL | None:
         return _lib
 
 
-def build_library(cflags: list[str]) -> ctypes.CDLL:
-    """The kernel compiled with ``cflags``, from the cache folder if built there before."""
+def build_library(cflags: list[str], source: Path | None = None) -> ctypes.CDLL:
+    """The kernel compiled with ``cflags``, from the cache folder if built there before.
+    ``source``: another version of the C file (benchmarks compare two), default this one's."""
+    source = Path(source or _SOURCE)
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     cpu = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
     flags = next((line for line in cpu.splitlines() if line.startswith(("flags", "Features"))), "")
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), cc, version, *cflags, flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), cc, version, *cflags, flags]).encode()).hexdigest()[:16]
     target = _build_dir() / f"quantized_linear-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            proc = subprocess.run([cc, *cflags, "-o", str(out), str(_SOURCE)], capture_output=True, text=True)
+            proc = subprocess.run([cc, *cflags, "-o", str(out), str(source)], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"building {_SOURCE.name} failed: {proc.stderr.strip()[-500:]}")
+                raise RuntimeError(f"building {source.name} failed: {proc.stderr.strip()[-500:]}")
             os.replace(out, target)   # atomic: a process loading it never sees half a file
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

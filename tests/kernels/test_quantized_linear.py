@@ -18,6 +18,7 @@ from llmserve.kernels.quantized_linear import (
     build_library,
     kernel_available,
     quantized_linear_kernel,
+    quantized_linear_torch,
     stack_rows,
 )
 
@@ -44,18 +45,25 @@ def test_twin_dequantizes_exactly_as_gguf_py(qtype):
     assert torch.equal(w.dequantize(), ref)
 
 
+# Rows of x for both of the kernel's paths, each with 0..3 rows past its last 4-row tile (which
+# go through a tile of 3, 2 or 1 rows): 1..13 the small-M path (decode, verify steps of 1 + 1..10
+# drafts), 64..67 the blocked one (from BLOCK_M = 64 rows in quantized_linear.c).
+SMALL_M, BLOCKED_M = range(1, 14), range(64, 68)
+
+
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES)
-# rows of x: 1, a full 4-row tile plus a remainder, 8, prefill-sized
-@pytest.mark.parametrize("m", [1, 5, 8, 67])
+@pytest.mark.parametrize("m", [*SMALL_M, *BLOCKED_M])
 # n not a multiple of the kernel's 4-row weight tiles, and a k of 2 and of 5 blocks
 @pytest.mark.parametrize("n,k", [(13, 64), (40, 160)])
 def test_kernel_matches_linear_on_the_dequantized_weight(qtype, m, n, k):
-    w, ref = gguf_weight(qtype, n, k, seed=m)
+    """Against the torch twin (F.linear on the dequantized weight, gguf-py's values as tested
+    above): every row of y, so a leftover-row tile that skipped, repeated or misplaced a row fails."""
+    w, _ = gguf_weight(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     got = quantized_linear_kernel(x, w)
     assert got.shape == (m, n) and got.dtype == torch.float32
-    assert rel_err(got, F.linear(x, ref)) < 1e-5     # only the order of the float32 sums differs
+    assert rel_err(got, quantized_linear_torch(x, w)) < 1e-5     # only the order of the float32 sums differs
 
 
 @needs_kernel
@@ -73,10 +81,11 @@ def test_other_instruction_sets_compute_the_same(march):
     """The kernel is built for the machine it runs on: its AVX2 and plain-C byte conversions
     must agree with this machine's build (AVX-512 on the project's CPUs)."""
     lib = build_library(["-O2", f"-march={march}", "-fopenmp", "-shared", "-fPIC"])
-    x = torch.randn(5, 96)
     for qtype in QTYPES:
         w, ref = gguf_weight(qtype, 9, 96)
-        assert rel_err(quantized_linear_kernel(x, w, lib), F.linear(x, ref)) < 1e-5, qtype
+        for m in (5, 6, 7, 66):          # 1, 2 and 3 rows past a 4-row tile; the blocked path
+            x = torch.randn(m, 96)
+            assert rel_err(quantized_linear_kernel(x, w, lib), F.linear(x, ref)) < 1e-5, (qtype, m)
 
 
 def test_linear_and_embedding_take_dense_or_quantized_weights():
@@ -134,12 +143,13 @@ def test_rejects_inconsistent_weights():
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_a_row_gets_the_same_bits_in_any_batch(qtype):
-    """Every path sums each output in one order (the large-M path transposes 16 sums at once),
-    so a request's logits do not depend on what else is in its batch: M = 1 and 5 take the
-    small-M path, 8 and 67 the blocked one."""
+    """Every path sums each output in one order (by a transpose of a tile's sums, or one at a
+    time), so a request's logits do not depend on what else is in its batch: a row's bits are
+    the same in a 4-row tile or one of 3, 2 or 1 rows, on the small-M path (M = 1..13) or the
+    blocked one (64..67), at any place in x."""
     w, _ = gguf_weight(qtype, 70, 192)
     x = torch.randn(67, 192, generator=torch.Generator().manual_seed(5))
-    full = quantized_linear_kernel(x, w)
-    for m in (1, 5, 8):
-        for start in (0, 3, 67 - m):
+    full = quantized_linear_kernel(x, w)     # blocked, 3 rows past its last 4-row tile
+    for m in [*SMALL_M, *BLOCKED_M]:
+        for start in sorted({0, min(3, 67 - m), 67 - m}):
             assert torch.equal(quantized_linear_kernel(x[start:start + m], w), full[start:start + m]), (m, start)
