@@ -142,6 +142,10 @@ class Result:
     load: str                        # the 1-minute load average at each pair's start
     runs: list[tuple[float, float, float, float]]  # (off s, on s, off CPU s, on CPU s) of each pair
     unequal: int = 0                 # outputs that differed between off and on (0: token for token)
+    # What the answers are made of (copy_profile): shares of their 4-grams found in their prompt,
+    # only earlier in their own output (a small model's loops), and new.
+    from_prompt: float = 0.0
+    from_own_output: float = 0.0
 
 
 @dataclass
@@ -236,7 +240,25 @@ def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: 
                   median(r[0] / r[1] for r in runs), min(r[0] for r in runs) / min(r[1] for r in runs),
                   1e3 * median(r[2] for r in runs) / tokens,
                   1e3 * median(r[3] for r in runs) / tokens, median(r[2] / max(r[3], 1e-9) for r in runs),
-                  "/".join(f"{x:.1f}" for x in loads), runs, unequal)
+                  "/".join(f"{x:.1f}" for x in loads), runs, unequal, *copy_profile(prompts, out_on))
+
+
+def copy_profile(prompts: list[list[int]], outputs: list[list[int]], n: int = 4) -> tuple[float, float]:
+    """Of the answers' n-grams (all answers together): the share that occurs in the answer's
+    prompt, and the share that occurs only earlier in the answer itself. Prompt lookup drafts from
+    both; the second is mostly a small model's loops (a 135M model repeats itself within a few
+    hundred tokens), which make drafts easy without the answer being grounded in its input."""
+    total = from_prompt = from_own = 0
+    for prompt, output in zip(prompts, outputs):
+        in_prompt = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(output) - n + 1):
+            gram = tuple(output[i : i + n])
+            total += 1
+            from_prompt += gram in in_prompt
+            from_own += gram not in in_prompt and gram in seen
+            seen.add(gram)
+    return (from_prompt / total, from_own / total) if total else (0.0, 0.0)
 
 
 def hf_peer(args: argparse.Namespace, prompts: dict[str, list[int]], results: list[Result],
@@ -254,7 +276,7 @@ def hf_peer(args: argparse.Namespace, prompts: dict[str, list[int]], results: li
     model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     peers = []
     for name, ids in prompts.items():
-        mine = next(r for r in results if r.workload == name and r.batch == 1)
+        mine = next(r for r in results if r.workload in (name, f"{name} #1") and r.batch == 1)   # its first text
         off, s_off = hf_generate_decode(model, ids, mine.output_len)
         on, s_on = hf_generate_decode(model, ids, mine.output_len, args.speculate)
         peers.append(PeerResult(name, len(off) - 1, mine.tok_per_s_off, mine.tok_per_s_on,
@@ -460,10 +482,11 @@ def main() -> int:
         results, peers = engine_mode(args)
         print(f"\n### Prompt lookup, K = {args.speculate}, greedy, {args.repeats} off/on pair(s) a row; proposal at a "
               f"32k context: {proposal_us():.1f} us\n")
-        print(markdown_table(["workload", "batch", "max tokens", "tokens", "tokens / forward", "accepted / verify",
-                              "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off", "on",
-                              "CPU speed-up", "load (1 min)"],
-                             [[r.workload, r.batch, r.output_len, r.output_tokens, f"{r.tokens_per_forward_on:.2f}",
+        print(markdown_table(["workload", "batch", "max tokens", "tokens", "from prompt / own output", "tokens / forward",
+                              "accepted / verify", "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off",
+                              "on", "CPU speed-up", "load (1 min)"],
+                             [[r.workload, r.batch, r.output_len, r.output_tokens,
+                               f"{r.from_prompt:.0%} / {r.from_own_output:.0%}", f"{r.tokens_per_forward_on:.2f}",
                                f"{r.mean_accepted_len:.2f}", f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
                                f"{r.speedup:.2f}x", f"{r.speedup_best:.2f}x", f"{r.cpu_ms_per_token_off:.0f}",
                                f"{r.cpu_ms_per_token_on:.0f}",

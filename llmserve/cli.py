@@ -59,7 +59,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "faster on outputs that copy their input (TGI's flag) (default: 0, off)")
     p.add_argument("--speculate-max-batch", type=int, default=None, metavar="N",
                    help="steps of more than N decoding requests draft nothing: there verifying costs more than "
-                        "it saves (default: 32 on a GPU, 1 on a CPU, where a step's cost grows with its rows)")
+                        "it saves (default: 32 on a GPU, 8 on a CPU, where a step's cost grows with its rows)")
     p.add_argument("--prompt-lookup-max-ngram", type=int, default=3, metavar="N",
                    help="longest n-gram of a sequence's end looked up for a draft (default: 3)")
     p.add_argument("--prompt-lookup-min-ngram", type=int, default=1, metavar="N",

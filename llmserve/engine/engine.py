@@ -70,10 +70,12 @@ class EngineConfig:
 
 # The largest decode batch that drafts, by device, when --speculate-max-batch is not given. On a
 # GPU a graphed verify step of 32 x (1 + 10) rows costs about 1.5x a decode step (Llama-3-8B
-# shapes on an H100; 1.1-1.2x up to batch 16). On a CPU a step's cost grows with its rows: drafts gain at batch 1 (1.35-1.43x on the
-# embedded model's code edits and answers) and are a wash from batch 2 on (0.74-1.20x; see
-# benchmarks/README.md, "prompt_lookup.py"), so only a request decoding alone drafts.
-SPECULATE_MAX_BATCH = {"cuda": 32, "cpu": 1}
+# shapes on an H100; 1.1-1.2x up to batch 16). On a CPU a step's cost grows with its rows, but
+# with drafts sized by their evidence (prompt_lookup.py) and the kernel's multi-row tiles the
+# embedded model gains at batch 2-8 on answers that copy (1.08-2.06x on code edits, answers,
+# summaries and repeats) and loses at most 11% where nothing is copied (benchmarks/README.md,
+# "prompt_lookup.py").
+SPECULATE_MAX_BATCH = {"cuda": 32, "cpu": 8}
 
 
 @dataclass(frozen=True)

@@ -7,20 +7,24 @@ itself); the up to ``k`` tokens that followed it there are the draft. Input-grou
 model often agrees with the draft and a verify step emits several tokens for one forward.
 
 The seed leaves two questions open ("what to do when there are multiple matches? What's the
-ideal length of continuation?"); we answer both from measurements on the embedded model
-(benchmarks/prompt_lookup.py; a replay of its greedy outputs under each rule):
+ideal length of continuation?"). Our answers, chosen by replaying the embedded model's greedy
+code edits under each rule and then measured in the engine (benchmarks/README.md,
+"prompt_lookup.py"):
 
 - **Which occurrence.** Of the ``CANDIDATES`` latest occurrences of the longest recurring n-gram,
   the one whose match reaches furthest back: the tokens before the n-gram agree too, up to
   ``MAX_MATCH`` in all (the latest among equals). A copy under way (the output has been
-  reproducing a passage) then continues from where it is in the passage, not from the passage's
-  first line that happens to share the last three tokens. The seed's first occurrence: 2.26
-  tokens per forward on the code edits; this: 2.83.
+  reproducing a passage) then continues from where it is in the passage, not from the first
+  line that happens to share the last three tokens.
 - **How long a draft.** ``DRAFT_PER_MATCHED_TOKEN`` tokens per matched token, at most ``k``: a
   lone recurring token (a space, a comma) is weak evidence and gets a 2-token draft, a match of 5
-  tokens or more the whole ``k``. A rejected draft token costs a row of the verify step (on a CPU
-  about 8% of a decode step each), so short guesses for weak matches pay: 1.79x -> 2.21x on the
-  code edits in that replay, and more on every other workload.
+  tokens or more the whole ``k`` = 10. A rejected draft token costs a row of the verify step (on
+  a CPU about 6-8% of a decode step each), so short guesses for weak matches pay.
+- A copy that reaches the sequence's end goes on copying itself (``_copy``): the latest
+  occurrence is often a loop in the output, or a run of one token.
+
+On the four code edits at batch 1 (256 tokens, CPU) tokens per forward went from 2.04, 3.15,
+1.68, 2.71 (the seed's rule, as of 1fea7fa) to 2.63, 3.49, 1.82, 3.07.
 
 Each request keeps, per n, a map from every n-gram it holds to its latest start, and for every
 start the previous start of the same n-gram (a chain, newest first), updated as tokens append

@@ -253,9 +253,9 @@ def test_stops_and_lengths_inside_accepted_runs_under_preemption_chunking_and_ov
 
 
 def test_max_batch_default_is_the_devices():
-    # On a CPU a step's cost grows with its rows: there only a request decoding alone drafts.
+    # On a CPU a step's cost grows with its rows: there drafting stops at a smaller batch.
     config = EngineConfig(speculate=SPECULATE)
-    assert with_device_defaults(config, "cpu").speculate_max_batch == SPECULATE_MAX_BATCH["cpu"] == 1
+    assert with_device_defaults(config, "cpu").speculate_max_batch == SPECULATE_MAX_BATCH["cpu"] == 8
     assert with_device_defaults(config, "cuda").speculate_max_batch == SPECULATE_MAX_BATCH["cuda"] == 32
-    assert with_device_defaults(dataclasses.replace(config, speculate_max_batch=8), "cpu").speculate_max_batch == 8
+    assert with_device_defaults(dataclasses.replace(config, speculate_max_batch=2), "cpu").speculate_max_batch == 2
     assert config.speculate_max_batch is None      # the caller's config is left as it was
