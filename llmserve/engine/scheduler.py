@@ -256,7 +256,7 @@ class Scheduler:
         2. A draft rejected whole is a miss (``_draft_missed``) if its match was 2 tokens or more.
            One that continued a lone recurring token is a guess of 2 tokens at most (see
            prompt_lookup.py), cheap to verify and often wrong: it costs the request nothing here.
-        3. So is a lookup that finds nothing (``_add_drafts``).
+        3. A lookup that finds nothing is a miss too (``_add_drafts``).
 
         From the second miss in a row the request sits out 1, 3, 7, then 15 decode steps
         (``draft_wait``) before it looks for a draft again. An answer that copies nothing then costs
