@@ -377,7 +377,7 @@ def context_attention_fwd_torch(
         if q_len == 0:
             continue
         slots = req_to_token[req, :cached + q_len].long()
-        qi, k, v = q[q_start:q_start + q_len], k_cache[slots], v_cache[slots]
+        qi, k, v = q[q_start:q_start + q_len], k_cache.index_select(0, slots), v_cache.index_select(0, slots)
         if alibi_slopes is None:
             out = sdpa_attention(qi, k, v, sm_scale)
         else:

@@ -93,7 +93,10 @@ def decode_attention_fwd_torch(
         return
     for i, (req, seq_len) in enumerate(zip(b_req_idx.tolist(), b_seq_len.tolist())):
         slots = req_to_token[req, :seq_len].long()
-        o[i:i + 1] = sdpa_attention(q[i:i + 1], k_cache[slots], v_cache[slots], sm_scale)
+        # index_select, not k_cache[slots]: the same copy, faster on a CPU (SmolLM2's 3 x 64 at 700
+        # slots: 67 against 50 us inside a decode step, whose 30 layers gather 60 times).
+        o[i:i + 1] = sdpa_attention(q[i:i + 1], k_cache.index_select(0, slots), v_cache.index_select(0, slots),
+                                    sm_scale)
 
 
 def _batched_sdpa_decode(
@@ -129,8 +132,8 @@ def _alibi_decode(
     valid = pos[None, :] < seq_len[:, None]  # [bs, L]
     # Padding positions may hold any slot value in req_to_token: read slot 0 there instead.
     slots = torch.where(valid, req_to_token[b_req_idx.long(), :L].long(), 0)
-    k = k_cache[slots].float()  # [bs, L, Hkv, D]
-    v = v_cache[slots].float()
+    k = k_cache.index_select(0, slots.reshape(-1)).view(bs, L, Hkv, D).float()
+    v = v_cache.index_select(0, slots.reshape(-1)).view(bs, L, Hkv, D).float()
     qg = q.float().view(bs, Hkv, G, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
     rel = (pos[None, :] - (seq_len - 1)[:, None]).float()  # kpos - p, [bs, L]
