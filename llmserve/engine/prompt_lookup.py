@@ -34,6 +34,7 @@ links and compares at most ``MAX_MATCH`` tokens for each: microseconds however l
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,9 +65,10 @@ class PromptLookup:
         self.max_ngram = max_ngram
         self.token_ids: list[int] = []
         # Per n (index n - min_ngram): n-gram (a tuple of n ids) -> its latest start, and per start
-        # i, the start of the previous occurrence of the n-gram at i (-1: none).
+        # i, the start of the previous occurrence of the n-gram at i (-1: none; 8 bytes an entry,
+        # where a list would hold an int object of 28 bytes for most of them).
         self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_ngram, max_ngram + 1)]
-        self._previous: list[list[int]] = [[] for _ in range(min_ngram, max_ngram + 1)]
+        self._previous: list[array] = [array("q") for _ in range(min_ngram, max_ngram + 1)]
         self.extend(token_ids)
 
     @property
