@@ -216,6 +216,17 @@ tile(int mr, int nr, const float *x, int64_t K, const float *w, float *y, int64_
 
 _Static_assert(MR == 4, "the rows past the last MR-row tile go through tiles of 3, 2 or 1 rows");
 
+/* The rows past the last MR-row tile (M mod MR, any of 0..3) against NR rows of W: one tile of
+ * their height, mr a constant at each call of tile, so its accumulators stay in registers. */
+static inline __attribute__((always_inline)) void
+tail_tile(int64_t rows, const float *x, int64_t K, const float *w, float *y, int64_t N, int64_t n0, int big) {
+    switch (rows) {
+    case 3: tile(3, NR, x, K, w, y, N, n0, big); break;
+    case 2: tile(2, NR, x, K, w, y, N, n0, big); break;
+    case 1: tile(1, NR, x, K, w, y, N, n0, big); break;
+    }
+}
+
 /* Small M: y[:, n0 .. n0 + nr) for nr <= NR rows of W in w. The rows past the last MR-row tile
  * (M mod MR) go through one tile of their height, not one tile a row: each tile reads its NR
  * weight vectors once a step of k, whatever its height. */
@@ -223,13 +234,7 @@ static void rows_times_x(int nr, const float *x, int64_t M, int64_t K, const flo
     int64_t r = 0;
     if (nr == NR) {
         for (; r + MR <= M; r += MR) tile(MR, NR, x + r * K, K, w, y + r * N, N, n0, 0);
-        const float *xr = x + r * K;
-        float *yr = y + r * N;
-        switch (M - r) {
-        case 3: tile(3, NR, xr, K, w, yr, N, n0, 0); break;
-        case 2: tile(2, NR, xr, K, w, yr, N, n0, 0); break;
-        case 1: tile(1, NR, xr, K, w, yr, N, n0, 0); break;
-        }
+        tail_tile(M - r, x + r * K, K, w, y + r * N, N, n0, 0);
     } else {
         for (; r < M; r++)
             for (int i = 0; i < nr; i++) tile(1, 1, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 0);
@@ -253,13 +258,7 @@ block_times_x(int nr, const float *x, int64_t M, int64_t K, const float *w, floa
     int64_t r = 0;
     for (; r + MR <= M; r += MR)
         for (int i = 0; i < nr; i += NR) tile(MR, NR, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 1);
-    const float *xr = x + r * K;
-    float *yr = y + r * N;
-    switch (M - r) {   /* the rows left over, as in rows_times_x */
-    case 3: for (int i = 0; i < nr; i += NR) tile(3, NR, xr, K, w + i * K, yr, N, n0 + i, 1); break;
-    case 2: for (int i = 0; i < nr; i += NR) tile(2, NR, xr, K, w + i * K, yr, N, n0 + i, 1); break;
-    case 1: for (int i = 0; i < nr; i += NR) tile(1, NR, xr, K, w + i * K, yr, N, n0 + i, 1); break;
-    }
+    for (int i = 0; i < nr; i += NR) tail_tile(M - r, x + r * K, K, w + i * K, y + r * N, N, n0 + i, 1);
 }
 
 /* M >= BLOCK_M. Each thread takes an equal share of W's NR-row groups (so 576 rows split 288 / 288,

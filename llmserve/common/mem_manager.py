@@ -351,7 +351,7 @@ class ReqManager:
                 dropped.append(self._host_table[row, new_len:cur])
         if not dropped:
             return
-        self.mem_manager.free(torch.cat(dropped) if len(dropped) > 1 else dropped[0])
+        self.mem_manager.free(torch.cat(dropped))
         for row, new_len in zip(rows, new_lens):
             self._seq_len[row] = new_len
 

@@ -72,7 +72,7 @@ class EngineConfig:
 # GPU a graphed verify step of 32 x (1 + 10) rows costs about 1.5x a decode step (Llama-3-8B
 # shapes on an H100; 1.1-1.2x up to batch 16). On a CPU a step's cost grows with its rows, but
 # with drafts sized by their evidence (prompt_lookup.py) and the kernel's multi-row tiles the
-# embedded model gains at batch 2-8 on answers that copy (1.08-2.06x on code edits, answers,
+# embedded model gains at batch 2-8 on answers that copy (1.05-2.06x on code edits, answers,
 # summaries and repeats) and loses at most 11% where nothing is copied (benchmarks/README.md,
 # "prompt_lookup.py").
 SPECULATE_MAX_BATCH = {"cuda": 32, "cpu": 8}

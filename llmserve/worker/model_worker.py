@@ -230,10 +230,10 @@ class ModelWorker:
         entry's num_cached is how much of it the verifier kept."""
         if not self._unverified:
             return
-        for e in entries:
-            row = self.req_rows.get(e.req_id) if e.req_id in self._unverified else None
-            if row is not None and self.model.req_manager.seq_len(row) > e.num_cached:
-                self.model.req_manager.truncate(row, e.num_cached)
+        seq_len = self.model.req_manager.seq_len
+        cut = {row: e.num_cached for e in entries if e.req_id in self._unverified
+               and (row := self.req_rows.get(e.req_id)) is not None and seq_len(row) > e.num_cached}
+        self.model.req_manager.truncate_batch(list(cut), list(cut.values()))   # in one free, as rank 0 does
         # Only the entries here: a drafting request that this step does not carry (a step that
         # only flushes cache ops) still owes its truncation to the step that next carries it.
         self._unverified.difference_update(e.req_id for e in entries)
