@@ -143,7 +143,7 @@ def test_ignore_eos_generates_max_new_tokens(embedded_server):
     prompt with its EOS at once, and with ignore_eos runs on to max_new_tokens (sent as
     benchmarks/serving.py --backend tgi --ignore-eos sends it)."""
     def generate(**parameters) -> dict:
-        r = httpx.post(embedded_server.url + "/generate", timeout=120, json={
+        r = httpx.post(embedded_server.url + "/generate", timeout=300, json={
             "inputs": "Write a long story about a dragon.",
             "parameters": {"max_new_tokens": 40, "details": True, **parameters}})
         assert r.status_code == 200, r.text
