@@ -37,7 +37,8 @@ remove_script_dir_from_sys_path()
 
 import torch  # noqa: E402
 
-from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resolve_model_path  # noqa: E402  (after the sys.path fix above)
+from llmserve.engine.config import EngineConfig, inspect_model, resolve_model_path  # noqa: E402  (after the sys.path fix above)
+from llmserve.engine.engine import LLMEngine  # noqa: E402
 from llmserve.engine.request import Request  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from llmserve.tokenizer import load_tokenizer  # noqa: E402

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
-    from llmserve.engine.engine import EngineConfig, LLMEngine, ModelSpec
+    from llmserve.engine.config import EngineConfig, ModelSpec
+    from llmserve.engine.engine import LLMEngine
     from llmserve.multimodal import ImageProcessor, expand_image_tokens
     from transformers import AutoTokenizer
 

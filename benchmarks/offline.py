@@ -71,6 +71,7 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf  #
 from llmserve.kernels import QuantizedWeight  # noqa: E402
 from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
 from llmserve.models.llama.model import LlamaTpPartModel  # noqa: E402
+from llmserve.models.registry import GGUF_ARCHS  # noqa: E402
 
 LLAMA3_8B_CONFIG: dict = {
     "model_type": "llama",
@@ -388,10 +389,10 @@ def main() -> int:
 
         path = default_model_path() if args.gguf == "default" else args.gguf
         quantized = device.type == "cpu" and dtype == torch.float32 and kernel_available()
-        ckpt = load_gguf(path, progress=False, quantized=quantized)
+        ckpt = load_gguf(path, GGUF_ARCHS, progress=False, quantized=quantized)
         cfg, weights, shapes = ckpt.config, [ckpt.tensors], os.path.basename(path)
         if args.peer != "none":
-            peer_weights = [load_gguf(path, progress=False).tensors]
+            peer_weights = [load_gguf(path, GGUF_ARCHS, progress=False).tensors]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     max_len = args.prompt_len + args.warmup_steps + args.steps
     torch.manual_seed(0)

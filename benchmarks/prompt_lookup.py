@@ -53,7 +53,8 @@ remove_script_dir_from_sys_path()
 import torch  # noqa: E402
 
 from llmserve import LLM  # noqa: E402
-from llmserve.engine.engine import LLMEngine, resolve_model_path  # noqa: E402
+from llmserve.engine.config import resolve_model_path  # noqa: E402
+from llmserve.engine.engine import LLMEngine  # noqa: E402
 from llmserve.engine.prompt_lookup import PromptLookup  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 

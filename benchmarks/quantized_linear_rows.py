@@ -31,7 +31,7 @@ LAYER = ("qkv_weight_", "o_weight_", "gate_up_weight_", "down_weight_")
 
 def load_weights() -> dict:
     from llmserve.common.basemodel import ModelInitParams
-    from llmserve.engine.engine import resolve_model_path
+    from llmserve.engine.config import resolve_model_path
     from llmserve.models.registry import get_model_class, peek_model_config
 
     path = resolve_model_path(None)

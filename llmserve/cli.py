@@ -267,7 +267,7 @@ def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, raw: st
 
 def serve(args: argparse.Namespace) -> int:
     from llmserve.server.api.state import ServerConfig
-    from llmserve.engine.engine import EngineConfig
+    from llmserve.engine.config import EngineConfig
     from llmserve.server.serve import run_server
 
     engine_config = EngineConfig(

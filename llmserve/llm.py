@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, TypedDict, Union
 from llmserve.chat_template import ChosenTemplate, StopWords, choose_chat_template, load_chat_template
 from llmserve.chat_template.base import Message
 from llmserve.generation_config import load_sampling_defaults
-from llmserve.engine.engine import EngineConfig, LLMEngine, inspect_model, resolve_model_path
+from llmserve.engine.config import EngineConfig, inspect_model, resolve_model_path
+from llmserve.engine.engine import LLMEngine
 from llmserve.engine.request import RequestDelta
 from llmserve.engine.worker_client import ModelWorkerGroup
 from llmserve.output import ClientRequest

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from llmserve.detokenize import IncrementalDetokenizer
 from llmserve.engine.request import FinishReason, RequestDelta
+from llmserve.ipc import error_line
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.protocol import error_line
 
 
 class Detokenizer(Protocol):

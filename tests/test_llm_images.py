@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.engine import EngineConfig, LLMEngine
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.engine import LLMEngine
 from llmserve.multimodal import expand_image_tokens
 from llmserve.sampling_params import InvalidRequest
 from llmserve.worker.model_worker import ModelWorker

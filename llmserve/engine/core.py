@@ -24,14 +24,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from llmserve.engine.engine import LLMEngine, ModelSpec
+from llmserve.engine.config import ModelSpec
+from llmserve.engine.engine import LLMEngine
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer,
     Shutdown, StartEngine, StartupFailed, StepFailed, encode,
 )
 from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.worker_client import ModelWorkerGroup
-from llmserve.worker.protocol import WorkerError, error_line, socket_path
+from llmserve.ipc import error_line, socket_path
+from llmserve.worker.protocol import WorkerError
 
 logger = logging.getLogger(__name__)
 

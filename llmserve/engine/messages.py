@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmserve.engine.engine import EngineConfig, ModelSpec
+from llmserve.engine.config import EngineConfig, ModelSpec
 from llmserve.engine.request import RequestDelta
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.protocol import WorkerInfo

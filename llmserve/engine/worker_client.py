@@ -15,9 +15,8 @@ import time
 import rpyc
 from rpyc.utils.factory import unix_connect
 
-from llmserve.worker.protocol import (
-    ABSTRACT_SOCKETS, RPYC_CONFIG, StepInput, StepOutput, WorkerError, WorkerInfo, WorkerInitArgs, socket_path,
-)
+from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
+from llmserve.worker.protocol import RPYC_CONFIG, StepInput, StepOutput, WorkerError, WorkerInfo, WorkerInitArgs
 
 
 def _start_worker_process(address: str) -> subprocess.Popen:

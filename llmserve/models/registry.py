@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from llmserve.common.basemodel.layer_weights.gguf_load_utils import gguf_config
+from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, gguf_config
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, load_hf_config
+from llmserve.models.llama import gguf as llama_gguf
 
 if TYPE_CHECKING:
     from llmserve.common.basemodel import TpPartBaseModel
@@ -20,6 +21,10 @@ MODEL_CLASSES: dict[str, str] = {
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
     "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }
+
+# GGUF general.architecture -> how its files map onto HF names: each family's table, from its
+# folder (the model class reads its own family's the same way: TpPartBaseModel.gguf_archs).
+GGUF_ARCHS: dict[str, GGUFArch] = {**llama_gguf.GGUF_ARCHS}
 
 
 def check_model_type(model_type: str | None) -> None:
@@ -38,5 +43,5 @@ def peek_model_config(model_path: str) -> dict:
     """The checkpoint's HF-style config, read cheaply (no weights, no torch) before choosing the
     model class."""
     if model_path.endswith(".gguf"):
-        return gguf_config(model_path)
+        return gguf_config(model_path, GGUF_ARCHS)
     return load_hf_config(model_path)

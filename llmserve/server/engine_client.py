@@ -27,17 +27,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmserve.common.logs import status_logger
-from llmserve.engine.engine import EngineConfig, ModelSpec
+from llmserve.engine.config import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
     StartEngine, StartupFailed, StepFailed, encode, frame_size,
 )
 from llmserve.engine.request import FinishReason, RequestDelta
+from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
 from llmserve.output import ClientRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.stats_log import StatsLog
-from llmserve.worker.protocol import ABSTRACT_SOCKETS, WorkerInfo, socket_path
+from llmserve.worker.protocol import WorkerInfo
 
 if TYPE_CHECKING:
     import numpy as np

@@ -22,7 +22,7 @@ from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState, default_model_name
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.engine_client import EngineClient, EngineCoreProcess
-from llmserve.engine.engine import EngineConfig, inspect_model, resolve_model_path
+from llmserve.engine.config import EngineConfig, inspect_model, resolve_model_path
 from llmserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,11 @@ import torch
 from rpyc.utils.server import ThreadedServer
 
 from llmserve.common.logs import adopt_library_logging
+from llmserve.ipc import error_line, socket_path
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.prefix_slots import PrefixSlots
 from llmserve.worker.protocol import (
-    RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerInfo, WorkerInitArgs, error_line, socket_path,
+    RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerInfo, WorkerInitArgs,
 )
 
 if TYPE_CHECKING:
@@ -65,11 +66,8 @@ class ModelWorker:
         if device.type == "cuda":
             self.model.warm_up()   # Triton's compiles now, not inside the first requests' steps
             # Once the weights are loaded (conversions on the CPU may use every core), the host
-            # only does bookkeeping on tiny CPU tensors (the req->token table's indices). With
-            # torch's default thread pool every such op woke 15 OpenMP threads that then spun at
-            # ~33% CPU each, and their barriers stalled whenever the engine core and the HTTP
-            # process were busy too: a profile of the worker under 128 streams (H200) found 37%
-            # of its time in ReqManager.alloc_batch.
+            # only does bookkeeping on tiny CPU tensors, where torch's OpenMP pool spins and stalls
+            # (benchmarks/README.md, "2026-11-23, evening: one-thread workers").
             torch.set_num_threads(1)
         self.sampler = None
         if args.tp_rank == 0:

@@ -16,7 +16,6 @@ instead is a ``WorkerError``, like its death: its state is then unknown, and the
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,16 +34,6 @@ RPYC_CONFIG = {
 
 class WorkerError(RuntimeError):
     """A model worker failed or died; the engine cannot go on."""
-
-
-# Linux names sockets in an abstract namespace (no file: the name goes with the last socket
-# using it, however its process dies). Addresses there are written "@name", as ss(8) does,
-# since a command line cannot carry the real leading NUL.
-ABSTRACT_SOCKETS = sys.platform.startswith("linux")
-
-
-def socket_path(address: str) -> str:
-    return "\0" + address[1:] if address.startswith("@") else address
 
 
 @dataclass
@@ -184,13 +173,6 @@ class StepOutput:
         if self.runs is not None and self.runs[i] is not None:
             return self.runs[i]
         return TokenRun([self.token_ids[i]], [self.logprobs[i]], [self.top_logprobs[i]])
-
-
-def error_line(e: BaseException) -> str:
-    """Why a request failed, as one line for its client: the exception's type and first line
-    (a torch error's message may go on for a page)."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 # -- the prefix cache's ops (llmserve/engine/radix_cache.py makes them, every rank mirrors them in

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from llmserve.ipc import error_line
 from llmserve.kernels import apply_penalty
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.protocol import error_line
 
 if TYPE_CHECKING:
     import llguidance

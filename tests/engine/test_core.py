@@ -12,7 +12,7 @@ def test_the_engine_core_imports_neither_torch_nor_transformers():
     code = """
 import pickle, sys
 import llmserve.engine.core_main, llmserve.engine.core
-from llmserve.engine.engine import EngineConfig, ModelSpec
+from llmserve.engine.config import EngineConfig, ModelSpec
 from llmserve.engine.messages import StartEngine
 pickle.loads(pickle.dumps(StartEngine(EngineConfig()))), pickle.loads(pickle.dumps(ModelSpec("/m", "llama", "cpu", frozenset({2}))))
 print(sorted({"torch", "transformers", "tokenizers"} & set(sys.modules)))

@@ -17,7 +17,8 @@ import torch
 from transformers import BloomConfig, LlamaConfig
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.engine import SPECULATE_MAX_BATCH, EngineConfig, LLMEngine, with_device_defaults
+from llmserve.engine.config import SPECULATE_MAX_BATCH, EngineConfig, with_device_defaults
+from llmserve.engine.engine import LLMEngine
 from parity_utils import build_tiny_hf_model, build_tiny_llava
 
 SPECULATE = 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,16 +10,25 @@ import sys
 import pytest
 
 
+def _imported(modules: str, candidates: tuple[str, ...]) -> list[str]:
+    """Which of ``candidates`` a fresh interpreter has in ``sys.modules`` after ``import modules``."""
+    code = f"import json, sys, {modules}; print(json.dumps(sorted(m for m in {candidates!r} if m in sys.modules)))"
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
 def test_importing_the_server_imports_neither_torch_nor_triton():
     """The HTTP process starts the engine core right after its imports, so every second they
     take delays the workers. torch, Triton and the kernels (2.5 s on a 2-core CPU) belong to the
     worker."""
-    code = ("import sys, llmserve.server.serve; "
-            "print(sorted(m for m in ('torch', 'triton', 'llmserve.kernels', 'llmserve.common.basemodel.basemodel') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert _imported("llmserve.server.serve",
+                     ("torch", "triton", "llmserve.kernels", "llmserve.common.basemodel.basemodel")) == []
 
+
+def test_the_http_process_imports_no_engine_implementation():
+    """The HTTP process speaks the wire protocol (engine/messages.py, engine/config.py, ipc.py)
+    and nothing behind it: the scheduler and the rpyc worker client are the core's."""
+    assert _imported("llmserve.cli, llmserve.server.serve, llmserve.server.api.app",
+                     ("llmserve.engine.scheduler", "llmserve.engine.worker_client", "llmserve.engine.engine", "rpyc")) == []
 
 
 def test_the_http_process_serves_a_gguf_model_on_cpu_without_torch(default_model_path, tmp_path):
@@ -29,7 +39,7 @@ def test_the_http_process_serves_a_gguf_model_on_cpu_without_torch(default_model
     code = (
         "import sys\n"
         "import llmserve.server.serve, llmserve.server.api.app\n"
-        "from llmserve.engine.engine import EngineConfig, inspect_model\n"
+        "from llmserve.engine.config import EngineConfig, inspect_model\n"
         "from llmserve.tokenizer import load_tokenizer\n"
         f"spec = inspect_model(EngineConfig(model={default_model_path!r}), load_tokenizer({default_model_path!r}))\n"
         "print(spec.device, 'torch' in sys.modules)\n"

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from llmserve.common.basemodel.cuda_graph import DecodeGraphs, VerifyGraphs
 from llmserve.common.basemodel.infer_struct import InferStateInfo, InputEmbeds
-from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
+from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
 from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
 from llmserve.common.mem_manager import MemoryManager, ReqManager
@@ -59,6 +59,8 @@ class TpPartBaseModel:
     transformer_layer_infer_class: type | None = None
     # infer state class
     infer_state_class: type[InferStateInfo] = InferStateInfo
+    # the GGUF architectures the model reads, by name (its family's tables); none: HF checkpoints only
+    gguf_archs: Mapping[str, GGUFArch] = {}
 
     def __init__(self, params: ModelInitParams):
         self.params = params
@@ -86,7 +88,7 @@ class TpPartBaseModel:
         if p.config is not None:
             raw = dict(p.config)
         elif p.model_path.endswith(".gguf"):
-            ckpt = load_gguf(p.model_path, progress=self.tp_rank_ == 0, quantized=self._runs_quantized())
+            ckpt = load_gguf(p.model_path, self.gguf_archs, progress=self.tp_rank_ == 0, quantized=self._runs_quantized())
             raw, self._gguf_tensors = ckpt.config, ckpt.tensors
         else:
             raw = load_hf_config(p.model_path)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from llmserve.common.basemodel import TpPartBaseModel
 from llmserve.common.rotary_embedding import RotaryEmbedding, rope_type
+from llmserve.models.llama.gguf import GGUF_ARCHS
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 from llmserve.models.llama.layer_infer.post_layer_infer import LlamaPostLayerInfer
 from llmserve.models.llama.layer_infer.pre_layer_infer import LlamaPreLayerInfer
@@ -22,6 +23,7 @@ class LlamaTpPartModel(TpPartBaseModel):
     transformer_layer_infer_class = LlamaTransformerLayerInfer
 
     infer_state_class = LlamaInferStateInfo
+    gguf_archs = GGUF_ARCHS
 
     def _verify_params(self) -> None:
         cfg = self.network_config_

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from llmserve.common.basemodel import TpPartBaseModel
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
 from llmserve.kernels.backend import set_backend
+from llmserve.models.registry import GGUF_ARCHS
 from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, random_prompts
 
 # SmolLM2's shape in miniature: head_dim 64, grouped-query attention, tied embeddings, rms eps 1e-5.
@@ -140,7 +141,7 @@ def test_embedded_gguf_in_bf16_has_hfs_weights():
         pytest.skip(str(e))
     directory, name = os.path.split(path)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16).state_dict()
-    ours = load_gguf(path, progress=False).tensors
+    ours = load_gguf(path, GGUF_ARCHS, progress=False).tensors
     assert set(ours) <= set(hf) and len(ours) > 200
     differ = [n for n, t in ours.items() if not torch.equal(t.to(torch.bfloat16), hf[n])]
     assert not differ, f"{len(differ)} tensors differ from HF's bf16, e.g. {differ[:3]}"

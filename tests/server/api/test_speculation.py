@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from llmserve.engine.engine import SPECULATE_MAX_BATCH
+from llmserve.engine.config import SPECULATE_MAX_BATCH
 from serving_utils import ServerProcess
 
 # The embedded model copies a passage it is asked to repeat: its drafts are accepted.

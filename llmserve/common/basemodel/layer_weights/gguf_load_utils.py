@@ -2,8 +2,8 @@
 
 The rest of llmserve only knows Hugging Face names and layouts, so a GGUF file is translated
 here once: metadata -> a ``config.json``-like dict, ``blk.N.attn_q.weight`` ->
-``model.layers.N.self_attn.q_proj.weight``, quantized blocks -> float32 ``[out, in]`` tensors,
-and llama.cpp's rotary permutation of q/k undone.
+``model.layers.N.self_attn.q_proj.weight`` (by the model family's ``GGUFArch`` table), quantized
+blocks -> float32 ``[out, in]`` tensors, and llama.cpp's rotary permutation of q/k undone.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,41 +29,24 @@ if TYPE_CHECKING:
 
     from llmserve.kernels.quantized_linear import QuantizedWeight
 
-__all__ = ["GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "gguf_config", "ModelLoadError"]
+__all__ = ["GGUFArch", "GGUFCheckpoint", "load_gguf", "load_gguf_tokenizer", "gguf_config", "ModelLoadError"]
 
 
-@dataclass
-class _ArchSpec:
-    """How one GGUF architecture maps onto a Hugging Face model class."""
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one GGUF architecture (a file's ``general.architecture``) maps onto a Hugging Face model.
+    Each model family keeps its own next to its model code (``llmserve/models/llama/gguf.py``); the
+    loader here takes them as ``archs``, a GGUF architecture name -> its ``GGUFArch``."""
 
     model_type: str
     hf_class: str
-    permuted_qk: bool  # llama.cpp's converter permutes q/k rows for its rope layout
+    permuted_qk: bool                   # llama.cpp's converter permutes q/k rows for its rope layout
+    global_tensors: Mapping[str, str]   # GGUF stem -> HF name (``output_norm`` -> ``model.norm``)
+    block_tensors: Mapping[str, str]    # stem in ``blk.N`` -> HF name in ``model.layers.N``
+    # What the HF config says that the GGUF metadata leaves to the architecture, from the file's
+    # tensor shapes (GGUF name -> shape).
+    extra_config: Callable[[Mapping[str, tuple[int, ...]]], dict[str, Any]] | None = None
 
-
-_ARCHS: dict[str, _ArchSpec] = {
-    # "llama" also covers Mistral and SmolLM2, which llama.cpp converts as llama.
-    "llama": _ArchSpec("llama", "LlamaForCausalLM", permuted_qk=True),
-    "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permuted_qk=False),  # q/k/v carry biases
-}
-
-_GLOBAL_TENSORS: dict[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-_BLOCK_TENSORS: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 _TOKEN_ID_KEYS: dict[str, str] = {
     "bos_token_id": "bos_token_id",
@@ -229,7 +213,7 @@ def _rope_scaling_from_freqs(
 
 
 def _build_config(
-    meta: dict[str, Any], arch: str, spec: _ArchSpec, tensor_shapes: dict[str, tuple[int, ...]], path: str
+    meta: dict[str, Any], arch: str, spec: GGUFArch, tensor_shapes: dict[str, tuple[int, ...]], path: str
 ) -> dict[str, Any]:
     """The HF config.json equivalent of the GGUF metadata."""
     key = f"{arch}.{{}}".format
@@ -256,9 +240,8 @@ def _build_config(
         "vocab_size": tensor_shapes["token_embd.weight"][0],
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
     }
-    if spec.model_type == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
-        config["mlp_bias"] = False
+    if spec.extra_config is not None:
+        config.update(spec.extra_config(tensor_shapes))
     for gguf_key, hf_key in _TOKEN_ID_KEYS.items():
         if f"tokenizer.ggml.{gguf_key}" in meta:
             config[hf_key] = int(meta[f"tokenizer.ggml.{gguf_key}"])
@@ -272,16 +255,16 @@ def _build_config(
 # tensors
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, spec: GGUFArch) -> str | None:
     """The HF name of a GGUF tensor (``blk.3.attn_q.bias`` -> ``model.layers.3.self_attn.q_proj.bias``)."""
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
-    if stem in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    if stem in spec.global_tensors:
+        return f"{spec.global_tensors[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
-        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in spec.block_tensors:
+        return f"model.layers.{parts[1]}.{spec.block_tensors[parts[2]]}.{suffix}"
     return None
 
 
@@ -327,20 +310,21 @@ def _open_reader(path: str) -> GGUFReader:
         raise ModelLoadError(f"{path} is not a valid GGUF file ({e})") from e
 
 
-def _arch_of(meta: dict[str, Any], path: str) -> tuple[str, _ArchSpec]:
+def _arch_of(meta: dict[str, Any], path: str, archs: Mapping[str, GGUFArch]) -> tuple[str, GGUFArch]:
     arch = meta.get("general.architecture")
-    if arch not in _ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} (supported: {', '.join(_ARCHS)})")
-    return arch, _ARCHS[arch]
+    if arch not in archs:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} (supported: {', '.join(archs)})")
+    return arch, archs[arch]
 
 
-def load_gguf(path: str, progress: bool = True, quantized: bool = False) -> GGUFCheckpoint:
+def load_gguf(path: str, archs: Mapping[str, GGUFArch], progress: bool = True, quantized: bool = False) -> GGUFCheckpoint:
     """Read a GGUF checkpoint: its HF-style config and its tensors, dequantized to float32, or
     with ``quantized`` the matrices in the block formats `QuantizedWeight` holds kept as they are
     (no dequantizing: faster to load, 4-8x smaller, and run by the CPU's quantized kernel).
+    ``archs``: the architectures to read, by name (``GGUFArch``).
 
     Raises ``ModelLoadError`` (one line) for a missing file, a file that is not GGUF, an
-    architecture other than llama / qwen2, an unexpected tensor, or a tensor type gguf-py cannot
+    architecture not in ``archs``, an unexpected tensor, or a tensor type gguf-py cannot
     dequantize. ``progress`` shows a progress bar on stderr while dequantizing, if stderr is a terminal (a log file gets no carriage returns).
     """
     import torch  # here, not at the top: the HTTP process reads GGUF tokenizers and never needs torch
@@ -348,7 +332,7 @@ def load_gguf(path: str, progress: bool = True, quantized: bool = False) -> GGUF
     from llmserve.kernels.quantized_linear import QTYPES, QuantizedWeight
 
     reader = _open_reader(path)
-    config, spec = _config_of(reader, path)
+    config, spec = _config_of(reader, path, archs)
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
@@ -362,7 +346,7 @@ def load_gguf(path: str, progress: bool = True, quantized: bool = False) -> GGUF
                 if scaling is not None:
                     config["rope_scaling"] = scaling
                 continue
-            hf_name = _hf_name(t.name)
+            hf_name = _hf_name(t.name, spec)
             if hf_name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name} in {config['model_type']} GGUF file {path}")
             keep = quantized and _type_name(t.tensor_type) in QTYPES and len(t.shape) == 2
@@ -460,14 +444,14 @@ def _save_to_cache(tokenizer: Any, target: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _config_of(reader: GGUFReader, path: str) -> tuple[dict[str, Any], _ArchSpec]:
+def _config_of(reader: GGUFReader, path: str, archs: Mapping[str, GGUFArch]) -> tuple[dict[str, Any], GGUFArch]:
     meta = _metadata(reader)
-    arch, spec = _arch_of(meta, path)
+    arch, spec = _arch_of(meta, path, archs)
     shapes = {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in reader.tensors}
     return _build_config(meta, arch, spec, shapes, path), spec
 
 
-def gguf_config(path: str) -> dict[str, Any]:
+def gguf_config(path: str, archs: Mapping[str, GGUFArch]) -> dict[str, Any]:
     """The HF-style config of a GGUF file from its metadata and tensor shapes alone (no tensor
     data is read, so rope scaling stored as a rope_freqs tensor is not in it)."""
-    return _config_of(_open_reader(path), path)[0]
+    return _config_of(_open_reader(path), path, archs)[0]

@@ -25,6 +25,7 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import (
 from gguf_utils import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, tiny_hf_tensors, write_gguf
 from llmserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from llmserve.kernels import QuantizedWeight
+from llmserve.models.registry import GGUF_ARCHS
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def smollm_path(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def smollm(smollm_path: str) -> GGUFCheckpoint:
-    return load_gguf(smollm_path, progress=False)
+    return load_gguf(smollm_path, GGUF_ARCHS, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_smollm_tensors_equal_transformers(smollm: GGUFCheckpoint, transformers_
 def test_smollm_quantized_tensors_dequantize_to_the_dense_ones(smollm_path: str, smollm: GGUFCheckpoint) -> None:
     """Loaded with quantized=True, the matrices stay in their blocks (q/k rows un-permuted as
     whole blocks), and dequantize to exactly what the dense load holds."""
-    q = load_gguf(smollm_path, progress=False, quantized=True)
+    q = load_gguf(smollm_path, GGUF_ARCHS, progress=False, quantized=True)
     assert q.config == smollm.config and set(q.tensors) == set(smollm.tensors)
     formats: dict[str, int] = {}
     for name, dense in smollm.tensors.items():
@@ -137,7 +138,7 @@ def test_tiny_llama_roundtrip_with_quantized_qk(tmp_path: Path) -> None:
     path = tmp_path / "tiny-llama.gguf"
     write_gguf(path, "llama", hf, quant)
 
-    ck = load_gguf(str(path), progress=False)
+    ck = load_gguf(str(path), GGUF_ARCHS, progress=False)
     assert ck.config["tie_word_embeddings"] is False
     heads = (ck.config["num_attention_heads"], ck.config["num_key_value_heads"], ck.config["head_dim"])
     assert heads == (HEADS, KV_HEADS, HEAD_DIM)
@@ -158,8 +159,8 @@ def test_tiny_qwen2_biases_are_not_permuted(tmp_path: Path) -> None:
     hf = tiny_hf_tensors(np.random.default_rng(1), biases=True, untied=False)
     path = tmp_path / "tiny-qwen2.gguf"
     write_gguf(path, "qwen2", hf)
-    assert gguf_config(str(path))["model_type"] == "qwen2"
-    ck = load_gguf(str(path), progress=False)
+    assert gguf_config(str(path), GGUF_ARCHS)["model_type"] == "qwen2"
+    ck = load_gguf(str(path), GGUF_ARCHS, progress=False)
     assert ck.config["model_type"] == "qwen2" and ck.config["architectures"] == ["Qwen2ForCausalLM"]
     assert ck.config["tie_word_embeddings"] is True
     assert set(ck.tensors) == set(hf)
@@ -177,7 +178,7 @@ def test_rope_scaling_metadata(tmp_path: Path) -> None:
         w.add_rope_scaling_orig_ctx_len(32)
 
     write_gguf(path, "qwen2", hf, extra_kv=add_scaling)
-    config = load_gguf(str(path), progress=False).config
+    config = load_gguf(str(path), GGUF_ARCHS, progress=False).config
     assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 
@@ -216,14 +217,14 @@ def test_rope_freqs_tensor_end_to_end(tmp_path: Path) -> None:
     hf["rope_freqs.weight"] = llama_cpp_rope_freqs(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 8192)
     path = tmp_path / "llama3.gguf"
     write_gguf(path, "llama", hf)
-    ck = load_gguf(str(path), progress=False)
+    ck = load_gguf(str(path), GGUF_ARCHS, progress=False)
     assert ck.config["rope_scaling"]["rope_type"] == "llama3" and ck.config["rope_scaling"]["factor"] == 8.0
     assert "rope_freqs.weight" not in ck.tensors
 
     hf["rope_freqs.weight"] = np.array([1.0, 3.0, 1.0, 2.0], dtype=np.float32)
     write_gguf(path, "llama", hf)
     with pytest.raises(ModelLoadError, match="does not match Llama 3 rope scaling"):
-        load_gguf(str(path), progress=False)
+        load_gguf(str(path), GGUF_ARCHS, progress=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
     path = tmp_path / "i32.gguf"
     write_gguf(path, "llama", hf)
     with pytest.raises(ModelLoadError, match="output_norm.weight has type I32"):
-        load_gguf(str(path), progress=False)
+        load_gguf(str(path), GGUF_ARCHS, progress=False)
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
@@ -248,7 +249,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
-        load_gguf(str(path), progress=False)
+        load_gguf(str(path), GGUF_ARCHS, progress=False)
 
 
 def test_unexpected_tensor(tmp_path: Path) -> None:
@@ -257,26 +258,26 @@ def test_unexpected_tensor(tmp_path: Path) -> None:
     path = tmp_path / "extra.gguf"
     write_gguf(path, "llama", hf)
     with pytest.raises(ModelLoadError, match="unexpected tensor blk.0.attn_rot_embd.weight"):
-        load_gguf(str(path), progress=False)
+        load_gguf(str(path), GGUF_ARCHS, progress=False)
 
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"this is not a GGUF file" * 10)
     with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
-        load_gguf(str(path))
+        load_gguf(str(path), GGUF_ARCHS)
     path.write_bytes(b"")
     with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
-        load_gguf(str(path))
+        load_gguf(str(path), GGUF_ARCHS)
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
-        load_gguf(str(tmp_path / "missing.gguf"))
+        load_gguf(str(tmp_path / "missing.gguf"), GGUF_ARCHS)
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_gguf_tokenizer(str(tmp_path / "missing.gguf"))
     with pytest.raises(ModelLoadError, match="not a file"):
-        load_gguf(str(tmp_path))
+        load_gguf(str(tmp_path), GGUF_ARCHS)
 
 
 def test_truncated_gguf(tmp_path: Path, smollm_path: str) -> None:
@@ -284,7 +285,7 @@ def test_truncated_gguf(tmp_path: Path, smollm_path: str) -> None:
     with open(smollm_path, "rb") as f:
         path.write_bytes(f.read(6_000_000))
     with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
-        load_gguf(str(path))
+        load_gguf(str(path), GGUF_ARCHS)
 
 
 # ---------------------------------------------------------------------------------------------

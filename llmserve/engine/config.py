@@ -1,0 +1,124 @@
+"""What an engine runs (``EngineConfig``) and on which model (``ModelSpec``, from ``inspect_model``):
+the part of the engine the front ends (the HTTP process, the offline ``LLM``) and the engine-core
+process share. Config only: importing it imports no scheduler, worker client, torch or tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from llmserve.common.errors import ModelLoadError
+from llmserve.default_model import default_model_path
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF model directory or .gguf file; None: the embedded default
+    tp: int = 1
+    dtype: str | None = None            # float32 | float16 | bfloat16; None: fp32 on CPU, checkpoint's on GPU
+    device: str = "auto"                # auto | cpu | cuda
+    max_total_token_num: int | None = None  # KV pool size in tokens; None: from free memory / CPU default
+    mem_fraction: float = 0.85
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192      # prompt tokens per step
+    chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
+    cuda_graph_max_bs: int = 256        # GPU decode steps up to this batch replay CUDA graphs; 0: eager
+    # Schedule step N+1 while the device runs step N (see LLMEngine.step). None: on for one GPU
+    # rank, where it hides the host's work; True also on the CPU (tests: same tokens either way).
+    overlap: bool | None = None
+    dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
+    # Prompt-lookup speculation (see scheduler.py): draft tokens per decoding request per step
+    # (0: off), the largest decode batch that still drafts (None: the device's, from
+    # SPECULATE_MAX_BATCH), and the n-gram sizes matched.
+    speculate: int = 0
+    speculate_max_batch: int | None = None
+    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_max_ngram: int = 3
+    # Keep computed tokens' KV in a radix tree and start requests from their longest cached prefix
+    # (engine/radix_cache.py); off: every prompt is prefilled in full.
+    prefix_cache: bool = True
+
+
+# The largest decode batch that drafts, by device, when --speculate-max-batch is not given: past
+# it a verify step costs more than its accepted drafts save (benchmarks/README.md, "prompt_lookup.py").
+SPECULATE_MAX_BATCH = {"cuda": 32, "cpu": 8}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as the front end found it before starting an engine (``inspect_model``): the
+    engine trusts it, and needs neither torch nor a tokenizer to get it."""
+    path: str
+    model_type: str
+    device: str                         # cpu | cuda ("auto" resolved)
+    eos_token_ids: frozenset[int]       # every id that ends a generation (tokenizer.eos_token_ids)
+
+
+def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
+    """What the front end (the HTTP process, the offline ``LLM``) learns of the model before an
+    engine starts: the errors a config alone reveals (a missing path, an unknown architecture,
+    heads that tp cannot split, too few GPUs) come from here in a second, instead of from every
+    worker after start-up (which check again, on the full config).
+
+    It reads the raw config and imports torch only on a machine with a GPU driver: torch is 200 MB
+    of resident memory, which on a CPU would be a fifth of serving the embedded model."""
+    from llmserve.common.basemodel.model_shape import verify_tp_split
+    from llmserve.models.registry import check_model_type, peek_model_config
+    from llmserve.tokenizer import eos_token_ids
+
+    if config.tp < 1:
+        raise ValueError(f"tp must be >= 1, got {config.tp}")
+    path = resolve_model_path(config.model)
+    raw = peek_model_config(path)
+    check_model_type(raw.get("model_type"))
+    heads = raw.get("num_attention_heads") or raw.get("n_head")     # BLOOM's name for it
+    if isinstance(heads, int):     # else the worker's config class says what is wrong
+        verify_tp_split(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads")),
+                        config.tp)
+    device, gpus = _resolve_device(config.device)
+    if device == "cuda" and config.tp > gpus:
+        raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {gpus}")
+    return ModelSpec(path, raw["model_type"], device, frozenset(eos_token_ids(path, tokenizer)))
+
+
+def _resolve_device(device: str) -> tuple[str, int]:
+    """(cpu | cuda, GPUs torch sees). "auto" is cuda when torch sees a GPU; on Linux without a GPU
+    driver's device (NVIDIA's /dev/nvidiactl, ROCm's /dev/kfd, WSL2's /dev/dxg) it cannot, and
+    torch is not imported to ask."""
+    if device == "cpu" or (device == "auto" and sys.platform == "linux"
+                           and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))):
+        return "cpu", 0
+    import torch
+
+    gpus = torch.cuda.device_count()
+    return ("cuda" if gpus else "cpu") if device == "auto" else device, gpus
+
+
+def with_device_defaults(config: EngineConfig, device: str) -> EngineConfig:
+    """``config`` with the fields it leaves to the device (None) set to that device's values."""
+    if config.speculate_max_batch is None:
+        config = dataclasses.replace(config, speculate_max_batch=SPECULATE_MAX_BATCH[device])
+    return config
+
+
+def check_speculation(config: EngineConfig) -> None:
+    if config.speculate < 0:
+        raise ValueError(f"speculate must be >= 0 (draft tokens per step; 0: off), got {config.speculate}")
+    if config.speculate_max_batch < 1:
+        raise ValueError(f"speculate_max_batch must be >= 1, got {config.speculate_max_batch}")
+    if not 1 <= config.prompt_lookup_min_ngram <= config.prompt_lookup_max_ngram:
+        raise ValueError(f"need 1 <= prompt_lookup_min_ngram <= prompt_lookup_max_ngram, got "
+                         f"{config.prompt_lookup_min_ngram} and {config.prompt_lookup_max_ngram}")
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path {model!r} does not exist")
+    return path
