@@ -151,6 +151,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-text-enabled", action="store_true",
                    help="TGI streams: each event's token text is the whole text so far, not the token's own "
                         "(seed 004's fullTextEnabled; default: off)")
+    p.add_argument("--no-ui", action="store_true",
+                   help="serve no chat page at GET / (default: a page that chats with the model from a browser)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,7 +289,7 @@ def serve(args: argparse.Namespace) -> int:
         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains),
-        max_sessions=args.max_sessions, session_idle_timeout=args.session_idle_timeout,
+        max_sessions=args.max_sessions, session_idle_timeout=args.session_idle_timeout, ui=not args.no_ui,
     )
     return run_server(engine_config, config, log_level=args.log_level, log_stats_interval=args.log_stats_interval)
 

@@ -111,7 +111,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         status_logger().info("%s, max %d tokens per request, chat template: %s, sampling defaults: %s", engine.summary,
                              state.limits.max_total_tokens, describe_template(state), sampling_defaults.summary())
         banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
-                  f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions)")
+                  f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions"
+                  f"{'; chat page: /' if config.ui else ''})")
         uv_config = uvicorn.Config(
             create_app(state), host=config.host, port=config.port, log_level=log_level,
             access_log=log_level in ("debug", "info"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
 from llmserve.grammar import BACKEND as GRAMMAR_BACKEND
-from llmserve.server.api import interactive, openai, tgi, tokenization
+from llmserve.server.api import interactive, openai, tgi, tokenization, ui
 from llmserve.server.api.errors import (
     APIError, error_response, http_error, internal_error, not_json_error, validation_error,
 )
@@ -40,11 +40,14 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai.build_router(state))
     app.include_router(interactive.build_router(state))
     app.include_router(tokenization.build_router(state))
+    if state.config.ui:       # GET / (beside TGI's POST /): the chat page; off with --no-ui
+        app.include_router(ui.build_router())
     install_openapi(app, api_key_set=state.config.api_key is not None)
     # The last middleware added runs first: the key is checked before the body is even read.
     app.add_middleware(BodyLimitMiddleware, limit=payload_limit(state))
     if state.config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key,
+                           open_pages=ui.PAGE_PATHS if state.config.ui else frozenset())
 
     @app.exception_handler(APIError)
     async def on_api_error(request: HTTPRequest, error: APIError) -> JSONResponse:
@@ -108,6 +111,8 @@ def create_app(state: ServerState) -> FastAPI:
             "speculate_max_batch": state.engine.config.speculate_max_batch,
             "prompt_lookup_ngram": [state.engine.config.prompt_lookup_min_ngram, state.engine.config.prompt_lookup_max_ngram],
             "chat_template": state.chat_template.describe() if state.chat_template else None,
+            # image input (image_url parts): whether the model takes images, and how many a request
+            "takes_images": state.takes_images, "max_images_per_request": lim.request.max_images,
             # what reads tool calls in answers to tool_choice "auto" (--tool-call-parser, or the template's)
             "tool_call_parser": state.tool_parser.name if state.tool_parser else None,
             # the sampling defaults a request's unset fields take (--generation-config)

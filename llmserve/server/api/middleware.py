@@ -42,17 +42,24 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 class APIKeyMiddleware:
     """With a key set, every path but /health (the docs and /openapi.json included) needs
-    ``Authorization: Bearer <key>``; without it the request gets a 401 before its body is read."""
+    ``Authorization: Bearer <key>``; without it the request gets a 401 before its body is read.
+    ``open_pages``: paths a GET may fetch without the key, the chat page's files (``ui.py``): a
+    browser opening a URL sends no header, and the page then sends the key with each API call."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_pages: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.expected = api_key.encode()
+        self.open_pages = open_pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.authorized(scope):
+        if scope["type"] != "http" or self.open(scope) or self.authorized(scope):
             await self.app(scope, receive, send)
             return
         await _refuse(unauthorized_error(), scope, receive, send)
+
+    def open(self, scope: Scope) -> bool:
+        # GET only: POST / is TGI's generate route, which needs the key like any other
+        return scope["path"] in OPEN_PATHS or (scope["method"] == "GET" and scope["path"] in self.open_pages)
 
     def authorized(self, scope: Scope) -> bool:
         scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")

@@ -71,6 +71,7 @@ class ServerConfig:
     # /v1/chat/interactive (server/sessions.py): sessions kept at once, and how long an idle one lives
     max_sessions: int = 256
     session_idle_timeout: float = 600.0
+    ui: bool = True                        # the chat page at GET / (server/api/ui.py); off: --no-ui
 
 
 @dataclass
