@@ -36,9 +36,9 @@ if [ -d "$tok" ]; then
   # text-only prompt, whose logits the bf16 parity tests above check to tolerance). Speculation's
   # tests run its verify steps through the verify CUDA graphs here.
   run engine env LLMSERVE_TEST_TOKENIZER_DIR="$tok" LLMSERVE_TEST_DTYPE=float32 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_llm.py tests/test_llm_images.py tests/engine/test_overlap.py tests/worker/test_sampler.py tests/test_grammar.py \
+    tests/test_llm.py tests/test_llm_images.py tests/engine/test_overlap.py tests/worker/sampling tests/test_grammar.py \
     tests/test_model_errors.py tests/test_cli.py tests/chat_template \
-    tests/engine/test_speculation.py tests/engine/test_speculation_sampling.py tests/worker/test_sampler_verify.py tests/engine/test_prefix_cache.py \
+    tests/engine/test_speculation.py tests/engine/test_speculation_sampling.py tests/engine/test_prefix_cache.py \
     -k "not paris and not transformers and not stop_ and not missing_model_is and not hf_greedy and not grounded and not stops_and_lengths"
   # the HTTP server on the GPU, driven by the three clients (the embedded model stays on the CPU);
   # a fixed KV cache, because several test servers share the GPU

@@ -351,7 +351,7 @@ class StepResult:
 def step_mode(args: argparse.Namespace) -> list[StepResult]:
     from llmserve.common.basemodel import ModelInitParams
     from llmserve.models.registry import get_model_class, peek_model_config
-    from llmserve.worker.sampler import Sampler
+    from llmserve.worker.sampling import Sampler
 
     device = torch.device(args.device)
     dtype = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype or "auto"]

@@ -34,7 +34,7 @@ remove_script_dir_from_sys_path()
 import torch  # noqa: E402
 
 from llmserve.sampling_params import SamplingParams  # noqa: E402
-from llmserve.worker.sampler import Sampler, VerifyResult  # noqa: E402
+from llmserve.worker.sampling import Sampler, VerifyResult  # noqa: E402
 
 SETTINGS: dict[str, dict] = {
     "greedy": {"temperature": 0.0},

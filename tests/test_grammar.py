@@ -1,6 +1,6 @@
 """Constrained decoding (llmserve/grammar.py): grammars checked at the edge, without torch. (The
-sampler's side is in tests/worker/test_sampler.py, the APIs' and the property test over
-generated schemas in tests/server/api/test_structured_output.py.)"""
+sampler's side is in tests/worker/sampling/test_processors.py and test_verify.py, the APIs' and the
+property test over generated schemas in tests/server/api/test_structured_output.py.)"""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from llmserve.worker.protocol import (
 
 if TYPE_CHECKING:
     from llmserve.common.basemodel import InputEmbeds
-    from llmserve.worker.sampler import PendingSample, SampleResult
+    from llmserve.worker.sampling import PendingSample, SampleResult
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ModelWorker:
         from llmserve.common.distributed import init_distributed
         from llmserve.grammar import GrammarCompiler
         from llmserve.models.registry import get_model_class
-        from llmserve.worker.sampler import Sampler
+        from llmserve.worker.sampling import Sampler
 
         self.args = args
         device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.tp_rank}")
@@ -327,7 +327,7 @@ class ModelWorker:
                          errors: list[str | None]) -> tuple[list, list]:
         """Per entry, its prompt logprobs, or None if it did not ask; entry i's rows of ``logits``
         end at ``row_ends[i]``. An entry for which that fails gets its error in ``errors``."""
-        from llmserve.worker.sampler import prompt_logprobs
+        from llmserve.worker.sampling import prompt_logprobs
 
         logprobs: list[list[float | None] | None] = [None] * len(entries)
         top_logprobs: list[list[list[tuple[int, float]] | None] | None] = [None] * len(entries)
@@ -437,7 +437,7 @@ def _import_model_code() -> None:
     try:
         from transformers import AutoConfig
 
-        import llmserve.worker.sampler  # noqa: F401
+        import llmserve.worker.sampling  # noqa: F401
         from llmserve.models.registry import MODEL_CLASSES, get_model_class
 
         for model_type in MODEL_CLASSES:

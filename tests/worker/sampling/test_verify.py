@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
-import llmserve.worker.sampler as sampler_module
+import llmserve.worker.sampling.verify as verify_module
 from llmserve.sampling_params import GuidedDecodingParams, SamplingParams
-from llmserve.worker.sampler import Sampler
+from llmserve.worker.sampling import Sampler
 from parity_utils import TEST_DEVICE
 from sampler_test_utils import (
     GRAMMAR_CHARS, GRAMMAR_EOS, VOCAB, expected_penalized, grammar_sampler, make_sampler,
@@ -27,7 +27,7 @@ from sampler_test_utils import (
 
 SMALL_VOCAB = 12
 EOS = 3
-DECIDE_GREEDY = sampler_module._decide_greedy
+DECIDE_GREEDY = verify_module._decide_greedy
 
 
 def on_device(logits: torch.Tensor) -> torch.Tensor:
@@ -158,7 +158,7 @@ HOST_PATH_REQUESTS = {
 
 def test_greedy_batch_decided_on_the_host_equals_the_device_path(monkeypatch: pytest.MonkeyPatch):
     decided_on_host = []
-    monkeypatch.setattr(sampler_module, "_decide_greedy",
+    monkeypatch.setattr(verify_module, "_decide_greedy",
                         lambda *args: decided_on_host.append(1) or DECIDE_GREEDY(*args))
     rng = random.Random(0)
     greedy_ids, sampling_id = list(HOST_PATH_REQUESTS), 9

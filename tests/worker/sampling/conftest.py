@@ -1,4 +1,4 @@
-"""Worker tests: the sampler's shared fixtures. Its shared helpers are in sampler_test_utils."""
+"""The sampler's tests: their shared fixtures. Their shared helpers are in sampler_test_utils."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 # --import-mode, as tests/kernels does.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import llmserve.worker.sampler as sampler_module  # noqa: E402
+import llmserve.worker.sampling.processors as processors_module  # noqa: E402
 from sampler_test_utils import GRAMMAR_CHARS, GRAMMAR_EOS, VOCAB, reference_apply_penalty  # noqa: E402
 
 
 @pytest.fixture
 def reference_penalty(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the sampler against the reference penalty, which also checks the inputs' layout."""
-    monkeypatch.setattr(sampler_module, "apply_penalty", reference_apply_penalty)
+    monkeypatch.setattr(processors_module, "apply_penalty", reference_apply_penalty)
 
 
 @pytest.fixture(scope="module")

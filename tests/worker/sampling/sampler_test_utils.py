@@ -1,4 +1,4 @@
-"""Helpers shared by the sampler's tests (tests/worker/test_sampler*.py)."""
+"""Helpers shared by the sampler's tests (tests/worker/sampling/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.sampler import Sampler
+from llmserve.worker.sampling import Sampler
 
 VOCAB = 64
 
