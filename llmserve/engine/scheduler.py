@@ -5,15 +5,16 @@ go: each feeds the token it sampled last step. If the KV pool cannot hold those 
 prefix cache gives up what no running request uses (prefix_cache.py), then the newest running
 requests are preempted (their cache is dropped; they are prefilled again later, ahead of every
 newer arrival). Then prefills fill the step's prefill budget (``max_prefill_tokens``): first the
-prompts already under way, then waiting requests, in the prefix cache's order. A prompt longer
-than what is left of the budget is split over several steps (chunked prefill), so a burst of
-long prompts never stalls the running decodes for more than one budget's worth of compute; the
-request samples its first token with its last chunk. Last, the decodes may bring drafts in what
-the step leaves (speculation: drafting.py). The scheduler only does the bookkeeping; the engine
-runs the step and tells it what happened (``update_after_step``, ``finish_request``).
+prompts already under way, then waiting requests: the preempted ones, then the others in arrival
+order (with the prefix cache, longest cached prefix first). A prompt longer than what is left of
+the budget is split over several steps (chunked prefill), so a burst of long prompts never stalls
+the running decodes for more than one budget's worth of compute; the request samples its first
+token with its last chunk. Last, decodes may bring drafts in what the step leaves (speculation:
+drafting.py). The scheduler only does the bookkeeping; the engine runs the step and tells it
+what happened (``update_after_step``, ``finish_request``).
 
-KV accounting is in token slots: a request holds ``num_cached`` slots, some of them the prefix
-tree's (``num_in_tree``). A step that feeds ``n`` new tokens of a request needs ``n`` free slots.
+KV accounting is in token slots: a request holds ``num_cached`` slots, ``num_in_tree`` of them
+shared with the prefix tree. A step that feeds ``n`` new tokens of a request needs ``n`` free slots.
 Admitting a request reserves room for its whole prompt at once, so a prefill that has started
 can always finish.
 
