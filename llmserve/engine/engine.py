@@ -117,12 +117,12 @@ class LLMEngine:
 
     def end_session(self, session_id: str) -> None:
         """Unpin the session's tokens in the prefix cache: they stay, evictable like any entry."""
-        self.scheduler.end_session(session_id)
+        self.scheduler.prefix_cache.end_session(session_id)
 
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache of everything no running request uses (session pins too), as
         vLLM's ``reset_prefix_cache``; the slots freed (the workers free them with the next step)."""
-        return self.scheduler.evict_all()
+        return self.scheduler.prefix_cache.evict_all()
 
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     pixel_values: list[np.ndarray] | None = None) -> Request:
@@ -215,12 +215,12 @@ class LLMEngine:
     # loops put the same tokens in the tree in the same order, and make the same batches.
     def _cache_prefilled(self) -> None:
         for req in self._prefilled:
-            self.scheduler.cache_prefill(req, min(req.num_cached, req.num_tokens))
+            self.scheduler.prefix_cache.insert(req, min(req.num_cached, req.num_tokens))
         self._prefilled.clear()
 
     def _cache_retired(self) -> None:
         for req in self._retired:
-            self.scheduler.leave_cache(req, keep=True)
+            self.scheduler.prefix_cache.leave(req, keep=True)
         self._retired.clear()
 
     def _take_step(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestDelta]:
@@ -305,7 +305,7 @@ class LLMEngine:
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"the worker accepted {num_accepted} tokens of a draft of {num_drafted}")
         s.request.num_cached -= num_drafted - num_accepted
-        self.scheduler.draft_verified(s, num_accepted)
+        self.scheduler.drafter.verified(s, num_accepted)
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.accepted_length_counts[num_accepted] += 1
@@ -323,7 +323,7 @@ class LLMEngine:
         # First chunk, or the first after a preemption: (re)send the sampling setup, and the
         # cached prefix the request starts from.
         first = start == req.num_cached_prefix
-        cache = self.scheduler.cache
+        tree = self.scheduler.prefix_cache.tree
         return BatchEntry(
             req_id=req.req_id, token_ids=req.token_slice(start, min(end, req.num_tokens)) + s.draft_token_ids,
             num_cached=start, num_draft_tokens=len(s.draft_token_ids),
@@ -331,13 +331,12 @@ class LLMEngine:
             want_prompt_logprobs=first and req.needs_prompt_logprobs, sample=s.samples,
             pending_token=end > req.num_tokens,   # its last token is the one in flight
             pixel_values=req.pixel_values if first else None,
-            prefix_node_ids=[node.id for node in cache.path(req.cache_node)] if first and start and cache else None,
+            prefix_node_ids=[node.id for node in tree.path(req.cache_node)] if first and start else None,
         )
 
     def _take_cache_ops(self) -> list[CacheOp]:
         """The prefix cache's changes the workers have yet to mirror."""
-        cache = self.scheduler.cache
-        return cache.take_ops() if cache is not None else []
+        return self.scheduler.prefix_cache.tree.take_ops()
 
     def _release(self, req: Request) -> None:
         self._to_free.append(req.req_id)
@@ -347,7 +346,7 @@ class LLMEngine:
         """The caller is going idle: read the step still in flight (``generate`` is done once its
         own requests are, and a step may be running for one that stopped) and hand the workers
         the pending frees, scheduling nothing new."""
-        while self._in_flight or self._to_free or self.scheduler.has_cache_ops():
+        while self._in_flight or self._to_free or self.scheduler.prefix_cache.tree.ops:
             step = StepInput([], finished_req_ids=self._to_free, overlap=self.overlap, cache_ops=self._take_cache_ops())
             self._to_free = []
             outputs = self.workers.step(step)

@@ -51,7 +51,7 @@ DRAFT_PER_MATCHED_TOKEN = 2
 class Draft:
     token_ids: list[int]
     # Tokens of the sequence's end that agree with the occurrence the draft continues (>= n): how
-    # much evidence it has. The scheduler's back-off counts only rejected drafts with matches of 2+.
+    # much evidence it has. The back-off (drafting.py) counts only rejected drafts with matches of 2+.
     match_len: int = 0
 
 

@@ -12,11 +12,11 @@ Granularity is one token: a match may end mid-way through a node's key, which th
 
 Two kinds of hold keep a node from eviction, and each holds the node's whole path up to the root:
 a lock (``lock``: a running request whose cached prefix goes through it) and a pin (``pin``: a
-session keeping its conversation; soft, the scheduler releases pins, oldest first, before it
-preempts anything). Eviction takes the least recently used leaves that neither holds.
+session keeping its conversation; soft, released oldest first before the scheduler preempts
+anything: prefix_cache.py). Eviction takes the least recently used leaves that neither holds.
 
-A key is a sequence of ints: token ids, except that the engine writes an image placeholder as a
-negative hash of that image's pixels (``Request.cache_key``), so different images never share KV.
+A key is a sequence of ints: token ids, except that an image placeholder is written as a negative
+hash of that image's pixels (``PrefixCacheManager.key``), so different images never share KV.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class RadixCache:
     def unpin(self, node: Node) -> None:
         self._hold(node, pin=-1)
 
-    def release(self, node: Node) -> int:
+    def discard(self, node: Node) -> int:
         """Unpin ``node`` (a session's conversation) and remove what of its path nothing else
         holds or shares: from the leaf up to the first node with another child or a hold.
         Returns the slots freed."""

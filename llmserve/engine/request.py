@@ -21,7 +21,6 @@ from llmserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import numpy as np
 
-    from llmserve.engine.prompt_lookup import PromptLookup
     from llmserve.engine.radix_cache import Node
 
 
@@ -74,17 +73,11 @@ class Request:
     finish_reason: FinishReason | None = None
     # Why the request failed (finish_reason ERROR): one line, fit for the client.
     error: str | None = None
-    # Its n-gram index for drafts (speculation), made by the scheduler on its first draft; its
-    # draft attempts in a row that gained nothing, and the steps it sits out before the next
-    # (the scheduler's back-off: Scheduler.draft_verified).
-    prompt_lookup: PromptLookup | None = field(default=None, repr=False)
-    num_draft_misses: int = 0
-    draft_wait: int = 0
     # An interactive session's id: when the request finishes, the prefix cache keeps its tokens
     # pinned for the session's next turn.
     session_id: str | None = None
 
-    # The prefix cache's view (scheduler.py): the deepest tree node of the request's cached tokens
+    # The prefix cache's view (prefix_cache.py): the deepest tree node of the request's cached tokens
     # (it locks the node's path), None when it holds none; how many of its cached tokens' slots are
     # the tree's (the rest are its own); and how many tokens its latest admission took from the
     # cache (reported with its first token).

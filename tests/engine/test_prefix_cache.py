@@ -1,6 +1,7 @@
-"""The prefix cache end to end through the engine: what it serves from the cache gives exactly the
-tokens a full prefill gives (greedy, the tiny Llama against an engine without the cache), and it
-leaks no KV slot.
+"""The prefix cache (``llmserve.engine.prefix_cache``): first its side of scheduling on a bare
+scheduler (cache-aware admission order, eviction before preemption), then end to end through the
+engine: what it serves from the cache gives exactly the tokens a full prefill gives (greedy, the
+tiny Llama against an engine without the cache), it leaks no KV slot, and session pins hold.
 
 The cached engine has a small KV pool and prefill budget, so the workloads below also run under
 eviction, preemption and chunked prefill; each runs with the plain and the overlapped step loop.
@@ -14,13 +15,108 @@ import random
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.engine.request import Request
+from llmserve.engine.scheduler import Scheduler
 from llmserve.worker.model_worker import ModelWorker
 from llmserve.worker.protocol import WorkerInitArgs
+from scheduling_utils import make_scheduler, run_step
 
 DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")
 KV_TOKENS = 400        # small: the pressure workload outgrows it
 PREFILL_TOKENS = 48    # small: longer prompts are chunked, after a cached prefix too
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+
+
+# --------------------------------------------------------------------------------------
+# Scheduling: admission order, eviction
+# --------------------------------------------------------------------------------------
+
+
+def prompt_request(req_id: int, prompt: list[int], max_new_tokens: int = 2) -> Request:
+    return Request(req_id=req_id, prompt_token_ids=prompt, params=SamplingParams(max_new_tokens=max_new_tokens),
+                   arrival_time=float(req_id))
+
+
+def run_until_idle(scheduler: Scheduler) -> None:
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+
+
+def test_waiting_requests_with_longer_cached_prefixes_go_first_within_an_age_bound():
+    scheduler = make_scheduler(1000, prefix_cache=True, max_running_requests=1, prefix_wait_steps=10)
+    cached = list(range(100, 140))
+    scheduler.add_request(prompt_request(0, cached))
+    run_until_idle(scheduler)            # its tokens are in the tree now
+    scheduler.add_request(prompt_request(1, [5] * 20))                 # older, nothing cached
+    scheduler.add_request(prompt_request(2, cached[:30] + [6] * 5))    # younger, 30 tokens cached
+    scheduler.add_request(prompt_request(3, cached + [7]))             # youngest, 40 tokens cached
+    order = []
+    while scheduler.has_unfinished():
+        output = run_step(scheduler)
+        order += [s.request.req_id for s in output.scheduled if s.request.req_id not in order]
+    # 3 then 2 jump the queue (one request runs at a time, for 2 steps each: 1 waits 4 steps, less
+    # than the bound).
+    assert order == [3, 2, 1]
+    assert scheduler.prefix_cache.num_hit_tokens == 40 + 30
+
+
+def test_the_age_bound_stops_cached_requests_from_starving_an_old_one():
+    scheduler = make_scheduler(1000, prefix_cache=True, max_running_requests=1, prefix_wait_steps=3)
+    cached = list(range(100, 140))
+    scheduler.add_request(prompt_request(0, cached))
+    run_until_idle(scheduler)
+    scheduler.add_request(prompt_request(1, [5] * 20))
+    order, next_id = [], 2
+    for _ in range(12):                 # a stream of younger requests that all hit the cache
+        scheduler.add_request(prompt_request(next_id, cached + [next_id]))
+        next_id += 1
+        output = run_step(scheduler)
+        order += [s.request.req_id for s in output.scheduled if s.request.req_id not in order]
+    assert 1 in order and order.index(1) <= 3
+
+
+def test_eviction_comes_before_preemption_and_a_preempted_request_keeps_the_trees_share():
+    # A pool of 60: one request's 40 cached tokens fill most of it once it finishes.
+    scheduler = make_scheduler(60, prefix_cache=True)
+    first = list(range(100, 140))
+    scheduler.add_request(prompt_request(0, first, max_new_tokens=1))
+    run_until_idle(scheduler)
+    assert scheduler.num_cached_slots == 40 and scheduler.num_used_slots == 0 and scheduler.num_free_slots == 20
+    # A new request needs 30 slots: the tree gives up what it must, nothing is preempted.
+    scheduler.add_request(prompt_request(1, list(range(300, 330)), max_new_tokens=20))
+    output = run_step(scheduler)
+    assert [s.request.req_id for s in output.scheduled] == [1] and not output.preempted
+    assert scheduler.prefix_cache.tree.num_evicted_tokens == 40 and scheduler.num_preemptions == 0
+    # It decodes until the pool is full, then a second one arrives and is preempted in its turn:
+    # what it computed stays in the tree, and it comes back to it.
+    scheduler.add_request(prompt_request(2, list(range(500, 520)), max_new_tokens=30))
+    preempted = []
+    while scheduler.has_unfinished():
+        output = run_step(scheduler)
+        preempted += output.preempted
+        for s in output.scheduled:
+            if s.request in preempted and s.request.num_cached_prefix:
+                assert s.num_new_tokens < s.request.num_tokens   # re-prefilled from its cached tokens
+    assert preempted and scheduler.num_used_slots == 0
+    assert scheduler.num_free_slots + scheduler.num_cached_slots == 60
+
+
+def test_admission_evicts_nothing_when_eviction_cannot_make_room():
+    scheduler = make_scheduler(100, prefix_cache=True)
+    scheduler.add_request(prompt_request(0, list(range(100, 140)), max_new_tokens=1))
+    run_until_idle(scheduler)
+    assert scheduler.num_cached_slots == 40
+    scheduler.add_request(prompt_request(1, list(range(300, 330)), max_new_tokens=50))
+    run_step(scheduler)
+    # 75 prompt tokens: more than the free slots and the cache's 40 together while request 1 runs
+    scheduler.add_request(prompt_request(2, list(range(500, 575)), max_new_tokens=5))
+    run_step(scheduler)
+    assert scheduler.num_waiting == 1 and scheduler.prefix_cache.tree.num_evicted_tokens == 0 and scheduler.num_cached_slots == 40
+
+
+# --------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +203,12 @@ def test_eviction_and_preemption_under_a_small_pool(cached, uncached):
     prompts = [rng.choice(heads)[: rng.randrange(15, 30)] + tokens(rng, rng.randrange(1, 6), vocab) for _ in range(11)]
     params = [SamplingParams(max_new_tokens=rng.choice([40, 60]), temperature=0, ignore_eos=True) for _ in prompts]
     scheduler = loop.engine.scheduler
-    evicted, preemptions = scheduler.cache.num_evicted_tokens, scheduler.num_preemptions
+    evicted, preemptions = scheduler.prefix_cache.tree.num_evicted_tokens, scheduler.num_preemptions
     expected = uncached.generate(prompts, params)
     for _ in range(2):
         hits = check(loop, uncached, prompts, params, expected)
     assert sum(hits) > 0
-    assert scheduler.cache.num_evicted_tokens > evicted, "the workload should fill the pool"
+    assert scheduler.prefix_cache.tree.num_evicted_tokens > evicted, "the workload should fill the pool"
     assert scheduler.num_preemptions > preemptions, "the workload should outgrow the pool"
 
 
@@ -156,8 +252,8 @@ def test_no_slot_leaks_after_random_requests_and_aborts(cached):
                 tree[slot] = tree.get(slot, 0) + 1
         assert not worker.req_rows and engine.scheduler.num_used_slots == 0
         assert {i: c for i, c in enumerate(mem.ref_counts.tolist()) if c} == tree
-        assert len(tree) == engine.scheduler.cache.num_tokens > 0
-        assert engine.scheduler.num_cache_hit_tokens > 0
+        assert len(tree) == engine.scheduler.prefix_cache.tree.num_tokens > 0
+        assert engine.scheduler.prefix_cache.num_hit_tokens > 0
         cached.reset_prefix_cache()
         assert mem.can_use_mem_size == mem.size
         assert int(mem.ref_counts.sum()) == 0 and not worker.prefix_slots.node_slots
@@ -182,22 +278,23 @@ def test_a_session_pin_outlives_lru_eviction_until_the_session_ends_then_lru_may
     vocab = engine.info.vocab_size
     first = run_alone(engine, tokens(rng, 60, vocab), session_id="s1")
     kept = first.num_tokens - 1          # all but the answer's last token, which no step fed
-    assert scheduler.cache.num_pinned_tokens == kept == scheduler.num_cached_slots
+    assert scheduler.prefix_cache.tree.num_pinned_tokens == kept == scheduler.num_cached_slots
     # Other traffic overfills the pool: the cache evicts the traffic's own entries, not the session's.
-    evicted = scheduler.cache.num_evicted_tokens
+    evicted = scheduler.prefix_cache.tree.num_evicted_tokens
     for _ in range(3):
         run_alone(engine, tokens(rng, 150, vocab))
-    assert scheduler.cache.num_evicted_tokens > evicted
-    assert scheduler.cache.prefix_length(first.cache_key(kept)) == kept
+    assert scheduler.prefix_cache.tree.num_evicted_tokens > evicted
+    assert scheduler.prefix_cache.tree.prefix_length(first.cache_key(kept)) == kept
     second = run_alone(engine, first.all_token_ids + tokens(rng, 5, vocab), session_id="s1")
     assert second.num_cached_prefix == kept
-    assert scheduler.cache.num_pinned_tokens == second.num_tokens - 1   # the pin moved to the new turn
+    assert scheduler.prefix_cache.tree.num_pinned_tokens == second.num_tokens - 1   # the pin moved to the new turn
     cached_before = scheduler.num_cached_slots
     engine.end_session("s1")
     # Ended: the pin goes, and with it the conversation, which nothing else shares.
-    assert scheduler.cache.num_pinned_tokens == 0 and not scheduler.sessions
-    assert scheduler.num_cached_slots == cached_before - (second.num_tokens - 1) == scheduler.cache.num_evictable_tokens
-    assert scheduler.cache.prefix_length(second.cache_key(second.num_tokens - 1)) < 2
+    tree = scheduler.prefix_cache.tree
+    assert tree.num_pinned_tokens == 0 and not scheduler.prefix_cache.sessions
+    assert scheduler.num_cached_slots == cached_before - (second.num_tokens - 1) == tree.num_evictable_tokens
+    assert tree.prefix_length(second.cache_key(second.num_tokens - 1)) < 2
 
 
 def test_ending_sessions_keeps_the_prefix_they_share_cached(cached):
@@ -218,11 +315,11 @@ def test_ending_sessions_keeps_the_prefix_they_share_cached(cached):
     one_off = run_alone(engine, shared + tokens(rng, 10, vocab))
     assert one_off.num_cached_prefix == len(shared)
     engine.end_session("two")
-    assert scheduler.cache.num_pinned_tokens == 0
+    assert scheduler.prefix_cache.tree.num_pinned_tokens == 0
     fresh = run_alone(engine, shared + tokens(rng, 10, vocab))
     assert fresh.num_cached_prefix == len(shared)
     for ended in (one, again):
-        assert scheduler.cache.prefix_length(ended.cache_key(ended.num_tokens - 1)) < len(shared) + 2
+        assert scheduler.prefix_cache.tree.prefix_length(ended.cache_key(ended.num_tokens - 1)) < len(shared) + 2
 
 
 def test_a_prompt_is_cached_once_prefilled_even_when_its_last_chunk_is_one_token(cached):
@@ -232,6 +329,6 @@ def test_a_prompt_is_cached_once_prefilled_even_when_its_last_chunk_is_one_token
     req = engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     while req.num_output_tokens < 2:        # the chunks are done, it decodes
         engine.step()
-    assert engine.scheduler.cache.prefix_length(prompt) == len(prompt)
+    assert engine.scheduler.prefix_cache.tree.prefix_length(prompt) == len(prompt)
     engine.abort_request(req.req_id)
     engine.flush()

@@ -117,7 +117,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.cache.unpin(node)
 
     @rule(tokens=sequences)
-    def pin_and_release(self, tokens):
+    def pin_and_discard(self, tokens):
         """A session ends: its pin goes, and so does what of its path nothing else holds or
         shares; the rest of the tree stays as it was."""
         node, _ = self.cache.match(tokens)
@@ -127,7 +127,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if node is self.cache.root:
             return
         self.cache.pin(node)
-        freed = self.cache.release(node)
+        freed = self.cache.discard(node)
         self.sync()
         kept = self.tree_prefixes()
         assert set(kept) <= set(before) and len(before) - len(kept) == freed
@@ -198,16 +198,16 @@ def test_eviction_takes_least_recently_used_leaves_first():
     assert cache.evict(10) == 0                # locked: kept
 
 
-def test_release_removes_what_only_the_released_path_held():
+def test_discard_removes_what_only_the_discarded_path_held():
     cache = RadixCache()
     a, _ = cache.insert([1, 2, 3], req_id=0)
     b, _ = cache.insert([1, 2, 4, 5], req_id=1)     # [1, 2] is now a node both share
     cache.pin(b)
-    assert cache.release(b) == 2                     # [4, 5] goes; the shared [1, 2] stays
+    assert cache.discard(b) == 2                     # [4, 5] goes; the shared [1, 2] stays
     assert cache.prefix_length([1, 2, 4, 5]) == 2 and cache.prefix_length([1, 2, 3]) == 3
     cache.pin(a)
     cache.lock(a.parent)                             # a running request uses [1, 2]
-    assert cache.release(a) == 1 and cache.prefix_length([1, 2, 3]) == 2
+    assert cache.discard(a) == 1 and cache.prefix_length([1, 2, 3]) == 2
     cache.unlock(a.parent)
     assert cache.num_pinned_tokens == 0 and cache.num_tokens == 2
 
