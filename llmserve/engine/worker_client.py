@@ -143,10 +143,12 @@ class ModelWorkerGroup:
         return all(code is None for code in self.exit_codes())
 
     def close(self) -> None:
-        for c in self.clients:
-            c.close()
+        # The processes first: closing a connection waits for the worker's answer, which a hung
+        # worker never gives; a dead one's closes at once.
         for _, proc in self._started:
             _stop_process(proc)
+        for c in self.clients:
+            c.close()
         self.clients, self._started = [], []
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
