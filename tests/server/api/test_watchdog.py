@@ -95,12 +95,14 @@ def assert_streams_ended_with_the_error(events: list[list[dict]], words: str) ->
     assert set(openai[-1]) == {"error"} and words in openai[-1]["error"]["message"], openai[-1]
 
 
-def assert_unhealthy_or_exited(server: ServerProcess) -> None:
+def assert_unhealthy_or_gone(server: ServerProcess) -> None:
+    """/health answers 503, or nothing: the server has stopped listening, on its way out (the
+    caller checks that it exits non-zero)."""
     try:
         r = health(server, timeout=HEALTH_PROBE_TIMEOUT_S + 2)
         assert r.status_code == 503, r.text
     except httpx.TransportError:
-        assert server.proc.poll() not in (None, 0)    # it stopped listening: on its way out, or out
+        pass
 
 
 def assert_exits_nonzero_leaving_nothing(server: ServerProcess, timeout: float) -> int:
@@ -127,7 +129,7 @@ def test_a_stopped_worker_ends_the_server_within_the_step_timeout(server):
     events, times = asyncio.run(open_streams_then(server.url, stop_worker))
     assert_streams_ended_with_the_error(events, "did not finish a step within 10 s")
     assert all(STEP_TIMEOUT_S - 1 < t[-1] - stopped[0] < DEADLINE_S for t in times), [t[-1] - stopped[0] for t in times]
-    assert_unhealthy_or_exited(server)
+    assert_unhealthy_or_gone(server)
     assert time.monotonic() - stopped[0] < DEADLINE_S
     assert_exits_nonzero_leaving_nothing(server, EXIT_TIMEOUT_S - (time.monotonic() - stopped[0]))
     error_lines = [line for line in server.output().splitlines() if line.startswith("llmserve: error:")]
@@ -145,7 +147,7 @@ def test_gpu_a_device_failure_ends_the_server(tiny_llama_dir):
         # The fault comes right after the last token the streams got.
         fault = max(t[-2] for t in times)
         error_s = max(t[-1] for t in times) - fault
-        assert_unhealthy_or_exited(server)
+        assert_unhealthy_or_gone(server)
         rc = assert_exits_nonzero_leaving_nothing(server, EXIT_TIMEOUT_S)
         exit_s = time.monotonic() - fault
         print(f"\ndevice failure: every stream's error event {error_s:.2f} s after the last token before the fault, "
