@@ -64,15 +64,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="longest n-gram of a sequence's end looked up for a draft (default: 3)")
     p.add_argument("--prompt-lookup-min-ngram", type=int, default=1, metavar="N",
                    help="shortest n-gram looked up when no longer one recurs (default: 1)")
+    p.add_argument("--step-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a step that has not finished after SECONDS means a hung worker (a stopped process, a "
+                        "collective that never returns): the engine stops, open requests end with an error and "
+                        "the server exits non-zero; loading the model, compiling and capturing CUDA graphs at "
+                        "start-up have no deadline (default: 600)")
 
 
 def _step_options(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, quantized weights,
-    speculation."""
+    speculation, the deadline."""
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
                 overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize,
                 speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
-                prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram)
+                prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
+                step_timeout=args.step_timeout)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -100,6 +100,14 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.05)
+
+
 class ServerProcess:
     """``llmserve serve --model MODEL --port <free> ARGS...`` in a subprocess."""
 
@@ -182,18 +190,24 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
-async def tgi_stream_events(client: httpx.AsyncClient, url: str, body: dict, max_events: int | None = None,
-                            on_event: Callable[[], None] | None = None) -> list[dict]:
-    """The JSON events of one TGI SSE stream: all of them, or the first ``max_events`` and then
-    hang up. ``on_event`` is called after each one."""
+async def sse_events(client: httpx.AsyncClient, url: str, path: str, body: dict, max_events: int | None = None,
+                     on_event: Callable[[], None] | None = None) -> list[dict]:
+    """The JSON events of one SSE stream (OpenAI's closing ``[DONE]`` left out): all of them, or
+    the first ``max_events`` and then hang up. ``on_event`` is called after each one."""
     events = []
-    async with client.stream("POST", url + "/generate_stream", json=body) as r:
+    async with client.stream("POST", url + path, json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
-            if line.startswith("data:"):
+            if line.startswith("data:") and line[len("data:"):].strip() != "[DONE]":
                 events.append(json.loads(line[len("data:"):]))
                 if on_event is not None:
                     on_event()
                 if max_events is not None and len(events) >= max_events:
                     break
     return events
+
+
+async def tgi_stream_events(client: httpx.AsyncClient, url: str, body: dict, max_events: int | None = None,
+                            on_event: Callable[[], None] | None = None) -> list[dict]:
+    """The JSON events of one TGI SSE stream (see ``sse_events``)."""
+    return await sse_events(client, url, "/generate_stream", body, max_events, on_event)

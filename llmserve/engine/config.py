@@ -41,6 +41,10 @@ class EngineConfig:
     # Keep computed tokens' KV in a radix tree and start requests from their longest cached prefix
     # (engine/radix_cache.py); off: every prompt is prefilled in full.
     prefix_cache: bool = True
+    # Seconds a step may take before it counts as hung (a stopped worker, a collective that never
+    # returns) and the engine stops with an error, rather than waiting for ever. Loading the model,
+    # compiling kernels and capturing CUDA graphs at start-up are not steps.
+    step_timeout: float = 600.0
 
 
 # The largest decode batch that drafts, by device, when --speculate-max-batch is not given: past

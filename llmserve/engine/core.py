@@ -5,8 +5,10 @@ step, send back one ``EngineOutputs`` with every request's delta of that step. W
 nothing to run it waits on the socket, checking now and then that the workers live.
 
 A step runs on a helper thread only so that the loop can notice a dead worker while it waits
-(in TP the surviving ranks may wait in a collective forever); the loop does nothing else
-meanwhile, so the engine is never touched by two threads at once.
+(in TP the surviving ranks may wait in a collective forever), and answer the HTTP process's
+``Ping`` (``/health``) at once however long the step takes; it keeps whatever else arrives
+until the step is done, so the engine is never touched by two threads at once. A step that
+hangs is the workers' deadline's to catch (``ModelWorkerGroup.step_timeout``).
 
 The core deals in token ids only: the HTTP process detokenizes, matches stop strings and aborts
 a request whose stop string it found (``llmserve.output``). So this process needs no tokenizer,
@@ -27,8 +29,8 @@ from typing import TypeVar
 from llmserve.engine.config import ModelSpec
 from llmserve.engine.engine import LLMEngine
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer,
-    Shutdown, StartEngine, StartupFailed, StepFailed, encode,
+    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Ping,
+    Pong, Shutdown, StartEngine, StartupFailed, StepFailed, encode,
 )
 from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.worker_client import ModelWorkerGroup
@@ -55,6 +57,7 @@ class EngineCore:
         self._frames = FrameBuffer()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-step")
         self._last_stats: EngineStats | None = None
+        self._inbox: list[object] = []     # what arrived while a step ran, handled once it is done
 
     def run(self) -> None:
         """Serve until ``Shutdown`` or the HTTP process hangs up. A worker's failure raises
@@ -65,7 +68,9 @@ class EngineCore:
                 if not busy:
                     self._in_thread(self.engine.flush)   # hand the workers the last frees
                     self._check_workers()
-                for message in self._receive(timeout=0 if busy else LIVENESS_INTERVAL_S):
+                messages, self._inbox = self._inbox, []
+                messages += self._receive(timeout=0 if busy or messages else LIVENESS_INTERVAL_S)
+                for message in messages:
                     if isinstance(message, Shutdown):
                         return
                     self._handle(message)
@@ -82,6 +87,7 @@ class EngineCore:
 
     # -- from the HTTP process -----------------------------------------------------------
     def _receive(self, timeout: float) -> list[object]:
+        """What the HTTP process sent, waiting up to ``timeout`` for it; its pings are answered."""
         ready, _, _ = select.select([self.sock], [], [], timeout)
         if not ready:
             return []
@@ -89,7 +95,10 @@ class EngineCore:
         if not data:
             raise HungUp
         # Each frame holds what the HTTP process sent in one turn of its event loop.
-        return [message for frame in self._frames.feed(data) for message in frame]
+        messages = [message for frame in self._frames.feed(data) for message in frame]
+        if any(isinstance(message, Ping) for message in messages):
+            self._send(Pong())
+        return [message for message in messages if not isinstance(message, Ping)]
 
     def _handle(self, message: object) -> None:
         if isinstance(message, AddRequest):
@@ -139,6 +148,7 @@ class EngineCore:
                 return future.result(timeout=LIVENESS_INTERVAL_S)
             except TimeoutError:
                 self._check_workers()
+                self._inbox += self._receive(timeout=0)
 
     def _check_workers(self) -> None:
         if not self.engine.workers.alive():

@@ -44,6 +44,8 @@ class LLMEngine:
             raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
         config = with_device_defaults(config, model.device)   # what /info reports: the values in force
         check_speculation(config)
+        if not config.step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0 seconds, got {config.step_timeout}")
         self.config = config
         self.model = model
         self.model_path = model.path
@@ -61,6 +63,7 @@ class LLMEngine:
             )
             for rank in range(config.tp)
         ])
+        self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
         self.limits = RequestLimits.of_model(self.info)
         self.scheduler = Scheduler(SchedulerConfig(
             max_total_token_num=self.info.max_total_token_num,

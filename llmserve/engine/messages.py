@@ -2,11 +2,11 @@
 plain dataclasses, one verb each, pickled and framed by an 8-byte length.
 
 HTTP -> core: ``StartEngine`` and then a ``ModelSpec`` (once each, on the core's stdin), then over
-the socket ``AddRequest``, ``AbortRequests``, ``EndSession``, ``Shutdown``.
+the socket ``AddRequest``, ``AbortRequests``, ``EndSession``, ``Ping``, ``Shutdown``.
 Core -> HTTP: ``EngineReady`` or ``StartupFailed`` (once), then one ``EngineOutputs`` per engine
 step (every request's ``RequestDelta`` of that step, token ids and no text, plus a stats
-snapshot), ``StepFailed`` when a step raised for no request of its own, and ``EngineDead`` last
-if the engine cannot go on.
+snapshot), ``StepFailed`` when a step raised for no request of its own, ``Pong`` for each ``Ping``,
+and ``EngineDead`` last if the engine cannot go on.
 
 Each HTTP -> core frame on the socket is a list of messages: all that the HTTP process
 sent in one turn of its event loop, taken in whole by the core between two steps.
@@ -66,6 +66,11 @@ class EndSession:
 
 
 @dataclass
+class Ping:
+    """Are you there? (``/health``.) The core answers ``Pong`` at once, during a step too."""
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -118,6 +123,11 @@ class StepFailed:
     """A step raised for no request of its own (a bug of ours): these requests were ended."""
     req_ids: list[int]
     error: str
+
+
+@dataclass
+class Pong:
+    """The answer to a ``Ping``."""
 
 
 @dataclass

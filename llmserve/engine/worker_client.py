@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import tempfile
 import time
 
 import rpyc
+from rpyc import AsyncResultTimeout
 from rpyc.utils.factory import unix_connect
 
 from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
@@ -51,6 +53,9 @@ class ModelRpcClient:
 def _stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
+        # A stopped process (SIGSTOP, a debugger: one way a worker hangs) acts on its SIGTERM
+        # only once continued.
+        proc.send_signal(signal.SIGCONT)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -63,9 +68,15 @@ class ModelWorkerGroup:
 
     Made in two steps, so that the engine loads its tokenizer while the worker processes start
     (each spends seconds importing torch): ``ModelWorkerGroup(world_size)`` starts the processes,
-    ``init_model(args)`` connects and loads the model in them."""
+    ``init_model(args)`` connects and loads the model in them.
+
+    ``step_timeout``: seconds every rank has to answer a step, after which the step counts as hung
+    (a stopped process, a collective that never returns) and ``step`` raises ``WorkerError``.
+    None (as built) waits for ever; the engine sets it once the model is loaded, so that loading,
+    the first compiles and the CUDA-graph capture have no deadline."""
 
     def __init__(self, world_size: int):
+        self.step_timeout: float | None = None
         # Elsewhere than on Linux, socket files in a directory removed on close (a killed engine
         # leaves them behind there).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
@@ -97,7 +108,11 @@ class ModelWorkerGroup:
         """Every rank runs the step; rank 0's answer: the outputs of the steps done (see
         ``ModelWorker.step``)."""
         try:
-            return self._gather([c.step(step) for c in self.clients])[0]
+            results = [c.step(step) for c in self.clients]
+            if self.step_timeout is not None:
+                for r in results:
+                    r.set_expiry(self.step_timeout)
+            return self._gather(results)[0]
         except WorkerError:
             raise
         except Exception as e:
@@ -112,6 +127,10 @@ class ModelWorkerGroup:
                 out.append(pickle.loads(r.value))
             except EOFError as e:
                 raise WorkerError(f"model worker rank {rank} died (exit code {self.clients[rank].proc.poll()})") from e
+            except AsyncResultTimeout:
+                silent = [i for i, s in enumerate(results) if not s.ready]
+                raise WorkerError(f"model worker rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} did not "
+                                  f"finish a step within {self.step_timeout:g} s (--step-timeout): hung") from None
             except Exception as e:
                 raise _as_local_error(e) from None
         return out
@@ -124,10 +143,12 @@ class ModelWorkerGroup:
         return all(code is None for code in self.exit_codes())
 
     def close(self) -> None:
-        for c in self.clients:
-            c.close()
+        # The processes first: closing a connection waits for the worker's answer, which a hung
+        # worker never gives; a dead one's closes at once.
         for _, proc in self._started:
             _stop_process(proc)
+        for c in self.clients:
+            c.close()
         self.clients, self._started = [], []
         if self._tmpdir is not None:
             self._tmpdir.cleanup()

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from llmserve.common.logs import status_logger
 from llmserve.engine.config import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Shutdown,
-    StartEngine, StartupFailed, StepFailed, encode, frame_size,
+    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Ping, Pong,
+    Shutdown, StartEngine, StartupFailed, StepFailed, encode, frame_size,
 )
 from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5           # how often a wait on the core's socket checks that the core lives
 _STOP_TIMEOUT_S = 10.0  # for the core to shut its workers down and exit, before it is killed
+# How long /health waits for the core's answer. It answers within one LIVENESS_INTERVAL_S even
+# mid-step (core.py), so a longer silence means the core itself is stuck (or stopped).
+HEALTH_PROBE_TIMEOUT_S = 5.0
 
 
 class EngineError(RuntimeError):
@@ -244,6 +247,7 @@ class EngineClient:
         self._outbox: list[object] = []         # messages of this turn of the loop (see _send)
         self._task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
+        self._probe: asyncio.Future[None] | None = None   # the Ping in flight, which every /health awaits
         if metrics is not None:
             metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
                                  lambda: self.stats.num_used_slots, lambda: self.stats.num_cached_slots,
@@ -279,6 +283,20 @@ class EngineClient:
     @property
     def is_healthy(self) -> bool:
         return self.error is None and (self._proc is None or self._proc.poll() is None)
+
+    async def unhealthy_reason(self, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> str | None:
+        """None if the engine is serving and its core answers a ping within ``timeout``; else why
+        not (``/health``'s 503). Concurrent calls share one ping."""
+        if not self.is_healthy:
+            return str(self.error or "the engine core is not running")
+        if self._probe is None:
+            self._probe = asyncio.get_running_loop().create_future()
+            self._send(Ping())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._probe), timeout)
+        except TimeoutError:
+            return f"the engine core has not answered for {timeout:g} s"
+        return None if self.is_healthy else str(self.error)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -347,6 +365,8 @@ class EngineClient:
                     self._publish(message)
                 elif isinstance(message, StepFailed):
                     self._fail_requests(message.req_ids, message.error)
+                elif isinstance(message, Pong):
+                    self._answered()
                 elif isinstance(message, EngineDead):
                     self._die(EngineError(message.error))
                     return
@@ -393,6 +413,12 @@ class EngineClient:
             if req.is_finished:
                 del self._streams[delta.req_id]
 
+    def _answered(self) -> None:
+        """The core answered the ping in flight (or, once the engine died, will not)."""
+        if self._probe is not None and not self._probe.done():
+            self._probe.set_result(None)
+        self._probe = None
+
     def _fail_requests(self, req_ids: list[int], error: str) -> None:
         for req_id in req_ids:
             stream = self._streams.pop(req_id, None)
@@ -404,6 +430,7 @@ class EngineClient:
         """The engine cannot go on (a worker or the core died): fail everything, stop the server."""
         logger.error("the engine failed: %s", error)
         self.error = error
+        self._answered()     # a /health waiting on the core now answers with the error
         if self.metrics is not None:
             self.metrics.healthy.set(0)
         self.fail_all(f"the engine failed: {error}")

@@ -3,8 +3,9 @@ then serve HTTP until told to stop.
 
 Shutdown order on SIGINT / SIGTERM: every open request ends with an error event (so streams
 close cleanly instead of being cut), uvicorn stops accepting and drains, then the engine core
-is told to stop, and it stops its workers. If a worker or the engine core dies, /health turns
-503, open requests fail, and the process exits non-zero rather than serving errors forever.
+is told to stop, and it stops its workers. If a worker or the engine core dies, a worker's
+device fails, or a step hangs past --step-timeout, /health turns 503, open requests fail, and the
+process exits non-zero rather than serving errors (or nothing) forever.
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ from rpyc.utils.server import ThreadedServer
 
 from llmserve.common.logs import adopt_library_logging
 from llmserve.ipc import error_line, socket_path
+from llmserve.worker.faults import InjectedFaults, is_device_failure
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.prefix_slots import PrefixSlots
 from llmserve.worker.protocol import (
-    RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerInfo, WorkerInitArgs,
+    RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerError, WorkerInfo, WorkerInitArgs,
 )
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class ModelWorker:
             # only does bookkeeping on tiny CPU tensors, where torch's OpenMP pool spins and stalls
             # (benchmarks/README.md, "2026-11-23, evening: one-thread workers").
             torch.set_num_threads(1)
+        InjectedFaults.from_environ().install(self.model)   # tests only: none unless asked for
         self.sampler = None
         if args.tp_rank == 0:
             # Its tokenizer is loaded on the first constrained request, not at start-up.
@@ -316,6 +318,8 @@ class ModelWorker:
             # collective then fails) learn it, rather than waiting forever.
             logger.exception("rank %d: the forward failed; the ranks are out of step, exiting", self.args.tp_rank)
             os._exit(1)
+        if is_device_failure(error):
+            raise error      # not this batch's failure but the device's: the worker's (see faults.py)
         logger.warning("the forward of a batch of %d failed: %s", len(entries), error, exc_info=error)
         for e, row in zip(entries, rows):
             if self.model.req_manager.seq_len(row) > e.num_cached:
@@ -342,6 +346,18 @@ class ModelWorker:
                 except Exception as err:
                     errors[i] = error_line(err)
         return logprobs, top_logprobs
+
+    def check_device(self) -> None:
+        """Raise the device's error, if it has one. A CUDA error that poisoned the context fails
+        every later call, so entries that failed may have failed because of it, whatever their
+        error says (the sampler's fallback takes any error for its request's own)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def device_failed(self, error: BaseException) -> WorkerError:
+        """The step met a failure of the device (``is_device_failure``): this worker cannot go on."""
+        logger.error("rank %d: the device failed; this worker cannot go on", self.args.tp_rank, exc_info=error)
+        return WorkerError(f"model worker rank {self.args.tp_rank}: the device failed ({error_line(error)})")
 
     def _free_kv(self, req_id: int) -> None:
         self._unverified.discard(req_id)
@@ -426,7 +442,15 @@ class ModelRpcServer(rpyc.Service):
         return pickle.dumps(self.worker.info())
 
     def exposed_step(self, step: bytes) -> bytes:
-        return pickle.dumps(self.worker.step(pickle.loads(step)))
+        try:
+            outputs = self.worker.step(pickle.loads(step))
+            if any(error is not None for output in outputs for error in output.errors):
+                self.worker.check_device()
+        except Exception as e:
+            if is_device_failure(e):
+                raise self.worker.device_failed(e) from None
+            raise
+        return pickle.dumps(outputs)
 
 
 def _import_model_code() -> None:

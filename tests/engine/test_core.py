@@ -46,3 +46,39 @@ def test_end_session_and_a_session_id_reach_the_engine():
         core._handle(EndSession("chat-1"))
         core._executor.shutdown()
     assert [r.session_id for r in engine.queued] == ["chat-1"] and engine.ended == ["chat-1"]
+
+
+
+def test_a_ping_is_answered_during_a_step_and_the_rest_waits_for_its_end():
+    """/health's ping gets its answer while a long step runs; a request that came with it is
+    handled only once the step is done (the engine is never touched by two threads)."""
+    import socket
+
+    from llmserve import SamplingParams
+    from llmserve.engine.core import EngineCore
+    from llmserve.engine.messages import AddRequest, FrameBuffer, Ping, Pong, encode
+
+    class Workers:
+        def alive(self):
+            return True
+
+    class Engine:
+        workers = Workers()
+
+    a, b = socket.socketpair()
+    with a, b:
+        core = EngineCore(Engine(), a)
+        b.sendall(encode([Ping(), AddRequest(3, [1, 2], SamplingParams(max_new_tokens=1))]))
+
+        def step() -> list[object]:
+            """A step that lasts until the core has answered (the HTTP process's end reads it)."""
+            answers, frames = [], FrameBuffer()
+            b.settimeout(30)
+            while not answers:
+                answers = frames.feed(b.recv(1 << 16))
+            return answers
+
+        answers = core._in_thread(step)
+        core._executor.shutdown()
+    assert [type(m) for m in answers] == [Pong]
+    assert [type(m) for m in core._inbox] == [AddRequest] and core._inbox[0].req_id == 3

@@ -84,9 +84,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine.is_healthy:
+        reason = await state.engine.unhealthy_reason()
+        if reason is None:
             return JSONResponse({})
-        reason = state.engine.error or "the engine core is not running"
         return JSONResponse({"error": f"unhealthy: {reason}", "error_type": "unhealthy"},
                             status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 

@@ -26,7 +26,8 @@ _WHY = {
     HTTPStatus.CONFLICT: "The interactive session is still running its previous turn",
     HTTPStatus.FAILED_DEPENDENCY: "The engine failed the generation (a worker died, the server is shutting down)",
     HTTPStatus.TOO_MANY_REQUESTS: "Overloaded: --max-concurrent-requests generations are in flight",
-    HTTPStatus.SERVICE_UNAVAILABLE: "Unhealthy: a model worker is not running",
+    HTTPStatus.SERVICE_UNAVAILABLE: ("Unhealthy: a model worker or the engine core died, failed on the device or hung, "
+                                     "or the engine core does not answer"),
 }
 
 _BODY = [HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.UNSUPPORTED_MEDIA_TYPE, HTTPStatus.UNPROCESSABLE_ENTITY]

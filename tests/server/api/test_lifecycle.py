@@ -22,6 +22,7 @@ import torch
 
 from serving_utils import (
     STARTUP_STALL_S, ServerProcess, engine_processes_of, free_port, llmserve_command, pid_alive, tgi_stream_events,
+    wait_until,
 )
 
 EXIT_TIMEOUT_S = 15.0
@@ -51,14 +52,6 @@ def assert_ended_with_error(events: list[dict]) -> None:
     last = events[-1]
     assert set(last) == {"error", "error_type"}, last
     assert isinstance(last["error"], str) and last["error"]
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.05)
 
 
 def port_is_free(port: int) -> bool:
