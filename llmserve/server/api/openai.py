@@ -20,7 +20,7 @@ from llmserve.chat_template import BaseTemplate, StopWords
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, model_not_found_error, require, template_error, validation_error
 from llmserve.server.api.guided import check as check_guided, openai_guided_decoding
-from llmserve.server.api.schema import MAX_SEED, APIModel, check_stop, stop_list
+from llmserve.server.api.schema import APIModel, check_stop, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
 from llmserve.server.api.tools import (
@@ -148,13 +148,12 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
                     logprobs: int | None, fields: APIFields,
                     defaults: BaseTemplate | None = None, template_stop: StopWords = StopWords()) -> SamplingParams:
     """The shared OpenAI fields -> SamplingParams for one choice (the caller varies the seed). A
-    chat template's sampling fields fill in what the request leaves unset, and its stop words
-    join the request's. Checked here: what is OpenAI's own (its ranges where they are narrower
-    than the engine's, the fields it does not support); the engine's rules are SamplingParams'
-    and check_request's, rendered in OpenAI's field names."""
+    chat template's sampling fields fill in what the request and the model leave unset, and its
+    stop words join the request's. Checked here: what is OpenAI's own (its limits, the fields it
+    does not support); the ranges of sampling numbers (SAMPLING_RULES, with OpenAI's narrower
+    ones) and the engine's rules are SamplingParams' and check_request's, rendered in OpenAI's
+    field names."""
     require(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
-    require(body.temperature is None or 0 <= body.temperature <= 2, "temperature must be in [0, 2]", "temperature")
-    require(body.seed is None or 0 <= body.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]", "seed")
     require(not body.logit_bias, "logit_bias is not supported", "logit_bias")
     require(len(body.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS,
            f"stop_token_ids supports up to {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
@@ -162,26 +161,15 @@ def sampling_params(body: SamplingFields, state: ServerState, num_prompt_tokens:
     check_stop(stop)
     if max_tokens is None:            # as much as fits, like vLLM
         max_tokens = state.room_for(num_prompt_tokens)
-
-    def unless_set(value, field: str, fallback):
-        """The request's value; else the model's recommended one (its generation_config); else
-        the chat template's; else the API's own default."""
-        if value is not None:
-            return value
-        template_default = getattr(defaults, field, None)
-        return state.sampling_defaults.get(field, fallback if template_default is None else template_default)
-
-    temperature = unless_set(body.temperature, "temperature", 1.0)
     guided_decoding, _ = openai_guided_decoding(body)
     try:
+        sampling = state.sampling_fields("openai", {
+            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+            "repetition_penalty": body.repetition_penalty, "seed": body.seed}, defaults)
         return template_stop.add_to(SamplingParams(
-            max_new_tokens=max_tokens, temperature=temperature, top_p=unless_set(body.top_p, "top_p", 1.0),
-            # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
-            top_k=min(unless_set(body.top_k, "top_k", 0), state.info.vocab_size),
-            typical_p=unless_set(None, "typical_p", 1.0),
-            repetition_penalty=unless_set(body.repetition_penalty, "repetition_penalty", 1.0),
+            **sampling, max_new_tokens=max_tokens,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            seed=body.seed if body.seed is not None else (fresh_seed() if temperature > 0 else None),
+            seed=body.seed if body.seed is not None else (fresh_seed() if sampling["temperature"] > 0 else None),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, stop=stop,
             stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs, guided_decoding=guided_decoding,
             speculate=body.speculate,
