@@ -73,7 +73,8 @@ class Range:
 @dataclass(frozen=True)
 class SamplingRule:
     """One sampling number's range in SamplingParams, and where an API's own documentation narrows
-    it, the changes that API makes to it (``{"high_open": True}``), so that they follow the rule."""
+    it, the changes that API makes to it (``{"high_open": True}``), so that they follow the rule.
+    An API checks its range before SamplingParams checks the rule's: a change never widens it."""
 
     range: Range
     narrowed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
