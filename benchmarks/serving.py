@@ -4,9 +4,9 @@ What is measured
   ``--num-prompts`` streaming requests are sent to a running server, arriving as a Poisson
   process of ``--request-rate`` requests/s (exponential gaps, seeded) or all at once (``inf``,
   the default), at most ``--max-concurrency`` in flight. Each request asks for exactly its output
-  length: ``max_new_tokens`` / ``max_tokens``, plus ``ignore_eos`` for the OpenAI backends (TGI's
-  API has no such parameter, so a TGI request may stop early on EOS; ``--ignore-eos`` sends
-  ``parameters.ignore_eos`` anyway, which lightllm-style servers accept). Greedy by default.
+  length: ``max_new_tokens`` / ``max_tokens``, plus ``ignore_eos`` for the OpenAI backends (TGI
+  itself has no such parameter, so a TGI request may stop early on EOS; ``--ignore-eos`` sends
+  ``parameters.ignore_eos``, which llmserve and lightllm-style servers honour). Greedy by default.
 
   Backends
     tgi          POST {base}/generate_stream; SSE ``data: {"token": {...}, "generated_text": ...}``

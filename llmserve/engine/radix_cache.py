@@ -137,6 +137,18 @@ class RadixCache:
     def unpin(self, node: Node) -> None:
         self._hold(node, pin=-1)
 
+    def release(self, node: Node) -> int:
+        """Unpin ``node`` (a session's conversation) and remove what of its path nothing else
+        holds or shares: from the leaf up to the first node with another child or a hold.
+        Returns the slots freed."""
+        self.unpin(node)
+        freed = 0
+        while node is not self.root and not node.children and not node.held:
+            parent = node.parent
+            freed += self._remove(node)
+            node = parent
+        return freed
+
     def evict(self, num_tokens: int) -> int:
         """Evict least recently used leaves that nothing holds until ``num_tokens`` slots are
         freed or none is left; returns the slots freed."""

@@ -427,12 +427,12 @@ class Scheduler:
         self.sessions[session_id] = node
 
     def end_session(self, session_id: str) -> None:
-        """Unpin the session's conversation. Its tokens stay cached, evictable (least recently used
-        first) like any other entry: a prefix it shares (a common system prompt) serves the
-        requests that come after it, and even its own turns are worth keeping while there is room."""
+        """Unpin the session's conversation and free the tokens only it held: no request will
+        send that conversation again (as LMDeploy frees a session at its end). A prefix it shares
+        with other entries (a common system prompt, the same question asked elsewhere) stays."""
         node = self.sessions.pop(session_id, None) if self.cache is not None else None
         if node is not None:
-            self.cache.unpin(node)
+            self.cache.release(node)
 
     def _make_room(self, num_slots: int) -> None:
         """Evict the tree's least recently used entries until ``num_slots`` more slots are free,

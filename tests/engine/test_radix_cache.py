@@ -116,6 +116,26 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.model = {k: v for k, v in self.model.items() if k in self.tree_prefixes()}
         self.cache.unpin(node)
 
+    @rule(tokens=sequences)
+    def pin_and_release(self, tokens):
+        """A session ends: its pin goes, and so does what of its path nothing else holds or
+        shares; the rest of the tree stays as it was."""
+        node, _ = self.cache.match(tokens)
+        self.sync()
+        before = self.tree_prefixes()
+        path = self.cache.path(node)
+        if node is self.cache.root:
+            return
+        self.cache.pin(node)
+        freed = self.cache.release(node)
+        self.sync()
+        kept = self.tree_prefixes()
+        assert set(kept) <= set(before) and len(before) - len(kept) == freed
+        gone = [x for x in path if x.parent is not None and x.key[0] not in x.parent.children]
+        assert sum(len(x.key) for x in gone) == freed
+        assert all(not x.held for x in gone)
+        self.model = {k: v for k, v in self.model.items() if k in kept}
+
     def tree_prefixes(self) -> dict[tuple[int, ...], int]:
         """Every prefix the tree holds, with the worker's slot of its last token."""
         out, stack = {}, [(self.cache.root, ())]
@@ -176,6 +196,20 @@ def test_eviction_takes_least_recently_used_leaves_first():
     assert cache.evict(1) == 2 and cache.prefix_length([2, 2]) == 0 and cache.prefix_length([1, 1]) == 2
     cache.lock(a)
     assert cache.evict(10) == 0                # locked: kept
+
+
+def test_release_removes_what_only_the_released_path_held():
+    cache = RadixCache()
+    a, _ = cache.insert([1, 2, 3], req_id=0)
+    b, _ = cache.insert([1, 2, 4, 5], req_id=1)     # [1, 2] is now a node both share
+    cache.pin(b)
+    assert cache.release(b) == 2                     # [4, 5] goes; the shared [1, 2] stays
+    assert cache.prefix_length([1, 2, 4, 5]) == 2 and cache.prefix_length([1, 2, 3]) == 3
+    cache.pin(a)
+    cache.lock(a.parent)                             # a running request uses [1, 2]
+    assert cache.release(a) == 1 and cache.prefix_length([1, 2, 3]) == 2
+    cache.unlock(a.parent)
+    assert cache.num_pinned_tokens == 0 and cache.num_tokens == 2
 
 
 def test_the_workers_mirror_never_reads_the_device():

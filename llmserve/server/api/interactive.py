@@ -3,7 +3,9 @@
 A request brings only its new user turn (``prompt``, a string or a list of messages) and a
 ``session_id``; with ``interactive_mode`` true the session lives on after the turn, false (the
 default, as LMDeploy's) makes this turn its last. ``session_id`` -1 picks a new id (the response
-says which). ``cancel`` stops the session's running turn and ends it. The answer is LMDeploy's
+says which). ``cancel`` stops the session's running turn and ends it; LMDeploy's ``end_session``
+(an empty ``prompt``, ``request_output_len`` 0 and ``interactive_mode`` false) ends it too, and the
+engine drops the tokens only it held. The answer is LMDeploy's
 ``{text, tokens, input_tokens, history_tokens, finish_reason}`` plus ``session_id`` and
 ``cached_tokens`` (the prompt tokens the prefix cache held); streamed, one such JSON object per
 line, each with the text that became safe to show. Errors are OpenAI's shape, as on the other
@@ -33,6 +35,7 @@ from llmserve.server.engine_client import RequestStream
 from llmserve.server.sessions import MAX_SESSION_ID, NEW_SESSION, Session, SessionStore, answer_token_ids
 
 ENDED_BY_CANCEL = "the session's turn was cancelled (a request with `cancel: true`)"
+ENDED_BY_CLIENT = "the session was ended (an empty prompt with request_output_len 0)"
 FIELDS = openai_fields("prompt", "request_output_len", "logprobs")
 
 
@@ -44,6 +47,11 @@ class InteractiveRequest(SamplingFields):
     request_output_len: int | None = None
     cancel: bool = False
     image_url: Any = None          # LMDeploy's, for its vision models: refused here rather than ignored
+
+    @property
+    def ends_session(self) -> bool:
+        """LMDeploy's ``end_session`` call, as its ``APIClient`` sends it."""
+        return self.prompt == "" and self.request_output_len == 0 and not self.interactive_mode
 
 
 def turn_messages(body: InteractiveRequest) -> list[dict[str, Any]]:
@@ -143,10 +151,11 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/chat/interactive")
     async def chat_interactive(body: InteractiveRequest, http_request: HTTPRequest):
         check_model(state, body.model)
-        if body.cancel:
-            require(body.session_id != NEW_SESSION, "`cancel` needs the `session_id` of the session to stop",
-                    "session_id")
-            state.sessions.end(body.session_id, ENDED_BY_CANCEL)
+        if body.cancel or body.ends_session:
+            # LMDeploy answers both with an empty turn, 200 even where no such session is open.
+            action = "`cancel`" if body.cancel else "ending a session"
+            require(body.session_id != NEW_SESSION, f"{action} needs the `session_id` of the session", "session_id")
+            state.sessions.end(body.session_id, ENDED_BY_CANCEL if body.cancel else ENDED_BY_CLIENT)
             return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0, "finish_reason": "stop",
                     "session_id": body.session_id, "cached_tokens": 0}
         require(body.n == 1, "an interactive turn has one answer: n must be 1", "n")

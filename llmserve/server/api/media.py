@@ -1,4 +1,5 @@
-"""Where a request's images come from: ``data:`` URLs (base64); ``http(s)://`` URLs only from hosts
+"""Where a request's images come from: ``data:`` URLs and raw base64 (seed 004: "a base64-encoded
+jpg", no prefix); ``http(s)://`` URLs only from hosts
 the operator named with ``--allowed-media-domains`` (off by default), fetched with a timeout, a
 size cap and a redirect limit, every hop's host checked again; and local files only under the
 directory the operator named with ``--allowed-local-media-path`` (off by default). A request
@@ -19,6 +20,10 @@ import httpx
 from llmserve.multimodal import ImageLimits
 from llmserve.sampling_params import InvalidRequest
 
+# Raw base64 is told from a path by what it decodes to: a string of base64's alphabet whose bytes
+# start as an image file does (a JPEG's base64 starts "/9j/", which also reads as a path).
+_BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"RIFF")
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.DOTALL)
 
 
@@ -36,13 +41,27 @@ async def load_image_bytes(url: str, config: MediaConfig) -> bytes:
     """The encoded image ``url`` names."""
     if url.startswith("data:"):
         return _data_url_bytes(url, config)
+    raw = _raw_base64_bytes(url, config)
+    if raw is not None:
+        return raw
     scheme = urlparse(url).scheme.lower()
     if scheme in ("http", "https"):
         return await _fetch(url, config)
     if scheme == "file" or (not scheme and url.startswith("/")):
         return _read_local(unquote(urlparse(url).path) if scheme == "file" else url, config)
-    raise InvalidRequest("image", "an image URL must be a data: URL (base64), http(s):// or, where the server "
-                                  "allows local files, file:// or an absolute path")
+    raise InvalidRequest("image", "an image must be a data: URL, raw base64 of a jpg/png, an http(s):// URL "
+                                  "(where --allowed-media-domains allows its host), or a file:// URL or absolute "
+                                  "path (under --allowed-local-media-path)")
+
+
+def _raw_base64_bytes(text: str, config: MediaConfig) -> bytes | None:
+    """The image a bare base64 string holds; None if it is not one (then it is a URL or a path)."""
+    if len(text) % 4 or not _BASE64.fullmatch(text):
+        return None
+    if len(text) > config.limits.max_bytes * 4 // 3 + 4:
+        raise InvalidRequest("image", f"an image may have at most {config.limits.max_bytes} bytes")
+    data = base64.b64decode(text)   # cannot fail: the alphabet and length are checked
+    return data if data.startswith(_IMAGE_MAGIC) else None
 
 
 def _data_url_bytes(url: str, config: MediaConfig) -> bytes:

@@ -20,7 +20,7 @@ from llmserve.chat_template import BaseTemplate, StopWords
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, model_not_found_error, require, template_error, validation_error
 from llmserve.server.api.guided import check as check_guided, openai_guided_decoding
-from llmserve.server.api.schema import APIModel, check_stop, stop_list
+from llmserve.server.api.schema import APIModel, ImageURL, check_stop, image_url_of, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import merge_streams, sse_response
 from llmserve.server.api.tools import (
@@ -94,19 +94,13 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None       # vLLM's: each prompt token's logprob and its top alternatives
 
 
-class ImageURL(APIModel):
-    model_config = ConfigDict(extra="ignore")   # OpenAI's `detail` has no meaning here
-
-    url: str
-
-
 class ContentPart(APIModel):
     """One part of a message's content: text, or an image (``image_url``, for a model that takes images)."""
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
-    image_url: ImageURL | None = None
+    image_url: str | ImageURL | None = None     # OpenAI's object; a bare URL string as some clients send
 
 
 class ChatMessage(APIModel):
@@ -299,8 +293,8 @@ def message_content(message: ChatMessage, image_urls: list[str]) -> str | list[d
     for part in message.content:
         if part.type == "image_url":
             if part.image_url is None:
-                raise validation_error("a content part of type 'image_url' needs `image_url.url`", "messages")
-            image_urls.append(part.image_url.url)
+                raise validation_error("a content part of type 'image_url' needs an `image_url`", "messages")
+            image_urls.append(image_url_of(part.image_url))
             parts.append({"type": "image"})
         elif part.type != "text":
             raise validation_error(f"content part of type {part.type!r} is not supported by this model", "messages")

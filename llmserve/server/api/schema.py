@@ -76,6 +76,19 @@ def _has_lone_surrogate(text: str) -> bool:
     return False
 
 
+class ImageURL(APIModel):
+    """OpenAI's image reference, ``{"url": ...}`` (media.py says which URLs a server takes)."""
+    model_config = ConfigDict(extra="ignore")   # OpenAI's `detail` means nothing here
+
+    url: str
+
+
+def image_url_of(value: str | ImageURL) -> str:
+    """An image part's URL, whichever form it came in: a bare string (seed 004's TGI ``inputs``)
+    or OpenAI's object."""
+    return value if isinstance(value, str) else value.url
+
+
 def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 

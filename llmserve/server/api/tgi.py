@@ -19,7 +19,7 @@ from llmserve.multimodal import IMAGE_PLACEHOLDER
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, validation_error
 from llmserve.server.api.guided import tgi_guided_decoding
-from llmserve.server.api.schema import MAX_STOP_SEQUENCES, APIModel, check_stop, stop_list
+from llmserve.server.api.schema import MAX_STOP_SEQUENCES, APIModel, ImageURL, check_stop, image_url_of, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
 from llmserve.server.engine_client import RequestStream, TokenEvent
@@ -42,6 +42,7 @@ class TGIParameters(APIModel):
     do_sample: bool | None = None
     frequency_penalty: float | None = None
     grammar: Any = None
+    ignore_eos: bool = False  # lightllm's and vLLM's: generate past EOS, to max_new_tokens or a stop string
     max_new_tokens: int | None = None
     repetition_penalty: float | None = None
     return_full_text: bool | None = False
@@ -57,16 +58,13 @@ class TGIParameters(APIModel):
     speculate: bool = True    # ours: false keeps this request off prompt-lookup drafts (--speculate)
 
 
-class ImageURL(APIModel):
-    url: str
-
-
 class InputPart(APIModel):
-    """One part of a multimodal ``inputs`` list (seed 004): ``{"type": "text", "text": ...}`` or
-    ``{"type": "image_url", "image_url": {"url": ...}}``."""
+    """One part of a multimodal ``inputs`` list: ``{"type": "text", "text": ...}`` or an image,
+    ``{"type": "image_url", "image_url": URL}`` as seed 004 writes it, or OpenAI's
+    ``{"image_url": {"url": URL}}`` (media.py: which URLs)."""
     type: Literal["text", "image_url"]
     text: str | None = None
-    image_url: ImageURL | None = None
+    image_url: str | ImageURL | None = None
 
 
 class TGIRequest(APIModel):
@@ -94,9 +92,9 @@ def split_images(inputs: str | list[InputPart], takes_images: bool) -> tuple[str
             _check(part.text is not None, "an `inputs` part of type 'text' needs a `text` string")
             text.append(part.text)
         else:
-            _check(part.image_url is not None, "an `inputs` part of type 'image_url' needs `image_url.url`")
+            _check(part.image_url is not None, "an `inputs` part of type 'image_url' needs an `image_url`")
             text.append(IMAGE_PLACEHOLDER)
-            urls.append(part.image_url.url)
+            urls.append(image_url_of(part.image_url))
     return "".join(text), urls
 
 
@@ -144,7 +142,7 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
             max_new_tokens=max_new_tokens,
             frequency_penalty=p.frequency_penalty or 0.0,
             seed=(p.seed or fresh_seed()) if sample else None,
-            stop=stop,
+            stop=stop, ignore_eos=p.ignore_eos,
             logprobs=p.top_n_tokens or 0,                       # TGI always reports each token's logprob
             prompt_logprobs=0 if p.decoder_input_details else None,
             guided_decoding=guided_decoding, speculate=p.speculate,

@@ -131,6 +131,50 @@ def test_tgi_list_inputs_give_hf_greedy_tokens(llava_server, reference, http_ima
     assert_hf_tokens(generate(llava_server, inputs), expected)
 
 
+def seed_004_request(image_url: str) -> dict:
+    """Seed 004's multimodal example as written (its image_url a plain string), greedy: the seed's
+    sampling fields off, so that HF's greedy tokens are the reference."""
+    return {
+        "inputs": [{"type": "text", "text": "My name is Olivier and I"}, {"type": "image_url", "image_url": image_url}],
+        "parameters": {"decoder_input_details": False, "details": True, "do_sample": False,
+                       "max_new_tokens": NEW_TOKENS, "repetition_penalty": None, "return_full_text": False,
+                       "seed": None, "temperature": None, "top_k": None, "top_p": None, "truncate": None,
+                       "typical_p": None, "watermark": False, "stop": None, "adapter_id": "None"},
+    }
+
+
+def test_seed_004_image_strings_give_hf_greedy_tokens(llava_server, reference, media_dir):
+    """The seed's image_url string: a png and a jpg under the allowed directory (a path and a
+    file:// URL), a data: URL, and raw base64 of a jpg and of a png (no prefix)."""
+    inside, _ = media_dir
+    jpg = png(11, fmt="JPEG")
+    (inside / "test.jpg").write_bytes(jpg)
+    for source, image in [(str(inside / "cat.png"), png(7)), (f"file://{inside}/test.jpg", jpg),
+                          (data_url(jpg, "image/jpeg"), jpg), (base64.b64encode(jpg).decode(), jpg),
+                          (base64.b64encode(png(7)).decode(), png(7))]:
+        r = httpx.post(llava_server.url + "/generate", timeout=60, json=seed_004_request(source))
+        assert_hf_tokens(r, reference("My name is Olivier and I<image>", [image]))
+    # the same strings where OpenAI's clients put a URL, and in TGI's markdown image
+    raw = base64.b64encode(jpg).decode()
+    r = generate(llava_server, f"Describe ![]({raw}) briefly.")
+    assert_hf_tokens(r, reference("Describe <image> briefly.", [jpg]))
+    for part in ({"url": raw}, raw):
+        oai = httpx.post(llava_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "llava", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": part}, {"type": "text", "text": "hi"}]}]})
+        assert oai.status_code == 200, oai.text
+
+
+@pytest.mark.parametrize("source, flag", [("test.png", "--allowed-local-media-path"),
+                                          ("/elsewhere/test.png", "outside the allowed"),
+                                          ("http://example.com/test.png", "--allowed-media-domains"),
+                                          ("aGVsbG8gd29ybGQh", "--allowed-local-media-path")])
+def test_seed_004_image_strings_refused_say_which_flag_allows_them(llava_server, source, flag):
+    r = httpx.post(llava_server.url + "/generate", timeout=60, json=seed_004_request(source))
+    assert r.status_code == 422 and r.json()["error_type"] == "validation" and flag in r.json()["error"], r.text
+    assert generate(llava_server, "text only").status_code == 200
+
+
 def test_tgi_markdown_image_in_a_string(llava_server, reference):
     image = png(2, fmt="JPEG")
     r = generate(llava_server, f"Describe ![]({data_url(image, 'image/jpeg')}) briefly.")
@@ -228,9 +272,20 @@ def test_urls_are_fetched_only_from_the_operators_hosts(http_images):
 
 
 def test_local_paths_are_refused_without_the_flag(media_dir):
-    for url in (str(media_dir[0] / "cat.png"), f"file://{media_dir[0]}/cat.png"):
+    for url in (str(media_dir[0] / "cat.png"), f"file://{media_dir[0]}/cat.png", "/xxxx/test.png"):
         with pytest.raises(InvalidRequest, match="--allowed-local-media-path"):
             asyncio.run(load_image_bytes(url, MediaConfig()))
+
+
+def test_raw_base64_needs_no_flag_and_is_told_from_a_path():
+    """A jpg's base64 starts "/9j/", like an absolute path: what it decodes to decides."""
+    jpg = png(12, fmt="JPEG")
+    raw = base64.b64encode(jpg).decode()
+    assert raw.startswith("/9j/")
+    assert asyncio.run(load_image_bytes(raw, MediaConfig())) == jpg
+    # base64's alphabet, but not an image once decoded: a path, refused without the flag
+    with pytest.raises(InvalidRequest, match="--allowed-local-media-path"):
+        asyncio.run(load_image_bytes("/abc/defg", MediaConfig()))
 
 
 def test_a_jinja_template_gets_image_parts_as_hf_processors_do(tiny_llava):

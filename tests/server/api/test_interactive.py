@@ -6,6 +6,7 @@ template); streaming and the session rules (session_len, a busy session, cancel,
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -125,16 +126,72 @@ def test_session_len_bounds_the_session(tiny):
     assert turn(tiny, 1, "x", request_output_len=1)["history_tokens"] == history
 
 
-def test_an_ended_session_leaves_its_tokens_cached(tiny):
+def test_an_ended_session_keeps_only_what_others_share_cached(tiny):
     unique = " ".join(f"word{i}" for i in range(30))
     first = turn(tiny, 30, unique, request_output_len=8, ignore_eos=True)
-    # the same first turn as a one-off chat: the cache holds its prompt (but the token computed anew)
-    while_alive = turn(tiny, -1, unique, interactive=False, request_output_len=1)
-    assert while_alive["cached_tokens"] >= first["input_tokens"] - 1
+    # A one-off chat whose prompt starts as the session's: the cache holds their common part.
+    while_alive = turn(tiny, -1, unique + " and more", interactive=False, request_output_len=1)
+    common = while_alive["cached_tokens"]
+    assert common >= first["input_tokens"] - 6
     turn(tiny, 30, "more", interactive=False, request_output_len=8, ignore_eos=True)     # ends the session
-    # Ending it unpinned its tokens, and nothing has needed their room since: still a hit.
-    after_end = turn(tiny, -1, unique, interactive=False, request_output_len=1)
-    assert after_end["cached_tokens"] >= while_alive["cached_tokens"]
+    # Ended: the session's own tokens are gone, the part the one-off chat shares stays.
+    again = turn(tiny, -1, unique, interactive=False, request_output_len=1)
+    assert again["cached_tokens"] == common
+
+
+def lmdeploy_body(prompt: str, session_id: int, interactive_mode: bool = False, stream: bool = False,
+                  request_output_len: int | None = None, cancel: bool | None = None) -> dict:
+    """What LMDeploy's ``APIClient.chat_interactive_v1`` (0.9, the last release with sessions)
+    posts: every argument of the call, its defaults and its empty ``kwargs`` included. Its
+    ``chat`` sends interactive turns, its ``end_session`` an empty prompt with no output; its
+    gradio front-end cancels with ``cancel``."""
+    body = {"prompt": prompt, "image_url": None, "session_id": session_id, "interactive_mode": interactive_mode,
+            "stream": stream, "stop": None, "request_output_len": request_output_len, "top_p": 0.8, "top_k": 40,
+            "temperature": 0.8, "repetition_penalty": 1.0, "ignore_eos": False, "skip_special_tokens": True,
+            "adapter_name": None, "kwargs": {}}
+    return body if cancel is None else body | {"cancel": cancel}
+
+
+def lmdeploy_post(client: httpx.Client, body: dict) -> list[dict]:
+    """As the client reads an answer, streamed or not: the body's non-empty lines, each JSON."""
+    with client.stream("POST", "/v1/chat/interactive", json=body) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line) for line in r.iter_lines() if line]
+
+
+def cached_slots(server: ServerProcess, until: int | None = None) -> int:
+    """The cache gauge, read until it shows ``until`` (the engine reports it after the change)."""
+    for _ in range(50):
+        value = int(server.metrics()["llmserve_kv_cache_slots_cached"])
+        if until is None or value == until:
+            return value
+        time.sleep(0.1)
+    return value
+
+
+def test_lmdeploy_clients_open_continue_and_end_a_session(tiny, tiny_sessions_server):
+    before = cached_slots(tiny_sessions_server)
+    session_id = 777
+    histories = []
+    for k, prompt in enumerate(["Hi there", "Tell me more", "And then?"]):
+        lines = lmdeploy_post(tiny, lmdeploy_body(prompt, session_id, interactive_mode=True, stream=k != 1,
+                                                   request_output_len=6))
+        assert lines[-1]["finish_reason"] in ("stop", "length") and lines[-1]["session_id"] == session_id
+        histories.append(lines[-1]["history_tokens"])
+    assert histories[0] == 0 < histories[1] < histories[2]
+    assert cached_slots(tiny_sessions_server) > before           # the conversation is held for its next turn
+    [ended] = lmdeploy_post(tiny, lmdeploy_body("", session_id, request_output_len=0))      # end_session
+    assert ended == {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0, "finish_reason": "stop",
+                     "session_id": session_id, "cached_tokens": 0}
+    assert cached_slots(tiny_sessions_server, until=before) == before
+    # the id starts afresh
+    lines = lmdeploy_post(tiny, lmdeploy_body("Hi there", session_id, interactive_mode=True, request_output_len=2))
+    assert lines[-1]["history_tokens"] == 0
+    # the gradio front-end's stop: a cancel with an empty prompt ends it too
+    stopped = lmdeploy_post(tiny, lmdeploy_body("", session_id, interactive_mode=True, request_output_len=0,
+                                                cancel=True))
+    assert stopped == [ended]
+    assert cached_slots(tiny_sessions_server, until=before) == before
 
 
 def test_a_busy_session_and_cancel(tiny):

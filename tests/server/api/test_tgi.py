@@ -136,3 +136,20 @@ def test_multibyte_text_streams_whole_characters(client):
     events = list(client.generate_stream("日本語のテキスト 🙂", max_new_tokens=24))
     assert "\ufffd" not in "".join(e.token.text for e in events)
     assert "".join(e.token.text for e in events) == events[-1].generated_text
+
+
+def test_ignore_eos_generates_max_new_tokens(embedded_server):
+    """lightllm's and vLLM's ``ignore_eos`` in TGI's parameters: the embedded model answers this raw
+    prompt with its EOS at once, and with ignore_eos runs on to max_new_tokens (sent as
+    benchmarks/serving.py --backend tgi --ignore-eos sends it)."""
+    def generate(**parameters) -> dict:
+        r = httpx.post(embedded_server.url + "/generate", timeout=120, json={
+            "inputs": "Write a long story about a dragon.",
+            "parameters": {"max_new_tokens": 40, "details": True, **parameters}})
+        assert r.status_code == 200, r.text
+        return r.json()["details"]
+
+    stops = generate()
+    assert stops["finish_reason"] == "eos_token" and stops["generated_tokens"] < 40
+    details = generate(ignore_eos=True)
+    assert details["finish_reason"] == "length" and details["generated_tokens"] == len(details["tokens"]) == 40
