@@ -168,7 +168,7 @@ class RoleTemplate(BaseTemplate):
         content = message.get("content")
         if content is None:
             content = ""
-        if isinstance(content, list):   # parts: text, and images (see server/api/openai.message_content)
+        if isinstance(content, list):   # parts: text, and images (see server/api/openai/convert.message_content)
             content = "".join(self._part_text(part, role) for part in content)
         if not isinstance(content, str):
             raise ChatTemplateError(f"the content of a {role} message must be text")
