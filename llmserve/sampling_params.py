@@ -110,8 +110,8 @@ SAMPLING_RULES: dict[str, SamplingRule] = {
 
 def check_ranges(values: Mapping[str, Any], api: str | None = None) -> None:
     """``InvalidRequest`` for the first of ``values`` outside its range in SAMPLING_RULES. With
-    ``api``, a request's values before anything else: None is unset, and only the ranges ``api``
-    narrows are checked (SamplingParams checks the rest)."""
+    ``api``: a request's values as they came (None: unset), checked only where that API narrows the
+    range; SamplingParams checks the rest once the request is resolved."""
     for name, value in values.items():
         rule = SAMPLING_RULES[name]
         if api is None:
