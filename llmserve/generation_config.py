@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmserve.common.errors import ModelLoadError
 from llmserve.default_model import DEFAULT_MODEL_NAME, default_model_path
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, check_ranges
+
+if TYPE_CHECKING:
+    from llmserve.chat_template import BaseTemplate
 
 __all__ = ["GENERATION_CONFIG_FILE", "GenerationConfigError", "SamplingDefaults", "load_sampling_defaults"]
 
@@ -42,9 +45,6 @@ logger = logging.getLogger(__name__)
 GENERATION_CONFIG_FILE = "generation_config.json"
 AUTO = "auto"
 NONE_SPECS = ("none", "vllm")   # vLLM's "vllm" means its own (the API's) defaults: no model defaults
-
-# The sampler holds top_k in an int tensor; beyond any vocabulary a top_k cuts nothing anyway.
-_MAX_TOP_K = 2**31 - 1
 
 
 class GenerationConfigError(ValueError):
@@ -64,14 +64,21 @@ class SamplingDefaults:
     source: str = "none"
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if f.name != "source" and getattr(self, f.name) is not None:
-                _check_value(f.name, getattr(self, f.name))
+        check_ranges(self.values())      # SamplingParams' ranges
 
     def get(self, name: str, fallback: Any) -> Any:
         """The model's default for sampling field ``name``, else ``fallback`` (the API's own)."""
         value = getattr(self, name)
         return fallback if value is None else value
+
+    def resolve(self, request: Mapping[str, Any], template: BaseTemplate | None = None) -> dict[str, Any]:
+        """The sampling fields for SamplingParams, each from the first of: the request (``request``'s
+        value; None or absent: unset), the model's recommended value (these defaults), the chat
+        template's (``template``, on chat routes), the API's default (``API_DEFAULTS``). Every API
+        and the offline LLM fill what a request leaves unset here and nowhere else."""
+        return {name: next((v for v in (request.get(name), getattr(self, name), getattr(template, name, None))
+                            if v is not None), API_DEFAULTS[name])
+                for name in SAMPLING_FIELDS}
 
     def values(self) -> dict[str, float | int]:
         """The fields that are set, e.g. ``{"temperature": 0.2, "top_p": 0.9}``."""
@@ -88,6 +95,10 @@ class SamplingDefaults:
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingDefaults) if f.name != "source")
+# What a field none of the request, the model and the chat template sets becomes: the API's
+# default, which for both APIs and the offline LLM is SamplingParams' own (temperature 1, top_p 1,
+# top_k 0: no cut, typical_p 1, repetition_penalty 1).
+API_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(SamplingParams) if f.name in SAMPLING_FIELDS}
 
 # GGUF files carry no generation_config.json. The embedded SmolLM2-135M-Instruct's model card
 # (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "How to use") samples with
@@ -151,14 +162,3 @@ def _read_file(path: str) -> SamplingDefaults:
     except ValueError as e:
         raise GenerationConfigError(f"{path}: {e}") from None
 
-
-def _check_value(name: str, value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is a number the field accepts (the ranges are
-    SamplingParams'; a config file must also give plain numbers, and a top_k that fits int32)."""
-    if name == "top_k":
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_TOP_K:
-            raise ValueError(f"top_k must be an integer in [0, {_MAX_TOP_K}] (0: no cut), got {value!r}")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    SamplingParams(**{name: value})

@@ -155,9 +155,12 @@ class LLM:
         return self.image_processor([decode_image(im, limits) if isinstance(im, bytes) else im.convert("RGB")
                                      for im in images])
 
-    def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams' defaults with the model's recommended sampling (see generation_config.py)."""
-        return SamplingParams(**self.sampling_defaults.values())
+    def default_sampling_params(self, chat: bool = False) -> SamplingParams:
+        """The SamplingParams of a call that passes none: the model's recommended sampling (see
+        generation_config.py), then, for ``chat``, the chat template's, as the server's
+        completions and chat routes resolve a request that sets no sampling field."""
+        template = self.chat_template.template if chat and self.chat_template else None
+        return SamplingParams(**self.sampling_defaults.resolve({}, template))
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         """The prompt tokens of an OpenAI-style conversation, through the chat template."""
@@ -167,7 +170,7 @@ class LLM:
 
     def chat(self, messages: list[Message], params: SamplingParams | None = None) -> RequestOutput:
         """Answer a conversation; the template's stop words end the answer too."""
-        params = self._chat_stop.add_to(params or self.default_sampling_params())
+        params = self._chat_stop.add_to(params or self.default_sampling_params(chat=True))
         (out,) = self.generate([self.chat_prompt(messages)], params)
         return out
 

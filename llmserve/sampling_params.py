@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-# A penalty divides (or multiplies) logits of up to ~1e2; outside these bounds the logits
-# overflow or the penalty has no meaning left. (vLLM allows (0, 2]; TGI any positive number.)
-MIN_REPETITION_PENALTY = 0.01
-MAX_REPETITION_PENALTY = 100.0
+from typing import Any
 
 _FIELD = re.compile(r"`(\w+)`")
 
@@ -37,6 +34,103 @@ class InvalidRequest(ValueError):
             n = names.get(m[1], m[1])
             return f"`{n}`" if quote else n
         return _FIELD.sub(name, self.message)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one sampling number may take: from ``low`` up to ``high`` (None: no upper bound),
+    each end included unless open; ``integer``: whole numbers only. ``note`` ends its message."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    note: str = ""
+
+    def __contains__(self, value: Any) -> bool:
+        if self.integer:
+            if isinstance(value, bool) or not isinstance(value, int):
+                return False
+        elif not _is_finite_number(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        low, high = _number(self.low), _number(self.high)
+        if self.high is not None:
+            text = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        elif self.low == 0 and self.low_open:
+            text = "positive"
+        else:
+            text = f"{'>' if self.low_open else '>='} {low}"
+        text = f"an integer {text}" if self.integer else text
+        return f"{text} ({self.note})" if self.note else text
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """One sampling number's range in SamplingParams, and where an API's own documentation narrows
+    it, the changes that API makes to it (``{"high_open": True}``), so that they follow the rule.
+    An API checks its range before SamplingParams checks the rule's: a change never widens it."""
+
+    range: Range
+    narrowed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def range_for(self, api: str) -> Range:
+        return dataclasses.replace(self.range, **self.narrowed[api])
+
+
+# torch seeds are unsigned 64-bit, and so are both APIs' (OpenAI's and TGI's); the sampler holds
+# top_k in an integer tensor, and beyond any vocabulary a top_k cuts nothing anyway.
+MAX_SEED = 2**64 - 1
+MAX_TOP_K = 2**31 - 1
+
+# Every sampling number's range, written once. SamplingParams checks its values against it, and
+# with them what the offline LLM, both APIs and a model's or chat template's defaults give it; an
+# API checks a request's value first where its documentation narrows the range (OpenAI caps the
+# temperature at 2; TGI's seed 004 refuses top_p 1.0 and top_k 0, its "unset" values, a
+# temperature of 0 and a seed of 0).
+SAMPLING_RULES: dict[str, SamplingRule] = {
+    "temperature": SamplingRule(Range(0), {"openai": {"high": 2}, "tgi": {"low_open": True}}),
+    "top_p": SamplingRule(Range(0, 1, low_open=True), {"tgi": {"high_open": True}}),
+    "top_k": SamplingRule(Range(0, MAX_TOP_K, integer=True, note="0: no cut"),
+                          {"tgi": {"low_open": True, "note": ""}}),
+    "typical_p": SamplingRule(Range(0, 1, low_open=True)),
+    # A penalty divides (or multiplies) logits of up to ~1e2; outside these bounds the logits
+    # overflow or the penalty has no meaning left. (vLLM allows (0, 2]; TGI any positive number.)
+    "repetition_penalty": SamplingRule(Range(0.01, 100.0)),
+    "presence_penalty": SamplingRule(Range(-2, 2)),
+    "frequency_penalty": SamplingRule(Range(-2, 2)),
+    "seed": SamplingRule(Range(0, MAX_SEED, integer=True), {"tgi": {"low_open": True}}),
+}
+
+
+def check_ranges(values: Mapping[str, Any], api: str | None = None) -> None:
+    """``InvalidRequest`` for the first of ``values`` outside its range in SAMPLING_RULES. With
+    ``api``: a request's values as they came (None: unset), checked only where that API narrows the
+    range; SamplingParams checks the rest once the request is resolved."""
+    for name, value in values.items():
+        rule = SAMPLING_RULES[name]
+        if api is None:
+            allowed = rule.range
+        elif api in rule.narrowed and value is not None:
+            allowed = rule.range_for(api)
+        else:
+            continue
+        if value not in allowed:
+            kind = allowed if allowed.integer or _is_finite_number(value) else "a finite number"
+            raise InvalidRequest(name, f"`{name}` must be {kind}, got {value!r}")
+
+
+def _is_finite_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _number(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 @dataclass(frozen=True)
@@ -120,25 +214,11 @@ class SamplingParams:
 
     def verify(self) -> None:
         """Raise ``InvalidRequest`` with a one-line reason for any out-of-range setting."""
-        for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and math.isfinite(value), name,
-                     f"`{name}` must be a finite number, got {value!r}")
+        check_ranges({name: getattr(self, name) for name in SAMPLING_RULES if name != "seed" or self.seed is not None})
         _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
                  f"`max_new_tokens` must be a positive integer, got {self.max_new_tokens!r}")
         _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_new_tokens, "min_tokens",
                  f"`min_tokens` must be an integer in [0, `max_new_tokens`={self.max_new_tokens}], got {self.min_tokens!r}")
-        _require(self.temperature >= 0, "temperature", f"`temperature` must be >= 0, got {self.temperature}")
-        _require(self.top_k >= 0, "top_k", f"`top_k` must be >= 0 (or -1 for no limit), got {self.top_k}")
-        _require(0.0 < self.top_p <= 1.0, "top_p", f"`top_p` must be in (0, 1], got {self.top_p}")
-        _require(0.0 < self.typical_p <= 1.0, "typical_p", f"`typical_p` must be in (0, 1], got {self.typical_p}")
-        _require(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
-                 f"`repetition_penalty` must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
-                 f"got {self.repetition_penalty}")
-        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-                 f"`presence_penalty` must be in [-2, 2], got {self.presence_penalty}")
-        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-                 f"`frequency_penalty` must be in [-2, 2], got {self.frequency_penalty}")
         _require(self.logprobs is None or self.logprobs >= 0, "logprobs", f"`logprobs` must be >= 0, got {self.logprobs}")
         _require(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
                  f"`prompt_logprobs` must be >= 0, got {self.prompt_logprobs}")

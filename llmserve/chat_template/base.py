@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from llmserve.sampling_params import check_ranges
+
 if TYPE_CHECKING:
     from llmserve.chat_template.tools import ToolFormat
 
@@ -33,7 +35,7 @@ class BaseTemplate:
 
     ``capability='completion'`` marks a base model: ``get_prompt`` returns the prompt unchanged
     and a conversation cannot be rendered. The sampling fields are defaults: a request's own
-    values win.
+    values and the model's win (``SamplingDefaults.resolve``); their ranges are SamplingParams'.
     """
     session_len: int = 2048                 # the longest sequence (prompt + answer) the model is meant for
     top_p: float = 0.8
@@ -51,14 +53,8 @@ class BaseTemplate:
             raise ValueError(f"capability must be one of {', '.join(CAPABILITIES)}, got {self.capability!r}")
         if self.session_len is not None and self.session_len < 2:
             raise ValueError(f"session_len must be >= 2, got {self.session_len}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check_ranges({name: value for name in ("top_p", "temperature", "top_k", "repetition_penalty")
+                      if (value := getattr(self, name)) is not None})
         if self.stop_words is not None and not all(isinstance(w, str) and w for w in self.stop_words):
             raise ValueError("stop_words must be non-empty strings")
 
@@ -172,7 +168,7 @@ class RoleTemplate(BaseTemplate):
         content = message.get("content")
         if content is None:
             content = ""
-        if isinstance(content, list):   # parts: text, and images (see server/api/openai.message_content)
+        if isinstance(content, list):   # parts: text, and images (see server/api/openai/convert.message_content)
             content = "".join(self._part_text(part, role) for part in content)
         if not isinstance(content, str):
             raise ChatTemplateError(f"the content of a {role} message must be text")

@@ -26,10 +26,11 @@ from pydantic import Field
 
 from llmserve.chat_template import ChatTemplateError
 from llmserve.server.api.errors import APIError, require, template_error
-from llmserve.server.api.openai import (
-    ChatMessage, SamplingFields, chat_max_tokens, chat_messages, check_model, finish_reason, openai_fields,
-    sampling_params,
+from llmserve.server.api.openai.convert import (
+    chat_max_tokens, chat_messages, check_model, openai_fields, sampling_params,
 )
+from llmserve.server.api.openai.render import finish_reason
+from llmserve.server.api.openai.schema import ChatMessage, SamplingFields
 from llmserve.server.api.state import ServerState, stream_with_cleanup
 from llmserve.server.engine_client import RequestStream
 from llmserve.server.sessions import MAX_SESSION_ID, NEW_SESSION, Session, SessionStore, answer_token_ids

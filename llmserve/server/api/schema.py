@@ -23,7 +23,6 @@ MAX_INPUT_CHARS = 4 * 1024 * 1024
 MAX_STOP_SEQUENCES = 1024
 MAX_STOP_LENGTH = 1024
 MAX_STOP_TOTAL_CHARS = 32768
-MAX_SEED = 2**64 - 1                 # both APIs' seeds are unsigned 64-bit
 
 
 class APIModel(BaseModel):

@@ -9,7 +9,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request as HTTPRequest
 
-from llmserve.chat_template import ChatTemplateError, ChosenTemplate, StopWords, choose_chat_template
+from llmserve.chat_template import BaseTemplate, ChatTemplateError, ChosenTemplate, StopWords, choose_chat_template
 from llmserve.chat_template.base import Message
 from llmserve.chat_template.jinja import JinjaTemplate
 from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.generation_config import SamplingDefaults, load_sampling_defaults
 from llmserve.multimodal import ImageLimits, ImageProcessor, decode_image, expand_image_tokens
-from llmserve.sampling_params import InvalidRequest, SamplingParams
+from llmserve.sampling_params import InvalidRequest, SamplingParams, check_ranges
 from llmserve.server.api.errors import (
     APIError, APIFields, generation_error, overloaded_error, template_error, validation_error,
 )
@@ -258,6 +258,17 @@ class ServerState:
     def room_for(self, num_prompt_tokens: int) -> int:
         """The most tokens a request with this prompt may generate."""
         return self.limits.request.room_for(num_prompt_tokens)
+
+    def sampling_fields(self, api: str, request: Mapping[str, Any],
+                        template: BaseTemplate | None = None) -> dict[str, Any]:
+        """The sampling fields of a request's SamplingParams: its own values (None: unset) checked
+        where ``api``'s documentation narrows their range, the unset ones resolved
+        (``SamplingDefaults.resolve``: the model's, then ``template``'s, then the API's), and top_k
+        held to the vocabulary, since a larger one cuts nothing. Raises ``InvalidRequest``."""
+        check_ranges(request, api)
+        values = self.sampling_defaults.resolve(request, template)
+        values["top_k"] = min(values["top_k"], self.info.vocab_size)
+        return values
 
     def start_all(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
                   pixel_values: list[np.ndarray] | None = None,

@@ -19,9 +19,7 @@ from llmserve.multimodal import IMAGE_PLACEHOLDER
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.server.api.errors import APIFields, validation_error
 from llmserve.server.api.guided import tgi_guided_decoding
-from llmserve.server.api.schema import (
-    MAX_SEED, MAX_STOP_SEQUENCES, APIModel, ImageURL, check_stop, image_url_of, stop_list,
-)
+from llmserve.server.api.schema import MAX_STOP_SEQUENCES, APIModel, ImageURL, check_stop, image_url_of, stop_list
 from llmserve.server.api.state import ServerState, fresh_seed, json_logprob, stream_with_cleanup
 from llmserve.server.api.streaming import sse_response
 from llmserve.server.engine_client import RequestStream, TokenEvent
@@ -30,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 DEFAULT_MAX_NEW_TOKENS = 20   # TGI's documented default
-MAX_INT32 = 2**31 - 1         # seed 004's upper bound of top_k, truncate and max_new_tokens
+MAX_INT32 = 2**31 - 1         # seed 004's upper bound of truncate and max_new_tokens (top_k's is SAMPLING_RULES')
 __all__ = ["MAX_STOP_SEQUENCES", "build_router"]   # /info reports the stop limit
 
 
@@ -116,14 +114,10 @@ def _check(condition: bool, message: str) -> None:
 
 
 def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int) -> SamplingParams:
-    """TGI parameters -> SamplingParams. Checked here: TGI's own rules (its ranges where they are
-    narrower than the engine's, the fields it does not support), in TGI's messages; the engine's
-    rules are SamplingParams' and check_request's, rendered in TGI's field names."""
-    _check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
-    _check(p.top_p is None or 0 < p.top_p < 1, "`top_p` must be > 0.0 and < 1.0")
-    _check(p.top_k is None or 0 < p.top_k <= MAX_INT32, f"`top_k` must be in (0, {MAX_INT32}]")
-    _check(p.typical_p is None or 0 < p.typical_p <= 1, "`typical_p` must be > 0.0 and <= 1.0")
-    _check(p.seed is None or 0 < p.seed <= MAX_SEED, f"`seed` must be in (0, {MAX_SEED}]")
+    """TGI parameters -> SamplingParams. Checked here: TGI's own rules (the fields it does not
+    support, its limits), in TGI's messages; the ranges of sampling numbers (SAMPLING_RULES, with
+    TGI's narrower ones) and the engine's rules are SamplingParams' and check_request's, rendered
+    in TGI's field names."""
     _check(p.max_new_tokens is None or p.max_new_tokens <= MAX_INT32, f"`max_new_tokens` must be <= {MAX_INT32}")
     lim = state.limits.max_top_n_tokens
     _check(p.top_n_tokens is None or 0 <= p.top_n_tokens <= lim,
@@ -137,19 +131,15 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
         max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, state.room_for(num_prompt_tokens))
     else:
         max_new_tokens = p.max_new_tokens
-    # Fields the request leaves unset take the model's recommended values (its
-    # generation_config); they never turn a greedy request into a sampling one.
-    model = state.sampling_defaults
     guided_decoding = tgi_guided_decoding(p.grammar)
     try:
+        sampling = state.sampling_fields("tgi", {
+            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "typical_p": p.typical_p,
+            "repetition_penalty": p.repetition_penalty, "seed": p.seed})
         return SamplingParams(
+            # the model's recommended values never turn a greedy request into a sampling one
+            **sampling | ({} if sample else {"temperature": 0.0}),
             max_new_tokens=max_new_tokens,
-            temperature=(p.temperature or model.get("temperature", 1.0)) if sample else 0.0,
-            # a top_k of the vocabulary or more cuts nothing (and a huge one would overflow int64)
-            top_k=min(p.top_k or model.get("top_k", 0), state.info.vocab_size), top_p=p.top_p or model.get("top_p", 1.0),
-            typical_p=p.typical_p or model.get("typical_p", 1.0),
-            repetition_penalty=(p.repetition_penalty if p.repetition_penalty is not None
-                                else model.get("repetition_penalty", 1.0)),
             frequency_penalty=p.frequency_penalty or 0.0,
             seed=(p.seed or fresh_seed()) if sample else None,
             stop=stop, ignore_eos=p.ignore_eos,

@@ -19,7 +19,8 @@ from pydantic import ConfigDict, ValidationError
 
 from llmserve.server.api import tgi
 from llmserve.server.api.errors import APIError, validation_error
-from llmserve.server.api.openai import ChatCompletionRequest, chat_messages, check_model
+from llmserve.server.api.openai.convert import chat_messages, check_model
+from llmserve.server.api.openai.schema import ChatCompletionRequest
 from llmserve.server.api.schema import APIModel
 from llmserve.server.api.state import ServerState
 from llmserve.server.metrics import RequestOutcome

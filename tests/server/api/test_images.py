@@ -293,7 +293,8 @@ def test_a_jinja_template_gets_image_parts_as_hf_processors_do(tiny_llava):
     from transformers import AutoTokenizer
 
     from llmserve.chat_template.jinja import JinjaTemplate
-    from llmserve.server.api.openai import ChatCompletionRequest, chat_messages
+    from llmserve.server.api.openai.convert import chat_messages
+    from llmserve.server.api.openai.schema import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"messages": [
         {"role": "system", "content": "Be brief."},

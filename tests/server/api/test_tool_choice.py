@@ -110,7 +110,7 @@ def test_every_answer_the_required_schema_allows_parses(calls):
 def test_answer_message_and_deltas():
     """A call makes finish_reason "tool_calls" (unless the answer was cut short), in a whole
     answer and in a stream, whose deltas carry the calls' indices in order."""
-    from llmserve.server.api.openai import answer_delta, answer_message
+    from llmserve.server.api.openai.render import answer_delta, answer_message
 
     use = tool_use(TOOLS, "auto", None, tool_parser("hermes"))
     answer = ('Sure.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
