@@ -199,7 +199,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         device=str(device),
         dtype=dtype,
         max_total_token_num=max_batch * max_len + 64,
-        max_req_num=max_batch,
+        max_running_requests=max_batch,
         max_seq_len=max_len,
         config=cfg,
         weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),

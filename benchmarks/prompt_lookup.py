@@ -360,7 +360,7 @@ def step_mode(args: argparse.Namespace) -> list[StepResult]:
     max_len = args.context + args.speculate + 8
     model = get_model_class(peek_model_config(path)["model_type"])(ModelInitParams(
         model_path=path, device=str(device), dtype=dtype, max_total_token_num=max_batch * max_len + 64,
-        max_req_num=max_batch, max_seq_len=max_len, cuda_graph_max_bs=max_batch if device.type == "cuda" else 0,
+        max_running_requests=max_batch, max_seq_len=max_len, cuda_graph_max_bs=max_batch if device.type == "cuda" else 0,
         speculate=args.speculate, speculate_max_batch=max_batch))   # verify graphs, as the server has with --speculate
     sampler = Sampler()
     results = []

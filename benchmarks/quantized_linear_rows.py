@@ -35,7 +35,7 @@ def load_weights() -> dict:
     from llmserve.models.registry import get_model_class, peek_model_config
 
     path = resolve_model_path(None)
-    params = ModelInitParams(model_path=path, device="cpu", dtype=None, max_total_token_num=4096, max_req_num=4,
+    params = ModelInitParams(model_path=path, device="cpu", dtype=None, max_total_token_num=4096, max_running_requests=4,
                              max_seq_len=2048)
     model = get_model_class(peek_model_config(path)["model_type"])(params)
     weights = {name.rstrip("_").removesuffix("_weight"): getattr(model.trans_layers_weight[0], name) for name in LAYER}

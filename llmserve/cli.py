@@ -286,7 +286,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
-        max_concurrent_requests=args.max_concurrent_requests, max_total_tokens=args.max_total_tokens,
+        max_concurrent_requests=args.max_concurrent_requests, max_model_len=args.max_total_tokens,
         max_input_tokens=args.max_input_tokens, max_top_n_tokens=args.max_top_n_tokens,
         served_model_name=args.served_model_name,
         chat_template=args.chat_template, payload_limit=args.payload_limit, generation_config=args.generation_config,

@@ -22,26 +22,26 @@ from llmserve.worker.protocol import WorkerInfo
 class RequestLimits:
     vocab_size: int
     max_input_tokens: int      # prompt tokens
-    max_total_tokens: int      # prompt + max_new_tokens
+    max_model_len: int         # prompt + max_new_tokens (TGI's --max-total-tokens, vLLM's --max-model-len)
     image_token_id: int | None = None   # None: a text-only model
     tokens_per_image: int = 0
     max_images: int = 0                 # per request
 
     @classmethod
-    def of_model(cls, info: WorkerInfo, max_total_tokens: int | None = None,
+    def of_model(cls, info: WorkerInfo, max_model_len: int | None = None,
                  max_input_tokens: int | None = None, max_images: int | None = None) -> RequestLimits:
         """The model's limits (its context and the KV pool), tightened by an operator's if given."""
         model_limit = min(info.max_seq_len, info.max_total_token_num)
-        max_total = min(max_total_tokens or model_limit, model_limit)
-        max_input = min(max_input_tokens or max_total - 1, max_total - 1)
+        max_len = min(max_model_len or model_limit, model_limit)
+        max_input = min(max_input_tokens or max_len - 1, max_len - 1)
         if max_input < 1:
-            raise ValueError(f"max_input_tokens must be >= 1 (max_total_tokens is {max_total})")
+            raise ValueError(f"max_input_tokens must be >= 1 (max_model_len is {max_len})")
         images = 0 if info.image_token_id is None else max_images if max_images is not None else 1 << 30
-        return cls(info.vocab_size, max_input, max_total, info.image_token_id, info.tokens_per_image, images)
+        return cls(info.vocab_size, max_input, max_len, info.image_token_id, info.tokens_per_image, images)
 
     def room_for(self, num_prompt_tokens: int) -> int:
         """The most tokens a request with this prompt may generate."""
-        return max(1, self.max_total_tokens - num_prompt_tokens)
+        return max(1, self.max_model_len - num_prompt_tokens)
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits,
@@ -60,8 +60,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         check_guided_decoding(params.guided_decoding)
     if n > limits.max_input_tokens:
         raise InvalidRequest("prompt", f"`prompt` must have less than {limits.max_input_tokens + 1} tokens. Given: {n}")
-    if n + params.max_new_tokens > limits.max_total_tokens:
-        raise InvalidRequest("max_new_tokens", f"`prompt` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+    if n + params.max_new_tokens > limits.max_model_len:
+        raise InvalidRequest("max_new_tokens", f"`prompt` tokens + `max_new_tokens` must be <= {limits.max_model_len}. "
                                                f"Given: {n} `prompt` tokens and {params.max_new_tokens} `max_new_tokens`")
     check_images(prompt_token_ids, num_images, limits)
 

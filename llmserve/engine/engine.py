@@ -56,7 +56,7 @@ class LLMEngine:
             WorkerInitArgs(
                 model_path=model.path, model_type=model.model_type, tp_rank=rank, world_size=config.tp, device=model.device,
                 dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
-                max_req_num=config.max_running_requests, dist_init_method=init_method,
+                max_running_requests=config.max_running_requests, dist_init_method=init_method,
                 eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
                 speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
                 dequantize=config.dequantize,
@@ -67,7 +67,7 @@ class LLMEngine:
         self.limits = RequestLimits.of_model(self.info)
         self.scheduler = Scheduler(SchedulerConfig(
             max_total_token_num=self.info.max_total_token_num,
-            max_running_requests=min(config.max_running_requests, self.info.max_req_num),
+            max_running_requests=min(config.max_running_requests, self.info.max_running_requests),
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
             prompt_lookup_min_ngram=config.prompt_lookup_min_ngram, prompt_lookup_max_ngram=config.prompt_lookup_max_ngram,

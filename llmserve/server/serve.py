@@ -99,7 +99,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         core.start_model(inspect_model(engine_config, tokenizer))
         ready = core.wait_ready()
         metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),
-                                max_tokens=ready.info.max_total_token_num)
+                                max_total_token_num=ready.info.max_total_token_num)
         server: _Server | None = None
 
         def on_fatal(error: BaseException) -> None:
@@ -110,7 +110,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
                               log_stats_interval=log_stats_interval)
         state = ServerState(config, engine, metrics, chat_template, sampling_defaults)
         status_logger().info("%s, max %d tokens per request, chat template: %s, sampling defaults: %s", engine.summary,
-                             state.limits.max_total_tokens, describe_template(state), sampling_defaults.summary())
+                             state.limits.max_model_len, describe_template(state), sampling_defaults.summary())
         banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
                   f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions"
                   f"{'; chat page: /' if config.ui else ''})")

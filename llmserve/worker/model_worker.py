@@ -57,7 +57,7 @@ class ModelWorker:
         params = ModelInitParams(
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
-            mem_fraction=args.mem_fraction, max_req_num=args.max_req_num,
+            mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
             cuda_graph_max_bs=args.cuda_graph_max_bs, speculate=args.speculate,
             speculate_max_batch=args.speculate_max_batch, dequantize=args.dequantize,
         )
@@ -101,7 +101,7 @@ class ModelWorker:
         qtypes = sorted({t.qtype for t in tensors.values() if isinstance(t, QuantizedWeight)})
         return WorkerInfo(
             model_type=m.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
-            max_seq_len=m.max_seq_len, max_req_num=self.args.max_req_num, dtype=str(m.data_type).removeprefix("torch."),
+            max_seq_len=m.max_seq_len, max_running_requests=self.args.max_running_requests, dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
             quantized="/".join(qtypes), **_graph_info(m), **_image_info(m),
         )

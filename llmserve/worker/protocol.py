@@ -46,7 +46,7 @@ class WorkerInitArgs:
     dtype: str | None = None         # "float32" | "float16" | "bfloat16" | None (model default)
     max_total_token_num: int | None = None
     mem_fraction: float = 0.85
-    max_req_num: int = 256
+    max_running_requests: int = 256
     dist_init_method: str = ""       # tcp://127.0.0.1:PORT when world_size > 1
     eos_token_ids: list[int] = field(default_factory=list)  # banned by the sampler below min_tokens
     cuda_graph_max_bs: int = 0       # on CUDA, decode batches up to this size replay CUDA graphs
@@ -62,7 +62,7 @@ class WorkerInfo:
     vocab_size: int
     max_total_token_num: int
     max_seq_len: int
-    max_req_num: int
+    max_running_requests: int
     dtype: str
     device: str
     num_layers: int

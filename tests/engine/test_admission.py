@@ -11,7 +11,7 @@ from llmserve.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.worker.protocol import WorkerInfo
 
-INFO = WorkerInfo(model_type="llama", vocab_size=100, max_total_token_num=100, max_seq_len=1000, max_req_num=8,
+INFO = WorkerInfo(model_type="llama", vocab_size=100, max_total_token_num=100, max_seq_len=1000, max_running_requests=8,
                   dtype="float32", device="cpu", num_layers=1, num_params=1)
 
 
@@ -23,10 +23,10 @@ def refusal(prompt: list[int], params: SamplingParams, limits: RequestLimits) ->
 
 def test_limits_of_the_model_and_of_the_operator():
     assert RequestLimits.of_model(INFO) == RequestLimits(100, 99, 100)        # the KV pool is the tighter bound
-    assert RequestLimits.of_model(INFO, max_total_tokens=50) == RequestLimits(100, 49, 50)
-    assert RequestLimits.of_model(INFO, max_total_tokens=500, max_input_tokens=20) == RequestLimits(100, 20, 100)
+    assert RequestLimits.of_model(INFO, max_model_len=50) == RequestLimits(100, 49, 50)
+    assert RequestLimits.of_model(INFO, max_model_len=500, max_input_tokens=20) == RequestLimits(100, 20, 100)
     with pytest.raises(ValueError, match="max_input_tokens"):
-        RequestLimits.of_model(INFO, max_total_tokens=1)
+        RequestLimits.of_model(INFO, max_model_len=1)
     assert RequestLimits(100, 49, 50).room_for(45) == 5 and RequestLimits(100, 49, 50).room_for(60) == 1
 
 
@@ -76,7 +76,7 @@ def test_the_engine_takes_whatever_the_check_admits():
             admitted = True
         scheduler = Scheduler(SchedulerConfig(max_total_token_num=INFO.max_total_token_num))
         req = Request(i, prompt, params)
-        fits = 0 < len(prompt) <= limits.max_input_tokens and len(prompt) + params.max_new_tokens <= limits.max_total_tokens \
+        fits = 0 < len(prompt) <= limits.max_input_tokens and len(prompt) + params.max_new_tokens <= limits.max_model_len \
             and all(0 <= t < INFO.vocab_size for t in prompt)
         assert admitted == fits, (len(prompt), params.max_new_tokens)
         if admitted:

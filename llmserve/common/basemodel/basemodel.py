@@ -32,7 +32,7 @@ class ModelInitParams:
     dtype: torch.dtype | None = None      # None: fp32 on CPU; the checkpoint's fp16/bf16 on GPU
     max_total_token_num: int | None = None  # KV pool size in tokens; None: sized from free memory
     mem_fraction: float = 0.85            # GPU: share of the card's memory the process may fill
-    max_req_num: int = 256                # rows of the req->token table
+    max_running_requests: int = 256                # rows of the req->token table
     max_seq_len: int | None = None        # longest request; None: min(context window, KV pool)
     # Decode steps of up to this many requests replay CUDA graphs (cuda_graph.py); 0: never.
     cuda_graph_max_bs: int = 0
@@ -167,7 +167,7 @@ class TpPartBaseModel:
             return 0
         if p.cuda_graph_capture and self.device.type != "cuda":
             return 0
-        return min(p.cuda_graph_max_bs, p.max_req_num)
+        return min(p.cuda_graph_max_bs, p.max_running_requests)
 
     def _graphs_supported(self) -> bool:
         """Hook: False for a model whose decode step needs the host (Llama's dynamic NTK rotary)."""
@@ -184,7 +184,7 @@ class TpPartBaseModel:
         spare = 1 if self.cuda_graph_max_bs else 0
         self.mem_manager = MemoryManager(size + spare, self.data_type, tp_kv_heads, dim, cfg.num_hidden_layers, self.device)
         self.max_seq_len = self.params.max_seq_len or min(context or size, size)
-        self.req_manager = ReqManager(self.params.max_req_num + spare, self.max_seq_len, self.mem_manager, self.device)
+        self.req_manager = ReqManager(self.params.max_running_requests + spare, self.max_seq_len, self.mem_manager, self.device)
 
     def _init_decode_graphs(self) -> DecodeGraphs | None:
         if not self.cuda_graph_max_bs:

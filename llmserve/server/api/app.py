@@ -100,7 +100,7 @@ def create_app(state: ServerState) -> FastAPI:
             "num_parameters": i.num_params, "tp": state.engine.config.tp,
             "max_concurrent_requests": lim.max_concurrent_requests, "max_best_of": lim.max_best_of,
             "max_stop_sequences": tgi.MAX_STOP_SEQUENCES, "max_input_tokens": lim.max_input_tokens,
-            "max_total_tokens": lim.max_total_tokens, "max_top_n_tokens": lim.max_top_n_tokens,
+            "max_total_tokens": lim.max_model_len, "max_top_n_tokens": lim.max_top_n_tokens,
             "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
             "chunked_prefill": state.engine.config.chunked_prefill,
             "prefix_cache": state.engine.config.prefix_cache,

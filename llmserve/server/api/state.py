@@ -52,8 +52,8 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_concurrent_requests: int = 128     # client requests in flight; beyond: 429
-    max_total_tokens: int | None = None    # prompt + max_new_tokens; None: what the model and KV pool allow
-    max_input_tokens: int | None = None    # None: max_total_tokens - 1
+    max_model_len: int | None = None       # prompt + max_new_tokens; None: what the model and KV pool allow
+    max_input_tokens: int | None = None    # None: max_model_len - 1
     max_top_n_tokens: int = 5
     max_best_of: int = 2                   # TGI's best_of limit (its --max-best-of, and its default)
     full_text_enabled: bool = False        # seed 004's fullTextEnabled: TGI stream events carry the text so far
@@ -82,8 +82,8 @@ class Limits:
     max_best_of: int
 
     @property
-    def max_total_tokens(self) -> int:
-        return self.request.max_total_tokens
+    def max_model_len(self) -> int:
+        return self.request.max_model_len
 
     @property
     def max_input_tokens(self) -> int:
@@ -119,7 +119,7 @@ class ServerState:
                                   else load_sampling_defaults(config.generation_config, self.model_path))
         info = engine.info
         self.info = info
-        self.limits = Limits(RequestLimits.of_model(info, config.max_total_tokens, config.max_input_tokens,
+        self.limits = Limits(RequestLimits.of_model(info, config.max_model_len, config.max_input_tokens,
                                                     config.max_images_per_request),
                              config.max_concurrent_requests, config.max_top_n_tokens, config.max_best_of)
         self.media = MediaConfig(ImageLimits(config.max_images_per_request, config.max_image_bytes, config.max_image_pixels),

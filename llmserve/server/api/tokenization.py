@@ -78,7 +78,7 @@ def tokenizer_info(state: ServerState) -> dict[str, Any]:
         "tokenizer_class": type(tok).__name__,
         "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
         "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-        "model_max_length": state.limits.max_total_tokens,
+        "model_max_length": state.limits.max_model_len,
         "chat_template": jinja or None,          # a registry template has no Jinja text to give
         "vocab_size": state.info.vocab_size,
     }
@@ -98,7 +98,7 @@ async def vllm_tokenize(state: ServerState, body: dict[str, Any]) -> dict[str, A
         request = TokenizePromptRequest.model_validate(body)
         check_model(state, request.model)
         ids = await state.tokenize_in_thread(state.encode, request.prompt, "prompt", request.add_special_tokens, False)
-    return {"count": len(ids), "max_model_len": state.limits.max_total_tokens, "tokens": ids,
+    return {"count": len(ids), "max_model_len": state.limits.max_model_len, "tokens": ids,
             "token_strs": state.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None}
 
 

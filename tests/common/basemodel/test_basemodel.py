@@ -13,7 +13,7 @@ def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     build_tiny_hf_model(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=256), path)
-    return load_ours(path, max_req_num=16)
+    return load_ours(path, max_running_requests=16)
 
 
 @pytest.mark.parametrize("bs", range(1, 10))

@@ -32,8 +32,8 @@ CONFIGS = {
 def eager_and_graphs(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build_tiny_hf_model(CONFIGS[request.param](), path)
-    eager = load_ours(path, max_req_num=32)
-    graphs = load_ours(path, max_req_num=32, cuda_graph_max_bs=MAX_BS, cuda_graph_capture=TEST_DEVICE == "cuda",
+    eager = load_ours(path, max_running_requests=32)
+    graphs = load_ours(path, max_running_requests=32, cuda_graph_max_bs=MAX_BS, cuda_graph_capture=TEST_DEVICE == "cuda",
                        speculate=SPECULATE, speculate_max_batch=SPECULATE_MAX_BS)
     return eager, graphs
 

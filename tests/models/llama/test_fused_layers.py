@@ -87,11 +87,11 @@ def count_launches(monkeypatch) -> Counter:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_layers_are_the_plain_path_bitwise(model_dir, triton_backend, monkeypatch, dtype):
-    plain = load_ours(model_dir, dtype=dtype, max_req_num=4)
+    plain = load_ours(model_dir, dtype=dtype, max_running_requests=4)
     unfuse(plain)
     want = run(plain)
     calls = count_launches(monkeypatch)
-    got = run(load_ours(model_dir, dtype=dtype, max_req_num=4))
+    got = run(load_ours(model_dir, dtype=dtype, max_running_requests=4))
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step}: {(g != w).sum().item()} logits differ"
     # The fused ops ran: per forward, one plain norm (the first layer's: nothing to add yet), and

@@ -44,7 +44,7 @@ def gguf_path(tmp_path_factory) -> str:
 
 
 def load(path: str, **kw):
-    params = ModelInitParams(model_path=path, device="cpu", max_total_token_num=512, max_req_num=8, **kw)
+    params = ModelInitParams(model_path=path, device="cpu", max_total_token_num=512, max_running_requests=8, **kw)
     return get_model_class("llama")(params)
 
 

@@ -31,7 +31,7 @@ class FailingEngine:
         self.model_path = model_path
         self.tokenizer = tokenizer
         self.info = WorkerInfo(model_type="llama", vocab_size=len(tokenizer), max_total_token_num=512,
-                               max_seq_len=512, max_req_num=8, dtype="float32", device="cpu", num_layers=2,
+                               max_seq_len=512, max_running_requests=8, dtype="float32", device="cpu", num_layers=2,
                                num_params=0)
         self.received: list[SamplingParams] = []
 

@@ -40,7 +40,7 @@ def build_router(state: ServerState) -> APIRouter:
 
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": state.started_at, "owned_by": "llmserve",
-                "root": state.model_path, "max_model_len": state.limits.max_total_tokens,
+                "root": state.model_path, "max_model_len": state.limits.max_model_len,
                 "chat_template": state.chat_template.name if state.chat_template else None}
 
     @router.get("/models")
