@@ -36,7 +36,8 @@ def qwen3(tmp_path_factory, smollm2_tokenizer):
     config_file = path / "tokenizer_config.json"
     with open(HERMES_JINJA) as f:
         config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"chat_template": f.read()}))
-    with ServerProcess(str(path), "--served-model-name", "qwen3") as server:
+    # float32 wherever it runs (the GPU suite runs tests/models too): the comparisons are exact
+    with ServerProcess(str(path), "--served-model-name", "qwen3", "--dtype", "float32") as server:
         yield server, hf, smollm2_tokenizer
 
 
