@@ -6,10 +6,9 @@ and a prompt fed in chunks on top of the cache."""
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import Qwen3Config
 
-from parity_utils import LOGITS_TOL, BatchDriver, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts, rel_err
+from parity_utils import assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=256)
@@ -46,12 +45,4 @@ def test_chunked_prefill_matches_full_prompt(models):
     """7 + 6 + 1 tokens on top of the cache: each position's logits are HF's over the whole
     prompt (the q/k norms act on new tokens only; the cache holds normalised, rotated keys)."""
     hf, ours = models
-    (prompt,) = random_prompts([14], 512, seed=2)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    driver = BatchDriver(ours)
-    got = torch.cat([driver.prefill([prompt[:7]], return_all_logits=True),
-                     driver.extend([prompt[7:13]], return_all_logits=True),
-                     driver.extend([prompt[13:]], return_all_logits=True)])
-    driver.free()
-    assert rel_err(got.cpu(), ref) < LOGITS_TOL
+    assert_chunked_prefill_matches_hf(ours, hf, random_prompts([14], 512, seed=2)[0], cuts=[7, 13])
