@@ -1,5 +1,5 @@
 """Qwen3TpPartModel against HF transformers' Qwen3ForCausalLM on tiny random-weight models: untied
-embeddings with the usual head size, and tied embeddings with a head size that is not hidden /
+embeddings with the usual head size and YaRN rope scaling, and tied embeddings with a head size that is not hidden /
 heads (as Qwen3-0.6B's 128 for 1024 / 16). Prefill of a ragged batch plus 16 greedy decode steps,
 and a prompt fed in chunks on top of the cache."""
 
@@ -14,7 +14,9 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
             vocab_size=512, max_position_embeddings=256)
 
 CONFIGS = {
-    "untied": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+    # with the YaRN scaling Qwen3's model cards suggest for long contexts (here past 64 tokens)
+    "untied-yarn": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "tied-wide-heads": lambda: Qwen3Config(**TINY, head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5),
 }
 
