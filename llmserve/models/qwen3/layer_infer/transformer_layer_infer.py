@@ -18,7 +18,9 @@ class Qwen3TransformerLayerInfer(LlamaTransformerLayerInfer):
         # The norm's rows are the heads ([n, H, D] -> n * H rows of D). k is normalised in place,
         # in its columns of the fused projection, because kv keeps K and V side by side for the
         # one store; q may become a new tensor, as nothing else reads the projection's copy.
-        # (Two extra launches a layer; a fused q/k-norm + rotary + store kernel would save them.)
+        # On a GPU this is five launches a layer (q and k are strided views: each is gathered
+        # into rows, normalised, and k written back); one kernel doing the norms inside the
+        # rotary-and-store launch would save them all, if a profile shows them.
         k = kv[:, : self.tp_kv_head_num_]
         k.copy_(rmsnorm_forward(k, layer_weight.k_norm_weight_, self.eps_))
         return rmsnorm_forward(q, layer_weight.q_norm_weight_, self.eps_), kv
