@@ -1,4 +1,5 @@
-"""HF transformers as the peer in ``offline.py``'s table: ``LlamaForCausalLM`` with the very same
+"""HF transformers as the peer in ``offline.py``'s table: ``LlamaForCausalLM`` (``Qwen3ForCausalLM``
+for a qwen3 config) with the very same
 random weights (the same generator, seed and order as ours), prefilled and then decoded one
 step at a time, each step timed the way ours is (CUDA events around forward + argmax).
 
@@ -21,20 +22,20 @@ PEERS = ("hf", "hf-compiled")
 
 
 def build_hf_model(cfg: dict, device: torch.device, dtype: torch.dtype, weights: Iterable[dict[str, torch.Tensor]]):
-    """An HF Llama of ``cfg``'s shapes on ``device`` in ``dtype``, holding ``weights`` (HF names)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """An HF model of ``cfg``'s architecture and shapes on ``device`` in ``dtype``, holding ``weights`` (HF names)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    config = AutoConfig.for_model(**cfg)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config).eval()
+            model = AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     for chunk in weights:
         missing = set(chunk) - set(model.state_dict())
-        assert not missing, f"HF Llama has no {sorted(missing)[:3]}"
+        assert not missing, f"HF {type(model).__name__} has no {sorted(missing)[:3]}"
         model.load_state_dict(chunk, strict=False)
         del chunk
     return model

@@ -4,7 +4,8 @@ What it writes (into ``--out``)
   config.json                     LlamaForCausalLM with ``offline.py``'s shapes: Llama-3-8B
                                   (``--shape 8b``: hidden 4096, 32 layers, 32 / 8 heads,
                                   intermediate 14336, vocab 128256, rope theta 500000) or its
-                                  2-layer ``tiny`` twin (for tests); ``--num-layers`` shrinks either
+                                  2-layer ``tiny`` twin (for tests); Qwen3ForCausalLM with
+                                  ``--shape qwen3-8b`` / ``qwen3-tiny``; ``--num-layers`` shrinks any
   model-0000i-of-0000N.safetensors
   model.safetensors.index.json    the weights, drawn by ``offline.random_llama_weights`` (the same
                                   seed gives the same weights as ``offline.py``), one layer at a
@@ -182,11 +183,12 @@ def write_shards(layers: Iterable[dict[str, torch.Tensor]], out: Path, shard_byt
 
 
 def write_config(cfg: dict, tokenizer, dtype: torch.dtype, out: Path) -> None:
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"], dtype=dtype,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg["model_type"]]     # LlamaForCausalLM, Qwen3ForCausalLM
+    config = AutoConfig.for_model(**cfg, architectures=[architecture], dtype=dtype,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
 
@@ -196,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory to write (created; must be empty if it exists)")
-    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); tiny: 2 small layers")
+    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); qwen3-8b: Qwen3-8B's; tiny, qwen3-tiny: 2 small layers")
     p.add_argument("--num-layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="override the vocabulary size (default: the shape's, or the tokenizer's rounded up to 64 "

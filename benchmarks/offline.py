@@ -1,8 +1,10 @@
-"""Decode-step latency of a Llama-3-8B-shaped model, against the memory-bandwidth floor.
+"""Decode-step latency of a Llama-3-8B-shaped (or Qwen3-8B-shaped) model, against the memory-bandwidth floor.
 
 What is measured
   A ``LlamaTpPartModel`` with Llama-3-8B's shapes (hidden 4096, 32 layers, 32 query / 8 KV
-  heads, intermediate 14336, vocab 128256, rope theta 500000; bf16) and random weights, drawn
+  heads, intermediate 14336, vocab 128256, rope theta 500000; bf16), or with ``--model-size
+  qwen3-8b`` a ``Qwen3TpPartModel`` with Qwen3-8B's (hidden 4096, 36 layers, 32 / 8 heads of 128,
+  intermediate 12288, vocab 151936, rope theta 1e6, q/k norms), and random weights, drawn
   on the device one layer at a time (scale 0.02, norms 1) so the peak memory stays at about the
   weights' own size. No checkpoint and no network are needed. For each batch size:
 
@@ -35,6 +37,7 @@ Columns
 
 Run (GPU):   python benchmarks/offline.py --json benchmarks/results/offline.json
 Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 32 --steps 4
+             (qwen3-tiny: the same for the Qwen3 model class)
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ from llmserve.common.basemodel import ModelInitParams  # noqa: E402  (after the 
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf  # noqa: E402
 from llmserve.kernels import QuantizedWeight  # noqa: E402
 from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
-from llmserve.models.llama.model import LlamaTpPartModel  # noqa: E402
-from llmserve.models.registry import GGUF_ARCHS  # noqa: E402
+from llmserve.common.basemodel import TpPartBaseModel  # noqa: E402
+from llmserve.models.registry import GGUF_ARCHS, get_model_class  # noqa: E402
 
 LLAMA3_8B_CONFIG: dict = {
     "model_type": "llama",
@@ -115,15 +118,38 @@ SMOLLM2_135M_CONFIG: dict = {
     "rope_theta": 100000.0,
 }
 
-CONFIGS = {"8b": LLAMA3_8B_CONFIG, "smollm2": SMOLLM2_135M_CONFIG, "tiny": TINY_CONFIG}
+# Qwen3-8B's shapes: Llama's layer plus per-head q/k RMSNorm; 36 layers, a wider vocabulary.
+QWEN3_8B_CONFIG: dict = {
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+# Its CPU-sized twin; the head size is not hidden / heads, as in Qwen3-0.6B (128 for 1024 / 16).
+QWEN3_TINY_CONFIG: dict = {**TINY_CONFIG, **{k: QWEN3_8B_CONFIG[k] for k in ("model_type", "rope_theta", "rms_norm_eps")},
+                           "head_dim": 64}
+
+CONFIGS = {"8b": LLAMA3_8B_CONFIG, "smollm2": SMOLLM2_135M_CONFIG, "tiny": TINY_CONFIG,
+           "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-tiny": QWEN3_TINY_CONFIG}
 MAX_PREFILL_TOKENS = 16384
 
 
 # -- the model -----------------------------------------------------------------------------
 def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
                          scale: float = 0.02, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """HF-named random Llama weights, one dict per layer (the first holds the embedding, the
-    final norm and the lm_head), drawn on ``device`` so that only what the model keeps is live."""
+    """HF-named random Llama weights (with Qwen3's q/k norms for a ``qwen3`` config), one dict per
+    layer (the first holds the embedding, the final norm and the lm_head), drawn on ``device`` so
+    that only what the model keeps is live."""
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
@@ -152,10 +178,12 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
             p + "mlp.gate_proj.weight": normal(inter, hidden),
             p + "mlp.up_proj.weight": normal(inter, hidden),
             p + "mlp.down_proj.weight": normal(hidden, inter),
+            **({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)}
+               if cfg.get("model_type") == "qwen3" else {}),
         }
 
 
-def held_weights(model: LlamaTpPartModel) -> list[torch.Tensor | QuantizedWeight]:
+def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight]:
     """Every distinct weight the model's weight objects hold (a tied lm_head counts once)."""
     weights: dict[int, torch.Tensor | QuantizedWeight] = {}
     for layer in (model.pre_post_weight, *model.trans_layers_weight):
@@ -169,7 +197,7 @@ def nbytes(w: torch.Tensor | QuantizedWeight) -> int:
     return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
 
 
-def weight_bytes(model: LlamaTpPartModel) -> tuple[int, int]:
+def weight_bytes(model: TpPartBaseModel) -> tuple[int, int]:
     """(bytes held, bytes a decode step reads): all weights, less the embedding table when it is
     not also the lm_head (a step looks up only the batch's rows of it)."""
     held = sum(nbytes(w) for w in held_weights(model))
@@ -184,14 +212,14 @@ def hf_weight_bytes(hf_model) -> int:
     return held - (0 if emb is head else emb.numel() * emb.element_size())
 
 
-def kv_bytes_per_token(model: LlamaTpPartModel) -> int:
+def kv_bytes_per_token(model: TpPartBaseModel) -> int:
     """KV-cache bytes of one token over all layers (K and V)."""
     mem = model.mem_manager
     return mem.layer_num * 2 * mem.head_num * mem.head_dim * mem.dtype.itemsize
 
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
-                graphs: bool = False, weights: Iterable[dict] | None = None) -> LlamaTpPartModel:
+                graphs: bool = False, weights: Iterable[dict] | None = None) -> TpPartBaseModel:
     """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`)."""
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
@@ -204,7 +232,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         config=cfg,
         weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),
     )
-    return LlamaTpPartModel(params)
+    return get_model_class(cfg["model_type"])(params)
 
 
 # -- the benchmark -------------------------------------------------------------------------
@@ -229,7 +257,7 @@ def check_finite(logits: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"non-finite logits after {what}: the random weights' scale is off")
 
 
-def prefill(model: LlamaTpPartModel, rows: list[int], prompt_len: int) -> torch.Tensor:
+def prefill(model: TpPartBaseModel, rows: list[int], prompt_len: int) -> torch.Tensor:
     """Random prompts for ``rows``, prefilled in forwards of at most MAX_PREFILL_TOKENS tokens.
     Returns the logits of each request's last prompt token."""
     group = max(1, MAX_PREFILL_TOKENS // prompt_len)
@@ -241,7 +269,7 @@ def prefill(model: LlamaTpPartModel, rows: list[int], prompt_len: int) -> torch.
     return torch.cat(logits)
 
 
-def run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
+def run_batch(model: TpPartBaseModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
               copy_bw: float, weights_read: int) -> BatchResult:
     graphs = model.decode_graphs
     if mode == "eager":
@@ -272,7 +300,7 @@ def summarize(mode: str, batch: int, prompt_len: int, prefill_s: float, step_ms:
     )
 
 
-def _run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
+def _run_batch(model: TpPartBaseModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
                copy_bw: float, weights_read: int) -> BatchResult:
     rows = [model.req_manager.alloc_req() for _ in range(batch)]
     try:
@@ -305,7 +333,7 @@ def _run_batch(model: LlamaTpPartModel, mode: str, batch: int, prompt_len: int, 
 
 
 @torch.inference_mode()
-def check_same_model(model: LlamaTpPartModel, hf_model) -> None:
+def check_same_model(model: TpPartBaseModel, hf_model) -> None:
     """The peer computes what we compute: one short prompt's last logits agree (to the dtype's
     rounding), so the two hold the same weights and the table compares like with like."""
     n = min(16, model.max_seq_len)
@@ -324,7 +352,7 @@ def check_same_model(model: LlamaTpPartModel, hf_model) -> None:
     print(f"peer check: last-token logits agree to {err:.1e} (relative)", file=sys.stderr)
 
 
-def warm_up_kernels(model: LlamaTpPartModel, prompt_len: int, max_batch: int) -> None:
+def warm_up_kernels(model: TpPartBaseModel, prompt_len: int, max_batch: int) -> None:
     """Prefill one request, then a full prefill group, then two decode steps, so Triton's
     compiles (the attention tiles depend on the batch's shape) and cuBLAS's set-up are not
     charged to a measured prefill."""
@@ -363,8 +391,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before them")
     p.add_argument("--model-size", choices=sorted(CONFIGS), default="8b",
-                   help="8b: Llama-3-8B shapes; smollm2: SmolLM2-135M's (the embedded model; for CPU "
-                        "comparisons); tiny: 2 small layers, for CPU smoke tests")
+                   help="8b: Llama-3-8B shapes; qwen3-8b: Qwen3-8B's; smollm2: SmolLM2-135M's (the embedded "
+                        "model; for CPU comparisons); tiny, qwen3-tiny: 2 small layers, for CPU smoke tests")
     p.add_argument("--modes", default="eager,graphs",
                    help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
                         "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")
@@ -432,7 +460,7 @@ def main() -> int:
             results.append(summarize(peer.mode, batch, args.prompt_len, prefill_s, step_ms, args.warmup_steps,
                                      copy_bw, peer_read, kv_bytes_per_token(model), device))
 
-    print(f"\n### Decode step, {shapes} shapes (Llama), {dtype_name(dtype)}, "
+    print(f"\n### Decode step, {shapes} shapes ({model.model_type}), {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 

@@ -48,6 +48,7 @@ GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",     # qwen3
 }
 
 
@@ -65,8 +66,10 @@ def write_gguf(
     tensors: dict[str, np.ndarray],
     quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
     extra_kv: Callable[[gguf.GGUFWriter], None] | None = None,
+    head_dim: int = HEAD_DIM,
 ) -> None:
-    """A GGUF file as llama.cpp's converter would write it (q/k permuted for llama)."""
+    """A GGUF file as llama.cpp's converter would write it (q/k permuted for llama). A ``head_dim``
+    other than HIDDEN / HEADS is written as the converter does (``attention.key_length``)."""
     quantize = quantize or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -77,7 +80,10 @@ def write_gguf(
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != HEAD_DIM:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     if extra_kv:

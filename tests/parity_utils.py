@@ -137,6 +137,23 @@ def _compare_steps(driver: BatchDriver, refs, prompts: list[list[int]], steps: i
     assert agree >= 0.9 * len(prompts) * (steps + 1)
 
 
+def assert_chunked_prefill_matches_hf(ours: TpPartBaseModel, hf_model, prompt: list[int], cuts: list[int]) -> None:
+    """``prompt`` fed in chunks (cut at ``cuts``), each on top of the cache of the ones before:
+    every position's logits within LOGITS_TOL of HF's over the whole prompt at once (the general
+    case of cached tokens plus several new ones)."""
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0].float()
+    bounds = [0, *cuts, len(prompt)]
+    chunks = [prompt[a:b] for a, b in zip(bounds, bounds[1:])]
+    driver = BatchDriver(ours)
+    try:
+        got = torch.cat([driver.prefill([chunks[0]], return_all_logits=True),
+                         *(driver.extend([c], return_all_logits=True) for c in chunks[1:])])
+    finally:
+        driver.free()
+    assert rel_err(got.cpu(), ref) < LOGITS_TOL
+
+
 IMAGE_TOKEN = "<image>"
 
 

@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "offline.py")
 
 
-def test_offline_benchmark_times_ours_and_the_hf_peer_on_the_same_weights():
-    done = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--model-size", "tiny", "--batch-sizes", "1,2",
+@pytest.mark.parametrize("size", ["tiny", "qwen3-tiny"])
+def test_offline_benchmark_times_ours_and_the_hf_peer_on_the_same_weights(size):
+    done = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--model-size", size, "--batch-sizes", "1,2",
                            "--prompt-len", "8", "--steps", "2", "--warmup-steps", "1", "--peer", "hf"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

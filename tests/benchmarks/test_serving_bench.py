@@ -420,8 +420,9 @@ def test_main_end_to_end(server, smollm2_tokenizer, tmp_path, capsys):
 
 
 # -- make_random_model -----------------------------------------------------------------------
-def test_make_random_model_tiny(smollm2_tokenizer, tmp_path):
-    from transformers import AutoConfig, AutoTokenizer
+@pytest.mark.parametrize("shape, model_type", [("tiny", "llama"), ("qwen3-tiny", "qwen3")])
+def test_make_random_model_tiny(smollm2_tokenizer, tmp_path, shape, model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src = tmp_path / "src-tok"
     smollm2_tokenizer.save_pretrained(src)
@@ -434,11 +435,11 @@ def test_make_random_model_tiny(smollm2_tokenizer, tmp_path):
         make_random_model = _load("make_random_model")
     finally:
         sys.path[:] = [p for p in sys.path if p != str(BENCH)]
-    assert make_random_model.main(["--shape", "tiny", "--device", "cpu", "--tokenizer", str(src),
+    assert make_random_model.main(["--shape", shape, "--device", "cpu", "--tokenizer", str(src),
                                    "--vocab-size", str(vocab), "--shard-size", "1e7", "--out", str(out)]) == 0
     config = AutoConfig.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
-    assert config.model_type == "llama" and config.vocab_size == vocab and len(tok) == vocab
+    assert config.model_type == model_type and config.vocab_size == vocab and len(tok) == vocab
     assert config.num_hidden_layers == 2 and config.eos_token_id == tok.eos_token_id
     assert tok.decode([vocab - 1]) == f"<|t{vocab - 1}|>"
     assert tok("hello world")["input_ids"] == smollm2_tokenizer("hello world")["input_ids"]
@@ -446,3 +447,6 @@ def test_make_random_model_tiny(smollm2_tokenizer, tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 2 and all((out / f).is_file() for f in shards)   # 1e7-byte shards: the embedding alone is 12.6 MB
     assert "lm_head.weight" in index["weight_map"] and "model.layers.1.mlp.down_proj.weight" in index["weight_map"]
+    # HF's own class finds every weight it has (Qwen3's q/k norms too) and nothing else
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

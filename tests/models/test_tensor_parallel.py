@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.multiprocessing as mp
-from transformers import BloomConfig, LlamaConfig
+from transformers import BloomConfig, LlamaConfig, Qwen3Config
 
 from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, rel_err
 
@@ -52,3 +52,9 @@ def test_llama_tp2_logits_match_hf_with_padded_vocab(tmp_path):
 
 def test_bloom_tp2_logits_match_hf_with_padded_vocab(tmp_path):
     _check(BloomConfig(hidden_size=128, n_head=4, n_layer=2, vocab_size=511), tmp_path)
+
+
+def test_qwen3_tp2_logits_match_hf_with_padded_vocab(tmp_path):
+    # q_norm / k_norm ([head_dim]) are whole on each rank; a head size that is not hidden / heads
+    _check(Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=48, vocab_size=511, tie_word_embeddings=True), tmp_path)

@@ -8,13 +8,13 @@ from typing import Any
 
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch
 
-_GLOBAL_TENSORS: dict[str, str] = {
+GLOBAL_TENSORS: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
 
-_BLOCK_TENSORS: dict[str, str] = {
+BLOCK_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -33,8 +33,8 @@ def _llama_config(tensor_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
     # "llama" also covers Mistral and SmolLM2, which llama.cpp converts as llama.
-    "llama": GGUFArch("llama", "LlamaForCausalLM", permuted_qk=True, global_tensors=_GLOBAL_TENSORS,
-                      block_tensors=_BLOCK_TENSORS, extra_config=_llama_config),
-    "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", permuted_qk=False, global_tensors=_GLOBAL_TENSORS,
-                      block_tensors=_BLOCK_TENSORS),     # q/k/v carry biases
+    "llama": GGUFArch("llama", "LlamaForCausalLM", permuted_qk=True, global_tensors=GLOBAL_TENSORS,
+                      block_tensors=BLOCK_TENSORS, extra_config=_llama_config),
+    "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", permuted_qk=False, global_tensors=GLOBAL_TENSORS,
+                      block_tensors=BLOCK_TENSORS),     # q/k/v carry biases
 }

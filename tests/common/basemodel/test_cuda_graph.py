@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from transformers import BloomConfig, LlamaConfig
+from transformers import BloomConfig, LlamaConfig, Qwen3Config
 
 from llmserve.common.basemodel.cuda_graph import batch_size_buckets, verify_row_buckets
 from llmserve.kernels.decode_attention import decode_num_splits
@@ -25,6 +25,9 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
     "bloom": lambda: BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=VOCAB),
+    # q/k norms inside the captured step; a head size that is not hidden / heads
+    "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256),
 }
 
 

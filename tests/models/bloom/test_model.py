@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import BloomConfig
 
-from parity_utils import (
-    LOGITS_TOL, BatchDriver, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts, rel_err,
-)
+from parity_utils import assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts
 
 
 @pytest.fixture(scope="module", params=[4, 6])
@@ -26,10 +23,4 @@ def test_prefill_and_decode_match_hf(models):
 
 def test_chunked_prefill_matches_full_prompt(models):
     hf, ours = models
-    (prompt,) = random_prompts([11], 512, seed=5)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    driver = BatchDriver(ours)
-    got = torch.cat([driver.prefill([prompt[:4]], True), driver.extend([prompt[4:]], True)])
-    assert rel_err(got.cpu(), ref) < LOGITS_TOL
-    driver.free()
+    assert_chunked_prefill_matches_hf(ours, hf, random_prompts([11], 512, seed=5)[0], cuts=[4])

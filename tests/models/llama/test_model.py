@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from parity_utils import (
-    LOGITS_TOL, BatchDriver, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts, rel_err,
+    LOGITS_TOL, BatchDriver, assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, build_tiny_hf_model, load_ours,
+    random_prompts, rel_err,
 )
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
@@ -45,15 +46,7 @@ def test_chunked_prefill_matches_full_prompt(models):
     """Prompt fed as 7 + 6 + 1 tokens on top of the cache: every position's logits equal HF's
     logits over the whole prompt (the general n_cached > 0, n_new > 1 case)."""
     hf, ours = models
-    (prompt,) = random_prompts([14], 512, seed=2)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    driver = BatchDriver(ours)
-    got = torch.cat([driver.prefill([prompt[:7]], return_all_logits=True),
-                     driver.extend([prompt[7:13]], return_all_logits=True),
-                     driver.extend([prompt[13:]], return_all_logits=True)])
-    assert rel_err(got.cpu(), ref) < LOGITS_TOL
-    driver.free()
+    assert_chunked_prefill_matches_hf(ours, hf, random_prompts([14], 512, seed=2)[0], cuts=[7, 13])
 
 
 def test_mixed_batch_decode_and_extend(models):
