@@ -20,6 +20,7 @@ MODEL_CLASSES: dict[str, str] = {
     "mistral": "llmserve.models.llama.model:LlamaTpPartModel",
     "qwen2": "llmserve.models.llama.model:LlamaTpPartModel",
     "qwen3": "llmserve.models.qwen3.model:Qwen3TpPartModel",
+    "phi3": "llmserve.models.phi3.model:Phi3TpPartModel",
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
     "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }
