@@ -12,7 +12,15 @@ class Phi3InferStateInfo(LlamaInferStateInfo):
     """Llama's state, with LongRoPE's choice made per request: a request longer than the original
     context (cached + new tokens) rotates its new tokens with the long factors, as HF does for
     one sequence. (HF decides per batch, from its longest sequence; per request keeps a request's
-    output independent of what it is batched with.)"""
+    output independent of what it is batched with.)
+
+    The choice is by the length so far, so it equals HF's for a prompt prefilled in one piece and
+    for every decode step. Two cases differ from HF's one-piece prefill, because the KV cache keeps
+    keys as they were rotated: a prompt chunked across the original context rotates its first
+    chunks with the short factors (as HF does when fed the same chunks), and a prefix-cache hit
+    reuses keys rotated with whichever factors the request that wrote them used. Matching HF there
+    needs each request's prompt length in the step (long from the first chunk when the prompt is
+    long), and the factor set in the prefix cache's key."""
 
     def init_some_extra_state(self, model) -> None:
         if model.rotary_emb.long_after is None:
