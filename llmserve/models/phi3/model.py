@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from llmserve.models.llama.model import LlamaTpPartModel
+from llmserve.models.phi3.gguf import GGUF_ARCHS
 from llmserve.models.phi3.infer_struct import Phi3InferStateInfo
 from llmserve.models.phi3.layer_weights.transformer_layer_weight import Phi3TransformerLayerWeight
 
@@ -13,6 +14,7 @@ class Phi3TpPartModel(LlamaTpPartModel):
 
     transformer_weight_class = Phi3TransformerLayerWeight
     infer_state_class = Phi3InferStateInfo
+    gguf_archs = GGUF_ARCHS
 
     def _verify_params(self) -> None:
         super()._verify_params()
