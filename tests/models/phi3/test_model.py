@@ -67,3 +67,10 @@ def test_chunked_prefill_matches_full_prompt(models):
     """7 + 6 + 1 tokens on top of the cache, within the original context."""
     hf, ours = models
     assert_chunked_prefill_matches_hf(ours, hf, random_prompts([14], 512, seed=2)[0], cuts=[7, 13])
+
+
+def test_a_sliding_window_caps_requests_at_the_window(tmp_path):
+    """HF applies Phi-3's sliding_window (Phi-3-mini-4k: 2047 of 4096); within it attention is
+    plain causal, past it not implemented: requests are capped at the window."""
+    build_tiny_hf_model(Phi3Config(**TINY, sliding_window=24), tmp_path)
+    assert load_ours(tmp_path).max_seq_len == 24
