@@ -18,11 +18,18 @@ def rope_type(config: PretrainedConfig) -> str:
     return dict(getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
 
 
+def rotary_dim(config: PretrainedConfig) -> int:
+    """How many of a head's dimensions rotate (``partial_rotary_factor``: Phi-4-mini's 0.75)."""
+    factor = dict(getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return int(head_dim(config) * factor)
+
+
 class RotaryEmbedding:
     def __init__(self, config: PretrainedConfig, device: torch.device, max_position: int):
         self.config = config
         self.rope_type: str = rope_type(config)
         self.head_dim: int = head_dim(config)
+        self.rotary_dim: int = rotary_dim(config)
         self.device = device
         inv_freq, self.attention_scaling = self._inv_freq(seq_len=None)
         # Dynamic NTK stretches the frequencies once a sequence outgrows the trained context, so
@@ -30,28 +37,66 @@ class RotaryEmbedding:
         self.original_max_position: int = config.max_position_embeddings
         self.is_dynamic = self.rope_type == "dynamic"
         self._original_inv_freq = inv_freq
-        self._cos, self._sin = self._table(inv_freq, max_position)
+        # LongRoPE has two sets of frequencies: a sequence no longer than the original context
+        # uses the short factors, a longer one the long factors (as HF decides per forward, from
+        # the sequence's length). The table holds both, short rows then long rows; cos_sin picks
+        # a token's row by its sequence's length.
+        self.long_after: int | None = None
+        self._long_inv_freq: torch.Tensor | None = None
+        if self.rope_type == "longrope":
+            params = dict(config.rope_parameters)
+            self.long_after = int(params.get("original_max_position_embeddings")
+                                  or getattr(config, "original_max_position_embeddings", None)
+                                  or config.max_position_embeddings)
+            self._long_inv_freq, _ = self._inv_freq(seq_len=self.long_after + 1)
+        self._cos, self._sin = self._tables(max_position)
 
     def _inv_freq(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
         if self.rope_type == "default":
             theta = self.config.rope_parameters["rope_theta"]
-            dim = self.head_dim
+            dim = self.rotary_dim
             return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         if self.rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope type {self.rope_type!r}")
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, torch.device("cpu"), seq_len=seq_len)
         return inv_freq.float(), float(scaling)
 
-    def _table(self, inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq)
-        return (freqs.cos() * self.attention_scaling).to(self.device), (freqs.sin() * self.attention_scaling).to(self.device)
+    def _table(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.float(), inv_freq)
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        if self.rotary_dim < self.head_dim:
+            # Partial rotary: the dimensions past rotary_dim / 2 of each half pass through
+            # (cos 1, sin 0, exact). A family using it orders each q/k head so that the kernel's
+            # pairs (i, i + head_dim / 2) are HF's (i, i + rotary_dim / 2) (Phi-3's weights do).
+            pad = self.head_dim // 2 - inv_freq.numel()
+            cos = torch.cat([cos, cos.new_ones(cos.shape[0], pad)], dim=1)
+            sin = torch.cat([sin, sin.new_zeros(sin.shape[0], pad)], dim=1)
+        return cos.to(self.device), sin.to(self.device)
 
-    def cos_sin(self, position_ids: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``[n, head_dim // 2]`` cos and sin for the given positions."""
+    def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(n)
+        cos, sin = self._table(self._original_inv_freq, positions)
+        if self._long_inv_freq is not None:
+            long_cos, long_sin = self._table(self._long_inv_freq, positions)
+            cos, sin = torch.cat([cos, long_cos]), torch.cat([sin, long_sin])
+        return cos, sin
+
+    @property
+    def _rows(self) -> int:
+        """Positions the table covers (each of LongRoPE's two halves)."""
+        return self._cos.shape[0] // (2 if self._long_inv_freq is not None else 1)
+
+    def cos_sin(self, position_ids: torch.Tensor, max_seq_len: int,
+                token_seq_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[n, head_dim // 2]`` cos and sin for the given positions. ``token_seq_len``:
+        each token's sequence length (cached + new), which picks LongRoPE's short or long
+        frequencies; without it every token gets the short ones."""
         if self.is_dynamic and max_seq_len > self.original_max_position:
             inv_freq, _ = self._inv_freq(seq_len=max_seq_len)
-            freqs = torch.outer(position_ids.float().cpu(), inv_freq)
-            return (freqs.cos() * self.attention_scaling).to(self.device), (freqs.sin() * self.attention_scaling).to(self.device)
-        if max_seq_len > self._cos.shape[0]:
-            self._cos, self._sin = self._table(self._original_inv_freq, max(max_seq_len, 2 * self._cos.shape[0]))
-        return self._cos[position_ids], self._sin[position_ids]
+            return self._table(inv_freq, position_ids.cpu())
+        if max_seq_len > self._rows:
+            self._cos, self._sin = self._tables(max(max_seq_len, 2 * self._rows))
+        rows = position_ids
+        if self.long_after is not None and token_seq_len is not None:
+            rows = position_ids + (token_seq_len > self.long_after).long() * self._rows
+        return self._cos[rows], self._sin[rows]

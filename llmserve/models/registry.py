@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, gguf_config
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, load_hf_config
 from llmserve.models.llama import gguf as llama_gguf
+from llmserve.models.phi3 import gguf as phi3_gguf
 from llmserve.models.qwen3 import gguf as qwen3_gguf
 
 if TYPE_CHECKING:
@@ -20,13 +21,14 @@ MODEL_CLASSES: dict[str, str] = {
     "mistral": "llmserve.models.llama.model:LlamaTpPartModel",
     "qwen2": "llmserve.models.llama.model:LlamaTpPartModel",
     "qwen3": "llmserve.models.qwen3.model:Qwen3TpPartModel",
+    "phi3": "llmserve.models.phi3.model:Phi3TpPartModel",
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
     "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }
 
 # GGUF general.architecture -> how its files map onto HF names: each family's table, from its
 # folder (the model class reads its own family's the same way: TpPartBaseModel.gguf_archs).
-GGUF_ARCHS: dict[str, GGUFArch] = {**llama_gguf.GGUF_ARCHS, **qwen3_gguf.GGUF_ARCHS}
+GGUF_ARCHS: dict[str, GGUFArch] = {**llama_gguf.GGUF_ARCHS, **qwen3_gguf.GGUF_ARCHS, **phi3_gguf.GGUF_ARCHS}
 
 
 def check_model_type(model_type: str | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.multiprocessing as mp
-from transformers import BloomConfig, LlamaConfig, Qwen3Config
+from transformers import BloomConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, rel_err
 
@@ -58,3 +58,13 @@ def test_qwen3_tp2_logits_match_hf_with_padded_vocab(tmp_path):
     # q_norm / k_norm ([head_dim]) are whole on each rank; a head size that is not hidden / heads
     _check(Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=48, vocab_size=511, tie_word_embeddings=True), tmp_path)
+
+
+def test_phi3_tp2_logits_match_hf_with_padded_vocab(tmp_path):
+    # fused qkv_proj / gate_up_proj cut per rank; partial rotary (q/k rows reordered per head) and
+    # LongRoPE, whose original context (8) the 11-token prompt outgrows
+    _check(Phi3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=511, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      max_position_embeddings=64, original_max_position_embeddings=8, partial_rotary_factor=0.75,
+                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                                    "long_factor": [1.0 + 1.5 * i for i in range(12)]}), tmp_path)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from transformers import BloomConfig, LlamaConfig, Qwen3Config
+from transformers import BloomConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from llmserve.common.basemodel.cuda_graph import batch_size_buckets, verify_row_buckets
 from llmserve.kernels.decode_attention import decode_num_splits
@@ -28,6 +28,13 @@ CONFIGS = {
     # q/k norms inside the captured step; a head size that is not hidden / heads
     "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256),
+    # LongRoPE's per-request choice of factors inside the captured steps (requests cross the
+    # original 16 tokens while decoding, and padding rows sit beside them); partial rotary
+    "phi3": lambda: Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0,
+                               original_max_position_embeddings=16, partial_rotary_factor=0.5, rope_scaling={
+                                   "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                                   "long_factor": [1.0 + 1.5 * i for i in range(4)]}),
 }
 
 
