@@ -57,6 +57,14 @@ def load_ours(path, **kw) -> TpPartBaseModel:
     return get_model_class(load_hf_config(str(path))["model_type"])(params)
 
 
+def hf_and_ours(configs: dict, name: str, tmp_path_factory):
+    """The pair a family's parity tests compare: HF's tiny random model built from
+    ``configs[name]()`` and ours loaded from the same checkpoint (a module fixture's body)."""
+    path = tmp_path_factory.mktemp(name)
+    hf = build_tiny_hf_model(configs[name](), path)
+    return hf, load_ours(path)
+
+
 @dataclass
 class BatchDriver:
     """Drives a TpPartBaseModel directly: one table row per prompt, prefill then decode."""

@@ -101,7 +101,8 @@ class ModelWorker:
         qtypes = sorted({t.qtype for t in tensors.values() if isinstance(t, QuantizedWeight)})
         return WorkerInfo(
             model_type=m.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
-            max_seq_len=m.max_seq_len, max_running_requests=self.args.max_running_requests, dtype=str(m.data_type).removeprefix("torch."),
+            max_seq_len=m.max_seq_len, max_running_requests=self.args.max_running_requests,
+            dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
             quantized="/".join(qtypes), **_graph_info(m), **_image_info(m),
         )

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from parity_utils import (
-    LOGITS_TOL, BatchDriver, assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, build_tiny_hf_model, load_ours,
-    random_prompts, rel_err,
+    LOGITS_TOL, BatchDriver, assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, build_tiny_hf_model, hf_and_ours,
+    load_ours, random_prompts, rel_err,
 )
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
@@ -32,9 +32,7 @@ PROMPT_LENS = [5, 12, 1, 9]
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def models(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = build_tiny_hf_model(CONFIGS[request.param](), path)
-    return hf, load_ours(path)
+    return hf_and_ours(CONFIGS, request.param, tmp_path_factory)
 
 
 def test_prefill_and_decode_match_hf(models):

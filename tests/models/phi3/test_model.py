@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 from transformers import Phi3Config
 
-from parity_utils import assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, build_tiny_hf_model, load_ours, random_prompts
+from parity_utils import (
+    assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, build_tiny_hf_model, hf_and_ours, load_ours, random_prompts,
+)
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -36,9 +38,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def models(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = build_tiny_hf_model(CONFIGS[request.param](), path)
-    return hf, load_ours(path)
+    return hf_and_ours(CONFIGS, request.param, tmp_path_factory)
 
 
 def test_the_config_shapes_the_model(models):
