@@ -80,7 +80,7 @@ class LLM:
         model_path = resolve_model_path(model)
         self.sampling_defaults = load_sampling_defaults(generation_config, model_path)
         config = EngineConfig(model=model, tp=tp, dtype=dtype, max_total_token_num=max_total_token_num, **engine_options)
-        workers = ModelWorkerGroup(config.tp)  # first: they import torch and the model code while the tokenizer loads
+        workers = ModelWorkerGroup.of(config)  # first: they import torch and the model code while the tokenizer loads
         try:
             self.tokenizer = load_tokenizer(model_path)
             self.engine = LLMEngine(config, inspect_model(config, self.tokenizer), workers)

@@ -1,7 +1,20 @@
-"""Tensor-parallel collectives. Every helper is a no-op at world size 1, so model code calls
-them unconditionally and single-rank runs never touch torch.distributed."""
+"""Tensor-parallel collectives, and where the ranks of one model meet.
+
+Every collective helper is a no-op at world size 1, so model code calls them unconditionally
+and single-rank runs never touch torch.distributed.
+
+The ranks meet at torch.distributed's TCPStore, which rank 0 hosts at ``dist_init_addr`` (the
+head's HOST:PORT): the other ranks, on this machine or on other nodes, connect to it, say they
+joined, and read what to load from it (``Rendezvous``). From then on rank 0 is the only rank the
+engine talks to: it hands every step to the others over a CPU (gloo) group (``StepChannel``).
+"""
 
 from __future__ import annotations
+
+import datetime
+import pickle
+import struct
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,9 +41,138 @@ def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def init_distributed(rank: int, world: int, init_method: str, device: torch.device) -> None:
-    """Join the process group: NCCL between GPUs, gloo between CPU processes."""
-    if world == 1:
+def init_distributed(store: dist.Store | None, rank: int, world: int, device: torch.device) -> None:
+    """Join the process group through the rendezvous' store: NCCL between GPUs, gloo between CPU
+    processes."""
+    if world == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    dist.init_process_group(backend, store=dist.PrefixStore("model/", store), rank=rank, world_size=world)
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"dist-init-addr must be HOST:PORT, got {addr!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _seconds(s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=s)
+
+
+# Waiting for ever, as a timedelta: a follower waits on rank 0's next step however long the
+# server idles, and learns of rank 0's end from its closed connection instead.
+FOREVER = datetime.timedelta(days=365)
+
+
+class Rendezvous:
+    """The store the ranks of one model meet at, and what they tell each other there: who joined,
+    what to load, who loaded, and the first failure of any rank (what ended it, in one line, for
+    the head's error message)."""
+
+    def __init__(self, store: dist.TCPStore):
+        self.store = store
+
+    @classmethod
+    def host(cls, addr: str, world: int) -> Rendezvous:
+        """Rank 0's: start the store at ``addr``."""
+        host, port = split_addr(addr)
+        try:
+            store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False, timeout=FOREVER)
+        except Exception as e:   # the port is taken, the address not this machine's
+            raise RuntimeError(f"cannot host the ranks' rendezvous at {addr}: {e}") from None
+        return cls(store)
+
+    @classmethod
+    def join(cls, addr: str, rank: int, timeout: float) -> Rendezvous:
+        """Another rank's: connect to rank 0's store (waiting up to ``timeout`` for it to be up)
+        and say so."""
+        host, port = split_addr(addr)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=_seconds(timeout))
+        except Exception:
+            raise RuntimeError(f"the head's rendezvous at {addr} did not come up within {timeout:g} s") from None
+        store.set_timeout(FOREVER)
+        if rank >= 0:
+            store.set(f"joined/{rank}", b"1")
+        return cls(store)
+
+    def wait_for(self, what: str, ranks: list[int], timeout: float | None) -> dict[int, bytes]:
+        """Each rank's ``what`` key (``report``), waiting up to ``timeout`` (None: for ever) for all
+        of them; ``MissingRanks`` after that, the reported failure if a rank fails first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keys = [f"{what}/{r}" for r in ranks]
+        while not self.store.check(keys):
+            if (failure := self.failure()) is not None:
+                raise RuntimeError(failure)
+            if deadline is not None and time.monotonic() > deadline:
+                raise MissingRanks([r for r, k in zip(ranks, keys) if not self.store.check([k])])
+            time.sleep(0.05)
+        return {r: self.store.get(k) for r, k in zip(ranks, keys)}
+
+    def publish(self, key: str, value: object) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def read(self, key: str) -> object:
+        return pickle.loads(self.store.get(key))
+
+    def report(self, rank: int, key: str, value: str) -> None:
+        self.store.set(f"{key}/{rank}", value.encode())
+
+    def fail(self, message: str) -> None:
+        """Tell the head that a rank cannot go on; the first report wins."""
+        self.store.compare_set("failed", b"", message.encode())
+
+    def failure(self, wait: float = 0.0) -> str | None:
+        """The first failure a rank or a node reported, if any, waiting up to ``wait`` seconds for one."""
+        deadline = time.monotonic() + wait
+        while not self.store.check(["failed"]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        return self.store.get("failed").decode() or None
+
+
+class MissingRanks(RuntimeError):
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"ranks {ranks} are missing")
+        self.ranks = ranks
+
+
+class StepChannel:
+    """Rank 0 to the other ranks: each step's bytes (a pickled ``StepInput``), in one broadcast
+    over a gloo group when they fit the buffer (the common step: a decode batch of a hundred
+    requests is a few kB), two when they do not. One collective instead of an rpyc call per rank:
+    the ranks run the same steps in the same order by construction."""
+
+    _HEADER = struct.Struct("<q")
+
+    def __init__(self, capacity: int = 16 << 10):
+        # gloo whatever the model's backend: the bytes live on the host. No timeout: a rank waits
+        # here while the server idles.
+        self.group = dist.new_group(backend="gloo", timeout=FOREVER)
+        self.capacity = capacity
+        self.buffer = torch.zeros(self._HEADER.size + capacity, dtype=torch.uint8)
+
+    def send(self, data: bytes) -> None:
+        """Rank 0: hand ``data`` to every other rank (b"" ends their loops)."""
+        head = data[: self.capacity]
+        view = self.buffer.numpy()
+        self._HEADER.pack_into(view, 0, len(data))
+        view[self._HEADER.size : self._HEADER.size + len(head)] = memoryview(head)
+        dist.broadcast(self.buffer, 0, group=self.group)
+        if len(data) > self.capacity:
+            dist.broadcast(torch.frombuffer(bytearray(data[self.capacity :]), dtype=torch.uint8), 0, group=self.group)
+
+    def recv(self) -> bytes:
+        """The other ranks: the next bytes rank 0 sends (raises once rank 0 is gone)."""
+        dist.broadcast(self.buffer, 0, group=self.group)
+        view = self.buffer.numpy()
+        (size,) = self._HEADER.unpack_from(view, 0)
+        head = view[self._HEADER.size : self._HEADER.size + min(size, self.capacity)].tobytes()
+        if size <= self.capacity:
+            return head
+        rest = torch.empty(size - self.capacity, dtype=torch.uint8)
+        dist.broadcast(rest, 0, group=self.group)
+        return head + rest.numpy().tobytes()

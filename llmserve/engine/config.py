@@ -19,6 +19,13 @@ from llmserve.default_model import default_model_path
 class EngineConfig:
     model: str | None = None            # HF model directory or .gguf file; None: the embedded default
     tp: int = 1
+    # The tp ranks spread over this many machines (tp / nnodes each); this one, the head, runs
+    # ranks 0 .. tp / nnodes - 1 and the others run `llmserve serve --headless`. All ranks meet
+    # at dist_init_addr (HOST:PORT of the head; None: a free local port, one node only) and
+    # must join within dist_timeout seconds.
+    nnodes: int = 1
+    dist_init_addr: str | None = None
+    dist_timeout: float = 120.0
     dtype: str | None = None            # float32 | float16 | bfloat16; None: fp32 on CPU, checkpoint's on GPU
     device: str = "auto"                # auto | cpu | cuda
     max_total_token_num: int | None = None  # KV pool size in tokens; None: from free memory / CPU default
@@ -27,8 +34,8 @@ class EngineConfig:
     max_prefill_tokens: int = 8192      # prompt tokens per step
     chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
     cuda_graph_max_bs: int = 256        # GPU decode steps up to this batch replay CUDA graphs; 0: eager
-    # Schedule step N+1 while the device runs step N (see LLMEngine.step). None: on for one GPU
-    # rank, where it hides the host's work; True also on the CPU (tests: same tokens either way).
+    # Schedule step N+1 while the device runs step N (see LLMEngine.step). None: on for GPUs,
+    # where it hides the host's work; True also on the CPU (tests: same tokens either way).
     overlap: bool | None = None
     dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
     # Prompt-lookup speculation (see scheduler.py): draft tokens per decoding request per step
@@ -83,10 +90,20 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
     if isinstance(heads, int):     # else the worker's config class says what is wrong
         verify_tp_split(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads")),
                         config.tp)
+    check_nodes(config)
     device, gpus = _resolve_device(config.device)
-    if device == "cuda" and config.tp > gpus:
-        raise ValueError(f"tp={config.tp} needs {config.tp} GPUs, found {gpus}")
+    if device == "cuda" and config.tp // config.nnodes > gpus:
+        per = "" if config.nnodes == 1 else f" on each of {config.nnodes} nodes"
+        raise ValueError(f"tp={config.tp} needs {config.tp // config.nnodes} GPUs{per}, found {gpus}")
     return ModelSpec(path, raw["model_type"], device, frozenset(eos_token_ids(path, tokenizer)))
+
+
+def check_nodes(config: EngineConfig) -> None:
+    """The ranks must split evenly over the nodes, which need an address to meet at."""
+    if config.nnodes < 1 or config.tp % config.nnodes:
+        raise ValueError(f"tp={config.tp} does not split over nnodes={config.nnodes} (tp must be a multiple of it)")
+    if config.nnodes > 1 and not config.dist_init_addr:
+        raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of the head, which every node can reach)")
 
 
 def _resolve_device(device: str) -> tuple[str, int]:

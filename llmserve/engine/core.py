@@ -151,8 +151,8 @@ class EngineCore:
                 self._inbox += self._receive(timeout=0)
 
     def _check_workers(self) -> None:
-        if not self.engine.workers.alive():
-            raise WorkerError(f"a model worker exited (exit codes {self.engine.workers.exit_codes()})")
+        if (failure := self.engine.workers.failure()) is not None:
+            raise WorkerError(failure)
 
     # -- to the HTTP process -------------------------------------------------------------
     def _stats(self) -> EngineStats:
@@ -205,7 +205,7 @@ def serve(address: str) -> int:
     workers: ModelWorkerGroup | None = None
     first: object | None = None
     try:
-        workers = ModelWorkerGroup(start.config.tp)     # they import torch while we wait for the model
+        workers = ModelWorkerGroup.of(start.config)     # they import torch while we wait for the model
         model = pickle.load(sys.stdin.buffer)
         assert isinstance(model, ModelSpec), model
         engine = LLMEngine(start.config, model, workers)

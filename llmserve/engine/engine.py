@@ -25,7 +25,7 @@ from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.engine.config import EngineConfig, ModelSpec, check_speculation, with_device_defaults
 from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from llmserve.engine.worker_client import ModelWorkerGroup, free_tcp_port
+from llmserve.engine.worker_client import ModelWorkerGroup
 from llmserve.ipc import error_line
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.protocol import BatchEntry, CacheOp, StepInput, StepOutput, WorkerInitArgs
@@ -40,8 +40,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: ModelSpec, workers: ModelWorkerGroup | None = None):
         """``workers``: the worker processes, if already started (the engine core starts them
         before it knows the model, so that they import torch meanwhile); else started here."""
-        if config.overlap and config.tp > 1:   # before any worker loads a model
-            raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
         config = with_device_defaults(config, model.device)   # what /info reports: the values in force
         check_speculation(config)
         if not config.step_timeout > 0:
@@ -50,19 +48,16 @@ class LLMEngine:
         self.model = model
         self.model_path = model.path
         self.eos_token_ids = model.eos_token_ids
-        self.workers = workers if workers is not None else ModelWorkerGroup(config.tp)
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.info = self.workers.init_model([
-            WorkerInitArgs(
-                model_path=model.path, model_type=model.model_type, tp_rank=rank, world_size=config.tp, device=model.device,
-                dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
-                max_running_requests=config.max_running_requests, dist_init_method=init_method,
-                eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
-                speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
-                dequantize=config.dequantize,
-            )
-            for rank in range(config.tp)
-        ])
+        self.workers = workers if workers is not None else ModelWorkerGroup.of(config)
+        self.info = self.workers.init_model(WorkerInitArgs(
+            model_path=model.path, model_type=model.model_type, tp_rank=0, world_size=config.tp, device=model.device,
+            dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
+            max_running_requests=config.max_running_requests, dist_init_addr=self.workers.dist_init_addr,
+            nnodes=config.nnodes, dist_timeout=config.dist_timeout,
+            eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
+            speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
+            dequantize=config.dequantize,
+        ))
         self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
         self.limits = RequestLimits.of_model(self.info)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -74,7 +69,8 @@ class LLMEngine:
             prefix_cache=config.prefix_cache, image_token_id=self.info.image_token_id,
             tokens_per_image=self.info.tokens_per_image,
         ))
-        self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.tp == 1
+        # At tp > 1 too: rank 0 broadcasts each draw to the other ranks (ModelWorker._share_draw).
+        self.overlap = config.overlap if config.overlap is not None else model.device == "cuda"
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet

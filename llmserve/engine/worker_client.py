@@ -1,5 +1,5 @@
-"""The engine's side of the model workers: start one process per tensor-parallel rank, connect
-over a unix socket, and step them all together."""
+"""The engine's side of the model workers: start one process per tensor-parallel rank of this
+node, connect to rank 0 over a unix socket, and step them all through it."""
 
 from __future__ import annotations
 
@@ -11,25 +11,41 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import rpyc
 from rpyc import AsyncResultTimeout
 from rpyc.utils.factory import unix_connect
 
+from llmserve.engine.config import EngineConfig
 from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
 from llmserve.worker.protocol import RPYC_CONFIG, StepInput, StepOutput, WorkerError, WorkerInfo, WorkerInitArgs
 
 
-def _start_worker_process(address: str) -> subprocess.Popen:
+def _start_worker_process(*args: str) -> subprocess.Popen:
     # A fresh interpreter (not multiprocessing's spawn), so the parent's __main__ is never
     # re-imported: scripts using LLM need no `if __name__ == "__main__"` guard.
-    return subprocess.Popen([sys.executable, "-m", "llmserve.worker.main", address, str(os.getpid())],
+    return subprocess.Popen([sys.executable, "-m", "llmserve.worker.main", *args, str(os.getpid())],
                             stdin=subprocess.DEVNULL)
 
 
+def start_followers(dist_init_addr: str, ranks: range, join_timeout: float) -> dict[int, subprocess.Popen]:
+    """Start the worker processes of ranks other than 0 (``worker/ranks.py``): they find rank 0
+    through its store at ``dist_init_addr``, waiting up to ``join_timeout`` for it to come up."""
+    started: dict[int, subprocess.Popen] = {}
+    try:
+        for rank in ranks:
+            started[rank] = _start_worker_process("follow", dist_init_addr, str(rank), str(join_timeout))
+    except BaseException:
+        for proc in started.values():
+            stop_process(proc)
+        raise
+    return started
+
+
 class ModelRpcClient:
-    """Handle on one worker process."""
+    """Handle on rank 0's worker process."""
 
     def __init__(self, proc: subprocess.Popen, conn: rpyc.Connection):
         self.proc = proc
@@ -50,7 +66,7 @@ class ModelRpcClient:
             pass
 
 
-def _stop_process(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
         # A stopped process (SIGSTOP, a debugger: one way a worker hangs) acts on its SIGTERM
@@ -63,56 +79,75 @@ def _stop_process(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+# How often a wait for rank 0 looks whether another rank has ended meanwhile.
+_CHECK_INTERVAL_S = 0.5
+
+
 class ModelWorkerGroup:
-    """All ranks of one model, stepped together.
+    """All ranks of one model. The engine talks to rank 0 only, which hands each step to the
+    other ranks (``common.distributed.StepChannel``) and answers for them all.
 
     Made in two steps, so that the engine loads its tokenizer while the worker processes start
-    (each spends seconds importing torch): ``ModelWorkerGroup(world_size)`` starts the processes,
-    ``init_model(args)`` connects and loads the model in them.
+    (each spends seconds importing torch): ``ModelWorkerGroup(world_size)`` starts this node's
+    processes, ``init_model(args)`` connects and loads the model in them. With ``nnodes`` > 1
+    this node (the head) starts ranks 0 .. world_size / nnodes - 1, and the others run on the
+    other nodes (``llmserve serve --headless``), all meeting at ``dist_init_addr``.
 
-    ``step_timeout``: seconds every rank has to answer a step, after which the step counts as hung
+    ``step_timeout``: seconds rank 0 has to answer a step, after which the step counts as hung
     (a stopped process, a collective that never returns) and ``step`` raises ``WorkerError``.
     None (as built) waits for ever; the engine sets it once the model is loaded, so that loading,
     the first compiles and the CUDA-graph capture have no deadline."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, nnodes: int = 1, dist_init_addr: str | None = None):
+        if world_size % nnodes:
+            raise ValueError(f"tp={world_size} does not split over {nnodes} nodes")
         self.step_timeout: float | None = None
+        self.world_size, self.nnodes = world_size, nnodes
+        self.dist_init_addr = dist_init_addr or (f"127.0.0.1:{free_tcp_port()}" if world_size > 1 else "")
         # Elsewhere than on Linux, socket files in a directory removed on close (a killed engine
         # leaves them behind there).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
         # The engine's PID in the name tells whose workers these are (ss -xlp; tests look for it).
         prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
-        self._started: list[tuple[str, subprocess.Popen]] = []
-        self.clients: list[ModelRpcClient] = []
+        self._address = f"{prefix}rank0.sock"
+        self._started: dict[int, subprocess.Popen] = {}   # this node's ranks
+        self.client: ModelRpcClient | None = None
+        # Rank 0 again, on a connection of its own: asked whether a rank on another node ended
+        # (exposed_failure) by whichever thread waits, the step's or the engine core's loop,
+        # under the lock, while the step's connection may be busy.
+        self._monitor: rpyc.Connection | None = None
+        self._monitor_lock = threading.Lock()
         try:
-            for rank in range(world_size):
-                address = f"{prefix}rank{rank}.sock"
-                self._started.append((address, _start_worker_process(address)))
+            self._started[0] = _start_worker_process(self._address)
+            # Generous: rank 0 hosts the store once the engine knows the model, seconds later.
+            self._started.update(start_followers(self.dist_init_addr, range(1, world_size // nnodes), 600.0))
         except BaseException:
             self.close()
             raise
 
-    def init_model(self, args: list[WorkerInitArgs]) -> WorkerInfo:
-        """Connect to each rank and load the model there; the first rank's ``WorkerInfo``."""
+    @classmethod
+    def of(cls, config: EngineConfig) -> ModelWorkerGroup:
+        return cls(config.tp, config.nnodes, config.dist_init_addr)
+
+    def init_model(self, args: WorkerInitArgs) -> WorkerInfo:
+        """Connect to rank 0 and load the model in every rank (``args`` are rank 0's, the others
+        take theirs from it); rank 0's ``WorkerInfo``."""
         try:
-            for address, proc in self._started:
-                self.clients.append(ModelRpcClient(proc, _connect(address, proc)))
-            infos = self._gather([c.init_model(a) for c, a in zip(self.clients, args)])
+            proc = self._started[0]
+            self.client = ModelRpcClient(proc, _connect(self._address, proc))
+            if self.nnodes > 1:
+                self._monitor = _connect(self._address, proc)
+            self.info: WorkerInfo = self._wait(self.client.init_model(args), None)
         except BaseException:
             self.close()
             raise
-        self.info: WorkerInfo = infos[0]
         return self.info
 
     def step(self, step: StepInput) -> list[StepOutput]:
         """Every rank runs the step; rank 0's answer: the outputs of the steps done (see
         ``ModelWorker.step``)."""
         try:
-            results = [c.step(step) for c in self.clients]
-            if self.step_timeout is not None:
-                for r in results:
-                    r.set_expiry(self.step_timeout)
-            return self._gather(results)[0]
+            return self._wait(self.client.step(step), self.step_timeout)
         except WorkerError:
             raise
         except Exception as e:
@@ -120,36 +155,53 @@ class ModelWorkerGroup:
             # leaves its state (KV cache, rows, sampler) unknown.
             raise WorkerError(f"a model worker's step failed: {e}") from e
 
-    def _gather(self, results: list) -> list:
-        out = []
-        for rank, r in enumerate(results):
+    def _wait(self, result, timeout: float | None):
+        """Rank 0's answer, waiting up to ``timeout`` (None: for ever); meanwhile, every
+        ``_CHECK_INTERVAL_S``, whether a rank ended (whose collective rank 0 may wait in forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _CHECK_INTERVAL_S if deadline is None else max(0.0, min(_CHECK_INTERVAL_S, deadline - time.monotonic()))
+            result.set_expiry(left)
             try:
-                out.append(pickle.loads(r.value))
-            except EOFError as e:
-                raise WorkerError(f"model worker rank {rank} died (exit code {self.clients[rank].proc.poll()})") from e
+                return pickle.loads(result.value)
             except AsyncResultTimeout:
-                silent = [i for i, s in enumerate(results) if not s.ready]
-                raise WorkerError(f"model worker rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} did not "
-                                  f"finish a step within {self.step_timeout:g} s (--step-timeout): hung") from None
+                if (failure := self.failure()) is not None:
+                    raise WorkerError(failure) from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    waited = " (or a rank it waits for)" if self.world_size > 1 else ""
+                    raise WorkerError(f"model worker rank 0{waited} did not finish a step within {timeout:g} s "
+                                      "(--step-timeout): hung") from None
+            except EOFError as e:
+                raise WorkerError(self.failure() or f"model worker rank 0 died (exit code {self._started[0].poll()})") from e
             except Exception as e:
-                raise _as_local_error(e) from None
-        return out
+                # rank 0's own error; the end of another rank, if one ended, is what caused it
+                failure = self.failure()
+                raise (WorkerError(failure) if failure is not None else _as_local_error(e)) from None
 
-    def exit_codes(self) -> list[int | None]:
-        """Each rank's exit code, None while it runs."""
-        return [proc.poll() for _, proc in self._started]
-
-    def alive(self) -> bool:
-        return all(code is None for code in self.exit_codes())
+    def failure(self) -> str | None:
+        """Why the ranks cannot go on, if one of them ended: a process of this node that exited,
+        or what a rank on another node reported (through rank 0) before it ended."""
+        for rank, proc in self._started.items():
+            if (code := proc.poll()) is not None:
+                return f"model worker rank {rank} exited (exit code {code})"
+        if self._monitor is None:
+            return None
+        with self._monitor_lock:
+            try:
+                return self._monitor.root.failure()
+            except Exception:     # rank 0 is ending: the next look finds its exit code
+                return None
 
     def close(self) -> None:
         # The processes first: closing a connection waits for the worker's answer, which a hung
-        # worker never gives; a dead one's closes at once.
-        for _, proc in self._started:
-            _stop_process(proc)
-        for c in self.clients:
-            c.close()
-        self.clients, self._started = [], []
+        # worker never gives; a dead one's closes at once. The other nodes' ranks end with rank 0
+        # (their broadcast from it fails).
+        for proc in self._started.values():
+            stop_process(proc)
+        for conn in (self.client, self._monitor):
+            if conn is not None:
+                conn.close()
+        self.client, self._monitor, self._started = None, None, {}
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
 

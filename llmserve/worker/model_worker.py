@@ -31,6 +31,7 @@ from llmserve.worker.protocol import (
 
 if TYPE_CHECKING:
     from llmserve.common.basemodel import InputEmbeds
+    from llmserve.common.distributed import Rendezvous
     from llmserve.worker.sampling import PendingSample, SampleResult
 
 logger = logging.getLogger(__name__)
@@ -39,21 +40,25 @@ logger = logging.getLogger(__name__)
 class ModelWorker:
     """One rank: owns the model, its KV cache and the request -> table-row map."""
 
-    def __init__(self, args: WorkerInitArgs):
+    def __init__(self, args: WorkerInitArgs, rendezvous: Rendezvous | None = None):
+        """``rendezvous``: where the ranks met (``ranks.host`` / ``ranks.join``), when world_size > 1."""
         from llmserve.common.basemodel import ModelInitParams
-        from llmserve.common.distributed import init_distributed
+        from llmserve.common.distributed import StepChannel, init_distributed
         from llmserve.grammar import GrammarCompiler
         from llmserve.models.registry import get_model_class
         from llmserve.worker.sampling import Sampler
 
         self.args = args
-        device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.tp_rank}")
+        device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.local_rank}")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            # ranks share the machine's cores; each one taking all of them would oversubscribe
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-        init_distributed(args.tp_rank, args.world_size, args.dist_init_method, device)
+            # a node's ranks share its cores; each one taking all of them would oversubscribe
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks_per_node))
+        self.rendezvous = rendezvous
+        init_distributed(rendezvous.store if rendezvous else None, args.tp_rank, args.world_size, device)
+        # Rank 0 hands each step to the other ranks (see step_from_engine, follow).
+        self.channel = StepChannel() if args.world_size > 1 else None
         params = ModelInitParams(
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
@@ -147,6 +152,8 @@ class ModelWorker:
         drafting = [e for e in step.entries if e.num_draft_tokens]
         if self.sampler is None:
             self._unverified.update(e.req_id for e in drafting)
+            if step.overlap:
+                self._share_draw(step.entries)
             return []
         # The forward is queued: now read the owed step's tokens (the device is busy meanwhile),
         # which also counts them for the penalties before this step samples.
@@ -171,12 +178,33 @@ class ModelWorker:
         drawn = self.sampler.launch(logits, [step.entries[i].req_id for i in sampling]) if sampling else None
         self._last_sampled = None if drawn is None else drawn.token_ids.to(self.device, non_blocking=True)
         self._last_sampled_row = {step.entries[i].req_id: n for n, i in enumerate(sampling)}
+        if step.overlap and self.args.world_size > 1:
+            self._share_draw(step.entries, sampling, drawn)
         launched = _LaunchedStep(len(step.entries), sampling, drawn, prompt_lps, prompt_tops, errors)
         if step.overlap:
             self._owed = launched
         else:
             done.append(launched.output())
         return done
+
+    def _share_draw(self, entries: list[BatchEntry], sampling: list[int] | None = None,
+                    drawn: PendingSample | None = None) -> None:
+        """An overlapped step at tp > 1: every rank feeds the next step the tokens rank 0 drew in
+        this one (``pending_token``), so rank 0 broadcasts them, device to device and queued like
+        the forward: one per entry, 0 where it drew none (as for a failed draw: any id will do)."""
+        tokens = torch.zeros(len(entries), dtype=torch.int64, device=self.device)
+        if drawn is not None:
+            rows = torch.tensor(sampling, dtype=torch.long).to(self.device, non_blocking=True)
+            tokens[rows] = drawn.token_ids.to(self.device, torch.int64, non_blocking=True)
+        torch.distributed.broadcast(tokens, 0)
+        self._last_sampled = tokens
+        self._last_sampled_row = {e.req_id: i for i, e in enumerate(entries)}
+
+    def follow(self) -> None:
+        """A rank other than 0: run the steps rank 0 hands over, until it sends the end (b"");
+        raises once rank 0 is gone (its connection closed)."""
+        while step := self.channel.recv():
+            self.step(pickle.loads(step))
 
     def _verify(self, logits: torch.Tensor, entries: list[BatchEntry], row_ends: list[int], sampling: list[int],
                 prompt_lps: list, prompt_tops: list, errors: list[str | None]) -> StepOutput:
@@ -315,10 +343,10 @@ class ModelWorker:
         """Undo the step (free the KV slots the forward took) and say so; the router finds the culprit."""
         if self.args.world_size > 1:
             # This rank may have left the forward before a collective the others now wait in: the
-            # ranks can never be in step again. Dying is how the router (and the other ranks, whose
-            # collective then fails) learn it, rather than waiting forever.
-            logger.exception("rank %d: the forward failed; the ranks are out of step, exiting", self.args.tp_rank)
-            os._exit(1)
+            # ranks can never be in step again. The worker ends (rank 0 raises to the engine, the
+            # others exit: see follow_rank0), and the others' collectives fail with it.
+            logger.error("rank %d: the forward failed; the ranks are out of step", self.args.tp_rank, exc_info=error)
+            raise self.out_of_step(error)
         if is_device_failure(error):
             raise error      # not this batch's failure but the device's: the worker's (see faults.py)
         logger.warning("the forward of a batch of %d failed: %s", len(entries), error, exc_info=error)
@@ -359,6 +387,14 @@ class ModelWorker:
         """The step met a failure of the device (``is_device_failure``): this worker cannot go on."""
         logger.error("rank %d: the device failed; this worker cannot go on", self.args.tp_rank, exc_info=error)
         return WorkerError(f"model worker rank {self.args.tp_rank}: the device failed ({error_line(error)})")
+
+    def out_of_step(self, error: BaseException) -> WorkerError:
+        """A forward or a collective failed at tp > 1. On rank 0 that is most often another rank's
+        end (its closed connection fails our collective), which its node reports in a moment:
+        that is the cause to tell."""
+        cause = self.rendezvous.failure(wait=2.0) if self.args.tp_rank == 0 else None
+        return WorkerError(cause or f"model worker rank {self.args.tp_rank}: {error_line(error)} "
+                                    f"(tp={self.args.world_size}: the ranks are out of step)")
 
     def _free_kv(self, req_id: int) -> None:
         self._unverified.discard(req_id)
@@ -436,13 +472,30 @@ class ModelRpcServer(rpyc.Service):
     def exposed_init_model(self, args: bytes) -> bytes:
         self._imports.join()   # two threads importing the same modules at once can deadlock
         adopt_library_logging()   # the imports brought transformers, which logs on its own
+        from llmserve.worker import ranks
+
         started = time.monotonic()
         init_args = pickle.loads(args)
-        self.worker = ModelWorker(init_args)
+        # tp > 1: the other ranks join rank 0's store and read these args there (worker/ranks.py)
+        rendezvous = ranks.host(init_args) if init_args.world_size > 1 else None
+        self.worker = ModelWorker(init_args, rendezvous)
+        if rendezvous is not None:
+            ranks.wait_until_loaded(rendezvous, init_args)
         logger.info("rank %d: model loaded in %.1f s", init_args.tp_rank, time.monotonic() - started)
         return pickle.dumps(self.worker.info())
 
+    def exposed_failure(self) -> str | None:
+        """What a rank elsewhere reported before it ended (see ranks.py), if anything; the engine
+        asks while it waits, so that a node's failure ends it even while it has no step to run."""
+        rendezvous = self.worker.rendezvous if self.worker is not None else None
+        return rendezvous.failure() if rendezvous is not None else None
+
     def exposed_step(self, step: bytes) -> bytes:
+        if self.worker.channel is not None:
+            try:
+                self.worker.channel.send(step)    # the other ranks run it too
+            except Exception as e:
+                raise self.worker.out_of_step(e) from None
         try:
             outputs = self.worker.step(pickle.loads(step))
             if any(error is not None for output in outputs for error in output.errors):

@@ -1,14 +1,16 @@
 """What the engine and a model worker say to each other, once per step: plain dataclasses,
 pickled and sent as bytes over rpyc (which keeps rpyc's proxies out of the hot path).
 
-Every step the engine sends all ranks the same ``StepInput``; each rank runs its share of the
-forward (the collectives inside line them up), and rank 0 samples and returns a ``StepOutput``.
+Every step the engine sends rank 0 a ``StepInput``, which rank 0 hands to the other ranks in one
+broadcast (``common.distributed.StepChannel``); each rank runs its share of the forward (the
+collectives inside line them up), and rank 0 samples and returns a ``StepOutput``.
 
-With ``StepInput.overlap`` (one GPU rank), the worker answers as soon as it has queued the step
+With ``StepInput.overlap``, the worker answers as soon as it has queued the step
 on the device, with the outputs of the steps before it that are done: the engine reads step N's
 tokens and schedules step N+1 while the GPU runs step N. A request that sampled in the step
 still running feeds that token to the next step without the engine knowing it yet
-(``BatchEntry.pending_token``): the worker takes it from the device.
+(``BatchEntry.pending_token``): the worker takes it from the device (rank 0 broadcasts its draw
+to the other ranks, device to device).
 A failure tied to some entries of a step (bad sampling parameters, a forward that raises) is
 reported in ``StepOutput.errors``, and the worker stays usable; anything a worker raises
 instead is a ``WorkerError``, like its death: its state is then unknown, and the engine stops.
@@ -47,12 +49,26 @@ class WorkerInitArgs:
     max_total_token_num: int | None = None
     mem_fraction: float = 0.85
     max_running_requests: int = 256
-    dist_init_method: str = ""       # tcp://127.0.0.1:PORT when world_size > 1
+    # Where the ranks meet when world_size > 1: HOST:PORT of the store rank 0 hosts (see
+    # common/distributed.py), the nodes the ranks are spread over (world_size / nnodes each, rank r
+    # on node r // that), and how long rank 0 waits for the other ranks to join.
+    dist_init_addr: str = ""
+    nnodes: int = 1
+    dist_timeout: float = 120.0
     eos_token_ids: list[int] = field(default_factory=list)  # banned by the sampler below min_tokens
     cuda_graph_max_bs: int = 0       # on CUDA, decode batches up to this size replay CUDA graphs
     speculate: int = 0               # draft tokens per request (EngineConfig): sizes the verify steps' graphs
     speculate_max_batch: int = 0
     dequantize: bool = False         # GGUF on CPU: expand the quantized matrices at load (ModelInitParams)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's place on its node: its GPU's index."""
+        return self.tp_rank % self.ranks_per_node
 
 
 @dataclass

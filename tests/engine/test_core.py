@@ -59,8 +59,8 @@ def test_a_ping_is_answered_during_a_step_and_the_rest_waits_for_its_end():
     from llmserve.engine.messages import AddRequest, FrameBuffer, Ping, Pong, encode
 
     class Workers:
-        def alive(self):
-            return True
+        def failure(self):
+            return None
 
     class Engine:
         workers = Workers()

@@ -144,8 +144,8 @@ class InProcessWorkers:
     def step(self, step: StepInput) -> StepOutput | None:
         return pickle.loads(pickle.dumps(self.worker.step(pickle.loads(pickle.dumps(step)))))
 
-    def alive(self) -> bool:
-        return True
+    def failure(self) -> str | None:
+        return None
 
 
 @pytest.fixture

@@ -32,8 +32,7 @@ def start_llm(model: str, faults: str, **options) -> LLM:
 
 
 def worker_pid(llm: LLM) -> int:
-    [client] = llm.engine.workers.clients
-    return client.proc.pid
+    return llm.engine.workers.client.proc.pid
 
 
 @pytest.fixture(scope="module")
