@@ -111,6 +111,21 @@ def test_overlap_equals_the_plain_loop(llm, monkeypatch):
     assert preemptions == plain_preemptions > 0, "the workload should outgrow the KV pool"
 
 
+def test_overlap_at_tp2_equals_the_plain_loop(tiny_llama_dir, monkeypatch):
+    # At tp > 1 the other rank feeds a pending token from rank 0's broadcast of its draw.
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("tp=2 needs 2 GPUs")
+    with LLM(tiny_llama_dir, tp=2, dtype=DTYPE, max_total_token_num=KV_TOKENS, max_prefill_tokens=PREFILL_TOKENS) as tp2:
+        prompts, params = workload(tp2.engine.info.vocab_size)
+        plain, plain_batches, plain_preemptions = run(tp2, False, prompts, params, monkeypatch)
+        overlapped, batches, preemptions = run(tp2, True, prompts, params, monkeypatch)
+    assert batches == plain_batches
+    assert_same(overlapped, plain)
+    assert preemptions == plain_preemptions > 0, "the workload should outgrow the KV pool"
+
+
 def test_stops_that_fire_with_the_next_step_in_flight(llm, monkeypatch):
     # Stop tokens, EOS and stop strings picked from the plain run's own outputs, so that they fire
     # mid-stream: with overlap the request's next step is then already running, and its token
