@@ -161,6 +161,24 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve no chat page at GET / (default: a page that chats with the model from a browser)")
 
 
+def _add_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="spread the --tp ranks over N machines, tp/N each; run the same command on every machine "
+                        "with its --node-rank, and --headless on all but the head (default: 1)")
+    p.add_argument("--node-rank", type=int, default=0, metavar="R",
+                   help="this machine's place among the --nnodes: 0 is the head, which serves HTTP and runs "
+                        "the engine (default: 0)")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="where the ranks of every node meet (torch.distributed's store, hosted by the head's "
+                        "rank 0): an address of the head every node reaches; needed with --nnodes > 1")
+    p.add_argument("--dist-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="the head fails with an error naming the missing nodes if their ranks have not joined "
+                        "within SECONDS, and a headless node if the head has not come up (default: 120)")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this node's ranks for the head at --dist-init-addr: no HTTP server, no engine; "
+                        "exits when the head stops")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference with a token-level KV cache and Triton kernels.")
     parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
@@ -176,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the same as --model (as in `vllm serve MODEL`)")
     _add_model_args(serve)
     _add_serve_args(serve)
+    _add_node_args(serve)
 
     gen = sub.add_parser("generate", help="continue a raw text prompt")
     gen.add_argument("prompt", nargs="+", help="one or more prompts, generated together in one batch")
@@ -275,15 +294,25 @@ def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, raw: st
 
 def serve(args: argparse.Namespace) -> int:
     from llmserve.server.api.state import ServerConfig
-    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.config import EngineConfig, check_nodes
     from llmserve.server.serve import run_server
 
     engine_config = EngineConfig(
         model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
-        prefix_cache=args.prefix_cache, **_step_options(args),
+        prefix_cache=args.prefix_cache, nnodes=args.nnodes, dist_init_addr=args.dist_init_addr,
+        dist_timeout=args.dist_timeout, **_step_options(args),
     )
+    check_nodes(engine_config)
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.headless != (args.node_rank > 0):
+        raise ValueError("--headless is for the nodes of --node-rank 1 and up; node 0 is the head, which serves")
+    if args.headless:
+        from llmserve.worker.node import run_node
+
+        return run_node(args.tp, args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
         max_concurrent_requests=args.max_concurrent_requests, max_model_len=args.max_total_tokens,
@@ -336,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"llmserve: error: {e}", file=sys.stderr)
             return 2
-    configure_logging(args.log_level, args.log_format, role="http" if args.command == "serve" else "cli")
+    configure_logging(args.log_level, args.log_format, role=("node" if getattr(args, "headless", False) else "http") if args.command == "serve" else "cli")
     from llmserve.llm import LLM
     from llmserve.server.engine_client import EngineError
     from llmserve.worker.protocol import WorkerError

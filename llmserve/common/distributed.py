@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 import struct
 import time
 
@@ -89,11 +90,8 @@ class Rendezvous:
         """Another rank's: connect to rank 0's store (waiting up to ``timeout`` for it to be up)
         and say so."""
         host, port = split_addr(addr)
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=_seconds(timeout))
-        except Exception:
-            raise RuntimeError(f"the head's rendezvous at {addr} did not come up within {timeout:g} s") from None
-        store.set_timeout(FOREVER)
+        _wait_for_listener(host, port, timeout, addr)
+        store = dist.TCPStore(host, port, is_master=False, timeout=_seconds(max(timeout, 60.0)))
         if rank >= 0:
             store.set(f"joined/{rank}", b"1")
         return cls(store)
@@ -132,6 +130,20 @@ class Rendezvous:
                 return None
             time.sleep(0.05)
         return self.store.get("failed").decode() or None
+
+
+def _wait_for_listener(host: str, port: int, timeout: float, addr: str) -> None:
+    """Wait until something listens at host:port. (TCPStore's own client retries with a backoff
+    that grows to a minute, and logs each try as an error.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the head's rendezvous at {addr} did not come up within {timeout:g} s") from None
+            time.sleep(0.1)
 
 
 class MissingRanks(RuntimeError):

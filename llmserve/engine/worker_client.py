@@ -193,9 +193,17 @@ class ModelWorkerGroup:
                 return None
 
     def close(self) -> None:
+        # The other ranks leave their loops (on every node) when rank 0 says so; if it cannot, they
+        # end anyway once rank 0 is gone (their broadcast from it fails).
+        if self.client is not None and self.world_size > 1 and self._started[0].poll() is None:
+            try:
+                ended = rpyc.async_(self.client.conn.root.shutdown)()
+                ended.set_expiry(2.0)
+                ended.wait()
+            except Exception:
+                pass
         # The processes first: closing a connection waits for the worker's answer, which a hung
-        # worker never gives; a dead one's closes at once. The other nodes' ranks end with rank 0
-        # (their broadcast from it fails).
+        # worker never gives; a dead one's closes at once.
         for proc in self._started.values():
             stop_process(proc)
         for conn in (self.client, self._monitor):

@@ -490,6 +490,11 @@ class ModelRpcServer(rpyc.Service):
         rendezvous = self.worker.rendezvous if self.worker is not None else None
         return rendezvous.failure() if rendezvous is not None else None
 
+    def exposed_shutdown(self) -> None:
+        """The engine is closing: the other ranks leave their step loops (and exit)."""
+        if self.worker is not None and self.worker.channel is not None:
+            self.worker.channel.send(b"")
+
     def exposed_step(self, step: bytes) -> bytes:
         if self.worker.channel is not None:
             try:

@@ -1,0 +1,93 @@
+"""Two "nodes" on one machine (gloo): the head (`llmserve serve --tp 2 --nnodes 2 --node-rank 0`)
+runs rank 0, and a headless node (`--node-rank 1 --headless`) runs rank 1, meeting at the head's
+--dist-init-addr. Greedy tokens equal tp=1's; the head's stop ends the headless node; a headless
+node's worker that dies ends the head with that error within 10 s; a node that never comes fails
+the head's start with an error naming it. No process is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from serving_utils import ServerProcess, child_pids, free_port, llmserve_command, pid_alive, wait_until
+
+if torch.cuda.is_available():
+    pytest.skip("two nodes on one machine run on the CPU (gloo)", allow_module_level=True)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+NEW_TOKENS = 12
+
+
+def node_args(addr: str, node_rank: int) -> list[str]:
+    return ["--tp", "2", "--nnodes", "2", "--node-rank", str(node_rank), "--dist-init-addr", addr]
+
+
+def start_headless(addr: str, timeout: float = 300) -> subprocess.Popen:
+    return subprocess.Popen([*llmserve_command(), "serve", *node_args(addr, 1), "--headless", "--dist-timeout", str(timeout)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def greedy(url: str, prompt: str) -> list[int]:
+    r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS,
+                                                                            "details": True}}, timeout=120)
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+def all_pids(head: ServerProcess, headless: subprocess.Popen) -> list[int]:
+    return [head.proc.pid, head.core_pid, *head.worker_pids, headless.pid, *child_pids(headless.pid)]
+
+
+def test_two_nodes_give_tp1_tokens_and_stop_with_the_head(tiny_llama_dir):
+    with LLM(tiny_llama_dir) as tp1:
+        expected = [o.token_ids for o in tp1.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))]
+    addr = f"127.0.0.1:{free_port()}"
+    headless = start_headless(addr)
+    try:
+        with ServerProcess(tiny_llama_dir, *node_args(addr, 0)) as head:
+            assert len(head.worker_pids) == 1 and len(child_pids(headless.pid)) == 1   # rank 0 here, rank 1 there
+            assert [greedy(head.url, p) for p in PROMPTS] == expected
+            pids = all_pids(head, headless)
+            head.stop(signal.SIGINT)
+        assert headless.wait(timeout=30) == 0, headless.stdout.read()
+        wait_until(lambda: not any(pid_alive(p) for p in pids), 10, "every process of both nodes ends")
+    finally:
+        headless.kill()
+
+
+def test_a_dead_headless_worker_ends_the_head_with_its_error(tiny_llama_dir):
+    addr = f"127.0.0.1:{free_port()}"
+    headless = start_headless(addr)
+    try:
+        head = ServerProcess(tiny_llama_dir, *node_args(addr, 0))
+        pids = all_pids(head, headless)
+        [follower] = child_pids(headless.pid)
+        os.kill(follower, signal.SIGKILL)
+        started = time.monotonic()
+        code = head.proc.wait(timeout=30)
+        assert time.monotonic() - started < 10
+        assert code != 0
+        assert "model worker rank 1 on node 1 exited (exit code -9)" in head.output(), head.output()
+        assert headless.wait(timeout=10) == 1
+        wait_until(lambda: not any(pid_alive(p) for p in pids), 10, "every process of both nodes ends")
+    finally:
+        headless.kill()
+
+
+def test_a_missing_node_fails_the_head_and_a_missing_head_the_node(tiny_llama_dir):
+    addr = f"127.0.0.1:{free_port()}"
+    head = subprocess.run([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", str(free_port()),
+                           *node_args(addr, 0), "--dist-timeout", "3"], capture_output=True, text=True, timeout=300)
+    assert head.returncode != 0
+    assert f"rank 1 did not join at {addr} within 3 s (node 1 of 2" in head.stderr, head.stderr
+    headless = start_headless(addr, timeout=2)
+    out, _ = headless.communicate(timeout=120)
+    assert headless.returncode == 1
+    assert f"the head's rendezvous at {addr} did not come up within 2 s" in out, out
