@@ -1,0 +1,148 @@
+"""Tensor-parallel scaling (issue 34): decode steps and serving at tp = 1, 2, 4 in one run.
+
+What is measured, for each --tp value
+  offline   the engine in this process (``engine.py``'s ``keep_in_flight``: the scheduler and the
+            worker processes the server uses, without HTTP), greedy random prompts of
+            --input-len tokens, exactly --output-len new tokens each: the mean TPOT at C=1 and
+            C=32 (one request's time per decode step: at C=1 that is the step's time) and the
+            output tok/s at C=128. A warm-up of C requests precedes each timed run.
+  serving   ``llmserve serve --tp N`` started as a process, then ``serving.py`` at
+            --max-concurrency 128 (4 x 128 requests, same lengths), its output tok/s.
+
+Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
+<= 0.62x at C=32, tp=4 <= 0.36x; C=128 throughput at tp=2 >= 1.7x).
+
+Run (GPUs):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
+             python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1,2,4 --json benchmarks/results/tp_scaling.json
+Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
+             python benchmarks/tp_scaling.py --model /tmp/tiny --tp 1,2 --input-len 16 --output-len 8 --concurrency 1,2,4 --no-serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from common import markdown_table, remove_script_dir_from_sys_path, write_json
+
+remove_script_dir_from_sys_path()
+
+import httpx  # noqa: E402
+
+from engine import random_prompts, run_requests  # noqa: E402  (benchmarks/engine.py)
+from llmserve.engine.config import EngineConfig, inspect_model, resolve_model_path  # noqa: E402
+from llmserve.engine.engine import LLMEngine  # noqa: E402
+from llmserve.tokenizer import load_tokenizer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOALS = {(2, "tpot C=1"): ("<=", 0.6), (2, "tpot C=32"): ("<=", 0.62), (4, "tpot C=1"): ("<=", 0.36),
+         (4, "tpot C=32"): ("<=", 0.36), (2, "offline tok/s C=128"): (">=", 1.7), (2, "serving tok/s C=128"): (">=", 1.7)}
+
+
+@dataclass
+class TpResult:
+    tp: int
+    numbers: dict[str, float] = field(default_factory=dict)   # metric -> value
+
+
+def offline(args: argparse.Namespace, tp: int, levels: list[int]) -> dict[str, float]:
+    config = EngineConfig(model=args.model, tp=tp, dtype=args.dtype, max_running_requests=max(levels),
+                          max_total_token_num=args.max_total_token_num)
+    engine = LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
+    prompts = random_prompts(engine.info.vocab_size, args.input_len)
+    print(engine.summary(), file=sys.stderr)
+    numbers = {}
+    try:
+        for c in levels:
+            run_requests(engine, prompts(c), args.output_len, c)     # warm-up
+            r = run_requests(engine, prompts(4 * c), args.output_len, c)
+            numbers[f"tpot C={c}"] = r.tpot_ms
+            numbers[f"offline tok/s C={c}"] = r.out_tok_per_s
+            print(f"tp={tp} C={c}: TPOT {r.tpot_ms:.2f} ms, {r.out_tok_per_s:.0f} tok/s", file=sys.stderr)
+    finally:
+        engine.shutdown()
+    return numbers
+
+
+def serving(args: argparse.Namespace, tp: int, concurrency: int) -> float:
+    port = 18000 + tp
+    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", args.model, "--tp", str(tp), "--port", str(port),
+           "--max-concurrent-requests", str(4 * concurrency)]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    server = subprocess.Popen(cmd)
+    try:
+        deadline = time.monotonic() + 1800
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"llmserve serve --tp {tp} exited with {server.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llmserve serve --tp {tp} did not become healthy")
+            time.sleep(1)
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run([sys.executable, os.path.join(HERE, "serving.py"), "--base-url", f"http://127.0.0.1:{port}",
+                            "--max-concurrency", str(concurrency), "--num-prompts", str(4 * concurrency),
+                            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                            "--tokenizer", args.model, "--result-file", out.name], check=True)
+            return json.load(open(out.name))["summary"]["output_throughput"]
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF directory (benchmarks/make_random_model.py writes one)")
+    p.add_argument("--tp", default="1,2,4")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--concurrency", default="1,32,128", help="offline C values (default: 1,32,128)")
+    p.add_argument("--serving-concurrency", type=int, default=128)
+    p.add_argument("--no-serving", action="store_true", help="offline numbers only")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-total-token-num", type=int, default=None)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    tps = [int(t) for t in args.tp.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results = []
+    for tp in tps:
+        result = TpResult(tp, offline(args, tp, levels))
+        if not args.no_serving:
+            result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(args, tp, args.serving_concurrency)
+        results.append(result)
+    base = results[0].numbers
+    metrics = list(base)
+    rows = []
+    for r in results:
+        for m in metrics:
+            ratio = r.numbers[m] / base[m] if base[m] else float("nan")
+            goal = GOALS.get((r.tp, m))
+            verdict = "" if goal is None else f"{goal[0]} {goal[1]}: " + (
+                "met" if (ratio <= goal[1] if goal[0] == "<=" else ratio >= goal[1]) else "MISSED")
+            rows.append([r.tp, m, f"{r.numbers[m]:.2f}", f"{ratio:.3f}", verdict])
+    print(f"\n### Tensor-parallel scaling, in {args.input_len} / out {args.output_len}\n")
+    print(markdown_table(["tp", "metric", "value", f"/ tp={tps[0]}", "goal"], rows))
+    if args.json:
+        write_json(args.json, {"benchmark": "tp_scaling", "model": args.model, "input_len": args.input_len,
+                               "output_len": args.output_len, "results": [asdict(r) for r in results]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
