@@ -15,7 +15,6 @@ import threading
 import time
 
 import rpyc
-from rpyc import AsyncResultTimeout
 from rpyc.utils.factory import unix_connect
 
 from llmserve.engine.config import EngineConfig
@@ -159,24 +158,27 @@ class ModelWorkerGroup:
         """Rank 0's answer, waiting up to ``timeout`` (None: for ever); meanwhile, every
         ``_CHECK_INTERVAL_S``, whether a rank ended (whose collective rank 0 may wait in forever)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = _CHECK_INTERVAL_S if deadline is None else max(0.0, min(_CHECK_INTERVAL_S, deadline - time.monotonic()))
-            result.set_expiry(left)
-            try:
-                return pickle.loads(result.value)
-            except AsyncResultTimeout:
+        try:
+            # Served here rather than through the result's expiry: rpyc drops a reply that
+            # arrives after its result expired, and this waits in slices.
+            while not result.ready:
+                if self.client.conn.serve(_CHECK_INTERVAL_S):
+                    continue
                 if (failure := self.failure()) is not None:
-                    raise WorkerError(failure) from None
+                    raise WorkerError(failure)
                 if deadline is not None and time.monotonic() >= deadline:
                     waited = " (or a rank it waits for)" if self.world_size > 1 else ""
                     raise WorkerError(f"model worker rank 0{waited} did not finish a step within {timeout:g} s "
-                                      "(--step-timeout): hung") from None
-            except EOFError as e:
-                raise WorkerError(self.failure() or f"model worker rank 0 died (exit code {self._started[0].poll()})") from e
-            except Exception as e:
-                # rank 0's own error; the end of another rank, if one ended, is what caused it
-                failure = self.failure()
-                raise (WorkerError(failure) if failure is not None else _as_local_error(e)) from None
+                                      "(--step-timeout): hung")
+            return pickle.loads(result.value)
+        except WorkerError:
+            raise
+        except EOFError as e:
+            raise WorkerError(self.failure() or f"model worker rank 0 died (exit code {self._started[0].poll()})") from e
+        except Exception as e:
+            # rank 0's own error; the end of another rank, if one ended, is what caused it
+            failure = self.failure()
+            raise (WorkerError(failure) if failure is not None else _as_local_error(e)) from None
 
     def failure(self) -> str | None:
         """Why the ranks cannot go on, if one of them ended: a process of this node that exited,
