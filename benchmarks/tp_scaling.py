@@ -30,12 +30,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from common import markdown_table, remove_script_dir_from_sys_path, write_json
+from engine import random_prompts, run_requests  # last: importing it takes this folder off sys.path
 
 remove_script_dir_from_sys_path()
 
 import httpx  # noqa: E402
 
-from engine import random_prompts, run_requests  # noqa: E402  (benchmarks/engine.py)
 from llmserve.engine.config import EngineConfig, inspect_model, resolve_model_path  # noqa: E402
 from llmserve.engine.engine import LLMEngine  # noqa: E402
 from llmserve.tokenizer import load_tokenizer  # noqa: E402
