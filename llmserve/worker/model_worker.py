@@ -57,7 +57,7 @@ class ModelWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks_per_node))
         self.rendezvous = rendezvous
         init_distributed(rendezvous.store if rendezvous else None, args.tp_rank, args.world_size, device)
-        # Rank 0 hands each step to the other ranks (see step_from_engine, follow).
+        # Rank 0 hands each step to the other ranks (see ModelRpcServer.exposed_step, follow).
         self.channel = StepChannel() if args.world_size > 1 else None
         params = ModelInitParams(
             model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
@@ -344,7 +344,7 @@ class ModelWorker:
         if self.args.world_size > 1:
             # This rank may have left the forward before a collective the others now wait in: the
             # ranks can never be in step again. The worker ends (rank 0 raises to the engine, the
-            # others exit: see follow_rank0), and the others' collectives fail with it.
+            # others exit: see ranks.follow), and the others' collectives fail with it.
             logger.error("rank %d: the forward failed; the ranks are out of step", self.args.tp_rank, exc_info=error)
             raise self.out_of_step(error)
         if is_device_failure(error):
