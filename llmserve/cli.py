@@ -51,7 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "running them in their blocks with the quantized kernel (the same values; slower, "
                         "4-8x the memory; GPUs always dequantize)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="on one GPU, wait for each step's tokens before scheduling the next, instead of "
+                   help="on GPUs, wait for each step's tokens before scheduling the next, instead of "
                         "scheduling it while the GPU runs (as SGLang's flag); same tokens, slower")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="prompt-lookup speculation: draft up to K tokens per decoding request per step from "
