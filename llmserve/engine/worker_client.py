@@ -174,7 +174,8 @@ class ModelWorkerGroup:
         except WorkerError:
             raise
         except EOFError as e:
-            raise WorkerError(self.failure() or f"model worker rank 0 died (exit code {self._started[0].poll()})") from e
+            died = f"model worker rank 0 died (exit code {self._started[0].poll()})"
+            raise WorkerError(self.failure() or died) from e
         except Exception as e:
             # rank 0's own error; the end of another rank, if one ended, is what caused it
             failure = self.failure()

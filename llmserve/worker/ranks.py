@@ -75,7 +75,8 @@ def follow(addr: str, rank: int, join_timeout: float) -> int:
         # Most often another rank's end failed our collective: its own report, due in a moment,
         # tells the cause better than ours.
         if rendezvous.failure(wait=1.0) is None:
-                rendezvous.fail(f"model worker rank {rank} (node {rank // args.ranks_per_node}) failed: {error_line(e)}")
+                node = rank // args.ranks_per_node
+                rendezvous.fail(f"model worker rank {rank} (node {node}) failed: {error_line(e)}")
         return 1
     return 0
 

@@ -30,7 +30,8 @@ def node_args(addr: str, node_rank: int) -> list[str]:
 
 
 def start_headless(addr: str, timeout: float = 300) -> subprocess.Popen:
-    return subprocess.Popen([*llmserve_command(), "serve", *node_args(addr, 1), "--headless", "--dist-timeout", str(timeout)],
+    return subprocess.Popen([*llmserve_command(), "serve", *node_args(addr, 1), "--headless",
+                             "--dist-timeout", str(timeout)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -47,7 +48,8 @@ def all_pids(head: ServerProcess, headless: subprocess.Popen) -> list[int]:
 
 def test_two_nodes_give_tp1_tokens_and_stop_with_the_head(tiny_llama_dir):
     with LLM(tiny_llama_dir) as tp1:
-        expected = [o.token_ids for o in tp1.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))]
+        outs = tp1.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))
+        expected = [o.token_ids for o in outs]
     addr = f"127.0.0.1:{free_port()}"
     headless = start_headless(addr)
     try:
