@@ -70,6 +70,7 @@ class BatchDriver:
     """Drives a TpPartBaseModel directly: one table row per prompt, prefill then decode."""
 
     model: TpPartBaseModel
+    lora_slots: list[int] | None = None     # request i's LoRA adapter slot (-1: none); None: no adapters
 
     def __post_init__(self) -> None:
         self.rows: list[int] = []
@@ -83,7 +84,8 @@ class BatchDriver:
     def extend(self, chunks: list[list[int]], return_all_logits: bool = False) -> torch.Tensor:
         """Append ``chunks[i]`` to request i (any lengths >= 1) in one forward."""
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
-        logits = self.model.forward(ids, self.rows, list(self.lens), [len(c) for c in chunks], return_all_logits)
+        logits = self.model.forward(ids, self.rows, list(self.lens), [len(c) for c in chunks], return_all_logits,
+                                    b_lora_slot=self.lora_slots)
         self.lens = [n + len(c) for n, c in zip(self.lens, chunks)]
         return logits
 
@@ -123,13 +125,13 @@ def assert_matches_hf_greedy(ours: TpPartBaseModel, hf_model, prompts: list[list
     refs = [hf_greedy_with_logits(hf_model, p, steps + 1) for p in prompts]
     driver = BatchDriver(ours)
     try:
-        _compare_steps(driver, refs, prompts, steps)
+        compare_steps(driver, refs, prompts, steps)
     finally:
         driver.free()   # the model is shared by the module's tests: leave its KV pool empty
     assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size
 
 
-def _compare_steps(driver: BatchDriver, refs, prompts: list[list[int]], steps: int) -> None:
+def compare_steps(driver: BatchDriver, refs, prompts: list[list[int]], steps: int) -> None:
     logits = driver.prefill(prompts)
     agree = 0
     for step in range(steps + 1):
