@@ -115,7 +115,7 @@ class EngineCore:
         # Admitted by check_request at the API edge; the engine only asserts, and a failed
         # assertion here is a bug of ours that costs this request only.
         req = Request(message.req_id, message.prompt_token_ids, message.params, pixel_values=message.pixel_values,
-                      session_id=message.session_id)
+                      session_id=message.session_id, lora_name=message.lora_name)
         try:
             self.engine.enqueue(req)
         except Exception as e:

@@ -52,6 +52,7 @@ class AddRequest:
     # An interactive session's id: the request's tokens stay pinned in the prefix cache for the
     # session's next turn once it finishes (until EndSession, or until the cache needs the room).
     session_id: str | None = None
+    lora_name: str | None = None     # the LoRA adapter to run it with (None: the base model)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +127,25 @@ def projection_shape(cfg, module: str) -> tuple[int, int]:
     q, kv = cfg.num_attention_heads * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
     return {"q": (hidden, q), "k": (hidden, kv), "v": (hidden, kv), "o": (q, hidden),
             "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}[module]
+
+
+class AdapterCache:
+    """A worker's adapters read on the host: each known one is read (and so checked) once at
+    start-up, and the ``capacity`` most recently loaded stay read; the others are read again from
+    their directory when the engine loads them into a slot."""
+
+    def __init__(self, adapters: dict[str, str], network_config, max_rank: int, capacity: int):
+        self.network_config, self.max_rank, self.capacity = network_config, max_rank, max(1, capacity)
+        self._read: OrderedDict[str, LoraAdapter] = OrderedDict()
+        for name, path in adapters.items():
+            self.get(name, path)
+
+    def get(self, name: str, path: str) -> LoraAdapter:
+        adapter = self._read.get(name)
+        if adapter is None or adapter.path != path:
+            adapter = read_adapter(name, path, self.network_config, self.max_rank)
+            self._read[name] = adapter
+        self._read.move_to_end(name)
+        while len(self._read) > self.capacity:
+            self._read.popitem(last=False)
+        return adapter
