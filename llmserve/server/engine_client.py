@@ -256,15 +256,17 @@ class EngineClient:
 
     # -- handler side ------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 pixel_values: list[np.ndarray] | None = None, session_id: str | None = None) -> RequestStream:
+                 pixel_values: list[np.ndarray] | None = None, session_id: str | None = None,
+                 lora_name: str | None = None) -> RequestStream:
         """Queue a request that passed ``check_request`` (``ServerState.start_all``: the core trusts
         it); ``EngineError`` if the engine is down. ``pixel_values``: its images, preprocessed;
-        ``session_id``: the interactive session whose turn it is (its tokens stay cached after it)."""
+        ``session_id``: the interactive session whose turn it is (its tokens stay cached after it);
+        ``lora_name``: its LoRA adapter (None: the base model)."""
         if self.error is not None:
             raise EngineError(f"the engine has stopped: {self.error}")
         stream = RequestStream(self, ClientRequest.start(next(self._ids), prompt_token_ids, params, self.tokenizer))
         self._streams[stream.req_id] = stream
-        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values, session_id))
+        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values, session_id, lora_name))
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(stream.request.num_prompt_tokens)
         return stream
