@@ -21,8 +21,12 @@ ADAPTERS = {
 STEPS = 8
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_tokenizer):
+# The plain loop; and the overlapped loop with prompt-lookup drafts (verify steps carry adapters).
+ENGINES = {"plain": {}, "overlap-speculate": {"overlap": True, "speculate": 3}}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def setup(request, tmp_path_factory, smollm2_tokenizer):
     path = tmp_path_factory.mktemp("lora-engine")
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=len(smollm2_tokenizer), max_position_embeddings=256)
@@ -31,7 +35,7 @@ def setup(tmp_path_factory, smollm2_tokenizer):
     dirs = {name: make_peft_adapter(hf, path / f"adapter-{name}", spec) for name, spec in ADAPTERS.items()}
     # Two slots for three adapters: the third loads on demand, evicting the least recently used.
     llm = LLM(str(path), lora_modules=dirs, max_loras=2, max_lora_rank=8, max_total_token_num=2048,
-              max_running_requests=8)
+              max_running_requests=8, **ENGINES[request.param])
     yield llm, peft_model_of(hf, dirs)
     llm.close()
 
@@ -42,11 +46,13 @@ def _greedy() -> SamplingParams:
 
 def test_mixed_batch_equals_peft(setup):
     llm, peft_model = setup
-    prompts = random_prompts([5, 9, 4, 7], 1000, seed=3)
+    prompts = [p * 3 for p in random_prompts([2, 3, 2, 4], 1000, seed=3)]   # repeats: drafts to verify
     loras = [None, "a", "b", "c"]
     outs = llm.generate(prompts, _greedy(), lora=loras)
     for out, prompt, lora in zip(outs, prompts, loras):
         assert out.token_ids == peft_greedy(peft_model, lora, prompt, STEPS)[0], lora
+    if llm.engine.config.speculate:
+        assert llm.engine.num_draft_tokens > 0
     # Each alone: the same tokens.
     for prompt, lora, out in zip(prompts, loras, outs):
         assert llm.generate([prompt], _greedy(), lora=lora)[0].token_ids == out.token_ids
