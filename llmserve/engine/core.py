@@ -163,7 +163,7 @@ class EngineCore:
                            num_draft_tokens=e.num_draft_tokens, num_accepted_tokens=e.num_accepted_tokens,
                            accepted_length_counts=tuple(e.accepted_length_counts),
                            num_cached_slots=s.num_cached_slots, num_cache_queried_tokens=s.prefix_cache.num_queried_tokens,
-                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens)
+                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens, num_loras_resident=len(s.loras.resident))
 
     def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
         """One message per step; between steps, only when the stats changed (an abort, say)."""

@@ -110,6 +110,7 @@ class EngineStats:
     num_cached_slots: int = 0
     num_cache_queried_tokens: int = 0
     num_cache_hit_tokens: int = 0
+    num_loras_resident: int = 0       # LoRA adapters in the workers' device pool
 
 
 @dataclass

@@ -84,6 +84,7 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.prefill_time: float | None = None
+        self.lora_name: str | None = None     # its LoRA adapter (per-adapter counts)
 
     @property
     def req_id(self) -> int:
@@ -267,8 +268,11 @@ class EngineClient:
         stream = RequestStream(self, ClientRequest.start(next(self._ids), prompt_token_ids, params, self.tokenizer))
         self._streams[stream.req_id] = stream
         self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values, session_id, lora_name))
+        stream.lora_name = lora_name
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(stream.request.num_prompt_tokens)
+            if lora_name is not None:
+                self.metrics.observe_lora_started(lora_name, stream.request.num_prompt_tokens)
         return stream
 
     def abort(self, req_id: int) -> None:
@@ -465,3 +469,5 @@ class EngineClient:
         decode_time = stream.last_token_time - stream.first_token_time if ran_out else None
         self.metrics.observe_finished(reason, req.num_prompt_tokens, req.num_output_tokens, stream.prefill_time,
                                       decode_time)
+        if stream.lora_name is not None:
+            self.metrics.observe_lora_finished(stream.lora_name, req.num_output_tokens)

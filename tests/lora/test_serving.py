@@ -67,6 +67,22 @@ def test_models_and_info_list_the_adapters(served):
     assert httpx.get(server.url + "/info").json()["lora_adapters"] == ["sql", "poet"]
 
 
+def test_metrics_count_per_adapter(served):
+    server, _ = served
+    before = server.metrics()
+    assert _tgi(server, "poet").status_code == 200
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        key = f'{name}{{lora_name="poet"}}'
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("llmserve_lora_requests_total") == 1
+    assert grew("llmserve_lora_generated_tokens_total") == STEPS
+    assert grew("llmserve_lora_prompt_tokens_total") > 0
+    assert after["llmserve_lora_adapters_resident"] == 1     # --max-loras 1
+
+
 def test_unknown_adapters_are_refused_in_each_apis_shape(served):
     server, _ = served
     r = _tgi(server, "nope")
