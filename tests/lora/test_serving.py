@@ -70,6 +70,7 @@ def test_models_and_info_list_the_adapters(served):
 def test_metrics_count_per_adapter(served):
     server, _ = served
     before = server.metrics()
+    assert before['llmserve_lora_requests_total{lora_name="sql"}'] >= 0     # a series per adapter from the start
     assert _tgi(server, "poet").status_code == 200
     after = server.metrics()
 
