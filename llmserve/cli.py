@@ -93,6 +93,9 @@ def _add_lora_args(p: argparse.ArgumentParser) -> None:
                    help="largest adapter rank served; sizes the device pool (default: 64)")
     p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
                    help="adapters kept read in host memory; others are read from disk when loaded (default: all)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load adapters "
+                        "from local directories a request names (default: off)")
 
 
 def _lora_options(args: argparse.Namespace) -> dict:
@@ -101,7 +104,7 @@ def _lora_options(args: argparse.Namespace) -> dict:
     if duplicate is not None:
         raise ValueError(f"--lora-modules names {duplicate!r} twice")
     return dict(lora_modules=dict(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                max_cpu_loras=args.max_cpu_loras)
+                max_cpu_loras=args.max_cpu_loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def _step_options(args: argparse.Namespace) -> dict:

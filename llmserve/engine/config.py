@@ -53,6 +53,14 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from local
+    # directories named by the request): off, the adapters are --lora-modules' and no request
+    # makes the server read a path.
+    allow_runtime_lora_updating: bool = False
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_modules) or self.allow_runtime_lora_updating
 
 
 # The largest decode batch that drafts, by device, when --speculate-max-batch is not given: past

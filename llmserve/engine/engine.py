@@ -44,7 +44,7 @@ class LLMEngine:
             raise ValueError("the overlapped step loop needs tp=1 (only rank 0 holds the tokens a step feeds ahead)")
         config = with_device_defaults(config, model.device)   # what /info reports: the values in force
         check_speculation(config)
-        if config.lora_modules and not (config.max_loras >= 1 and config.max_lora_rank >= 1):
+        if config.serves_lora and not (config.max_loras >= 1 and config.max_lora_rank >= 1):
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {config.max_loras} and {config.max_lora_rank}")
         if not config.step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {config.step_timeout}")
@@ -62,7 +62,7 @@ class LLMEngine:
                 eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
                 speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
                 dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
-                max_loras=config.max_loras if config.lora_modules else 0, max_lora_rank=config.max_lora_rank,
+                max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras or len(config.lora_modules),
             )
             for rank in range(config.tp)
@@ -153,6 +153,29 @@ class LLMEngine:
     @property
     def lora_names(self) -> list[str]:
         return list(self.scheduler.loras.paths)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve one more adapter (vLLM's /v1/load_lora_adapter): every rank reads and checks it
+        now (``AdapterLoadError`` if it cannot be served); it takes a device slot when a request
+        first uses it."""
+        loras = self.scheduler.loras
+        if not self.config.allow_runtime_lora_updating:
+            raise ValueError("loading LoRA adapters at run time is off (--allow-runtime-lora-updating)")
+        if name in loras.paths:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        self.workers.read_lora(name, path)
+        loras.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter (``KeyError`` if unknown; ``ValueError`` while a request that
+        names it has not finished)."""
+        loras = self.scheduler.loras
+        if not self.config.allow_runtime_lora_updating:
+            raise ValueError("unloading LoRA adapters at run time is off (--allow-runtime-lora-updating)")
+        if name not in loras.paths:
+            raise KeyError(name)
+        if any(req.lora_name == name for req in self.requests.values()) or not loras.unregister(name):
+            raise ValueError(f"LoRA adapter {name!r} is in use by unfinished requests: unload it once they end")
 
     def enqueue(self, req: Request) -> None:
         """Queue a request that passed ``check_request`` (here, or at the server's API edge)."""

@@ -67,6 +67,15 @@ class EndSession:
 
 
 @dataclass
+class UpdateLora:
+    """Load adapter ``name`` from local directory ``path``, or unload it (``path`` None); the core
+    answers ``LoraUpdated`` with the same ``call_id`` (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+    call_id: int
+    name: str
+    path: str | None
+
+
+@dataclass
 class Ping:
     """Are you there? (``/health``.) The core answers ``Pong`` at once, during a step too."""
 
@@ -125,6 +134,13 @@ class StepFailed:
     """A step raised for no request of its own (a bug of ours): these requests were ended."""
     req_ids: list[int]
     error: str
+
+
+@dataclass
+class LoraUpdated:
+    call_id: int
+    error: str | None = None          # None: done
+    not_found: bool = False           # unloading a name that is not loaded
 
 
 @dataclass

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from llmserve.common.logs import status_logger
 from llmserve.engine.config import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Ping, Pong,
-    Shutdown, StartEngine, StartupFailed, StepFailed, encode, frame_size,
+    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, LoraUpdated,
+    Ping, Pong, Shutdown, StartEngine, StartupFailed, StepFailed, UpdateLora, encode, frame_size,
 )
 from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
@@ -249,6 +249,8 @@ class EngineClient:
         self._task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._probe: asyncio.Future[None] | None = None   # the Ping in flight, which every /health awaits
+        self._lora_calls: dict[int, asyncio.Future[LoraUpdated]] = {}   # UpdateLora calls awaiting the core
+        self._lora_call_ids = itertools.count()
         if metrics is not None:
             metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
                                  lambda: self.stats.num_used_slots, lambda: self.stats.num_cached_slots,
@@ -303,6 +305,15 @@ class EngineClient:
         except TimeoutError:
             return f"the engine core has not answered for {timeout:g} s"
         return None if self.is_healthy else str(self.error)
+
+    async def update_lora(self, name: str, path: str | None) -> LoraUpdated:
+        """Load adapter ``name`` from ``path`` (None: unload it) in the engine; its answer."""
+        if self.error is not None:
+            raise EngineError(f"the engine has stopped: {self.error}")
+        call_id = next(self._lora_call_ids)
+        answer = self._lora_calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(UpdateLora(call_id, name, path))
+        return await answer
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -373,6 +384,10 @@ class EngineClient:
                     self._fail_requests(message.req_ids, message.error)
                 elif isinstance(message, Pong):
                     self._answered()
+                elif isinstance(message, LoraUpdated):
+                    call = self._lora_calls.pop(message.call_id, None)
+                    if call is not None and not call.done():
+                        call.set_result(message)
                 elif isinstance(message, EngineDead):
                     self._die(EngineError(message.error))
                     return
@@ -437,6 +452,10 @@ class EngineClient:
         logger.error("the engine failed: %s", error)
         self.error = error
         self._answered()     # a /health waiting on the core now answers with the error
+        for call in self._lora_calls.values():
+            if not call.done():
+                call.set_exception(EngineError(f"the engine failed: {error}"))
+        self._lora_calls.clear()
         if self.metrics is not None:
             self.metrics.healthy.set(0)
         self.fail_all(f"the engine failed: {error}")

@@ -450,6 +450,10 @@ class ModelRpcServer(rpyc.Service):
         logger.info("rank %d: model loaded in %.1f s", init_args.tp_rank, time.monotonic() - started)
         return pickle.dumps(self.worker.info())
 
+    def exposed_read_lora(self, name: str, path: str) -> bytes:
+        self.worker.adapters.get(name, path)
+        return pickle.dumps(None)
+
     def exposed_step(self, step: bytes) -> bytes:
         try:
             outputs = self.worker.step(pickle.loads(step))

@@ -94,3 +94,41 @@ def test_unknown_adapters_are_refused_in_each_apis_shape(served):
     r = httpx.post(server.url + "/v1/chat/interactive", json={"prompt": PROMPT, "adapter_name": "nope"}, timeout=60)
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
     assert _tgi(server, "sql").status_code == 200      # and the server goes on
+
+
+def test_runtime_loading_is_off_by_default(served):
+    server, _ = served
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"}, timeout=30)
+    assert r.status_code == 404
+
+
+def test_runtime_load_and_unload(tiny_llama_dir, tmp_path, smollm2_tokenizer):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter behind --allow-runtime-lora-updating:
+    a loaded adapter serves PEFT's tokens; bad directories and unknown names are refused."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager").eval()
+    spec = ADAPTERS["sql"]
+    adapter_dir = make_peft_adapter(hf, tmp_path / "late", spec)
+    big = make_peft_adapter(hf, tmp_path / "big", AdapterSpec(r=16, seed=9))
+    with ServerProcess(tiny_llama_dir, "--allow-runtime-lora-updating", "--max-lora-rank", "8") as server:
+        def call(route: str, **body) -> httpx.Response:
+            return httpx.post(server.url + route, json=body, timeout=120)
+
+        assert _tgi(server, "late").status_code == 422
+        r = call("/v1/load_lora_adapter", lora_name="late", lora_path=adapter_dir)
+        assert r.status_code == 200, r.text
+        r = _tgi(server, "late")
+        ids = [t["id"] for t in r.json()["details"]["tokens"]]
+        want = peft_greedy(peft_model_of(hf, {"late": adapter_dir}), "late", smollm2_tokenizer(PROMPT).input_ids, STEPS)
+        assert ids == want[0]
+        assert "late" in {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
+        # refused: loaded already, a rank above --max-lora-rank, a path that is no adapter
+        assert call("/v1/load_lora_adapter", lora_name="late", lora_path=adapter_dir).status_code == 400
+        r = call("/v1/load_lora_adapter", lora_name="big", lora_path=big)
+        assert r.status_code == 400 and "max-lora-rank" in r.json()["error"]["message"]
+        assert call("/v1/load_lora_adapter", lora_name="tmp", lora_path=str(tmp_path)).status_code == 400
+        assert call("/v1/load_lora_adapter", lora_name="rel", lora_path="late").status_code == 400
+        assert call("/v1/unload_lora_adapter", lora_name="late").status_code == 200
+        assert _tgi(server, "late").status_code == 422
+        assert call("/v1/unload_lora_adapter", lora_name="late").status_code == 404

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
 from llmserve.grammar import BACKEND as GRAMMAR_BACKEND
-from llmserve.server.api import interactive, openai, tgi, tokenization, ui
+from llmserve.server.api import interactive, lora, openai, tgi, tokenization, ui
 from llmserve.server.api.errors import (
     APIError, error_response, http_error, internal_error, not_json_error, validation_error,
 )
@@ -40,6 +40,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai.build_router(state))
     app.include_router(interactive.build_router(state))
     app.include_router(tokenization.build_router(state))
+    if state.engine.config.allow_runtime_lora_updating:
+        app.include_router(lora.build_router(state))
     if state.config.ui:       # GET / (beside TGI's POST /): the chat page; off with --no-ui
         app.include_router(ui.build_router())
     install_openapi(app, api_key_set=state.config.api_key is not None)
