@@ -4,8 +4,9 @@ segmented shrink and expand):
 
 - ``lora_shrink``: ``s = x @ A[slot]^T``, ``[n, R]``, for the rows of each request that has an
   adapter (``b_slot[i] >= 0``); the rows of the others are not written (expand skips them too).
-- ``lora_expand``: ``y += s @ B[slot]^T * scaling[slot]``, in place, into a column slice of a
-  fused projection's output (q, k and v of one ``qkv`` are three expands of one shrink).
+- ``lora_expand``: ``y += s @ B[slot]^T * scaling[slot]``, in place, into a fused projection's
+  output: q, k and v of one ``qkv`` are one shrink and one expand, B stacked in the output's
+  column order, each projection's columns reading its own ``R_SUB`` columns of ``s``.
 
 A request's new tokens are its segment: rows ``b_start[i] : b_start[i] + b_len[i]`` (the batch's
 packing, ``InferStateInfo.b_q_start`` / ``b_q_len``), so one program handles a tile of one
@@ -61,10 +62,12 @@ def _lora_shrink_kernel(X, A, S, B_start, B_len, B_slot, Rank, K, R_TOTAL, R_SUB
 
 
 @triton.jit
-def _lora_expand_kernel(S, B, Y, Scaling, B_start, B_len, B_slot, Rank, N,
+def _lora_expand_kernel(S, B, Y, Scaling, B_start, B_len, B_slot, Rank, Blocks, R_SUB,
                         stride_sm, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
+    # Column block i of the output: projection Blocks[3i] (its columns of s start at j * R_SUB),
+    # columns Blocks[3i + 1] up to Blocks[3i + 2] (a block never spans two projections).
     req = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_M
     slot = tl.load(B_slot + req)
@@ -75,12 +78,14 @@ def _lora_expand_kernel(S, B, Y, Scaling, B_start, B_len, B_slot, Rank, N,
     scaling = tl.load(Scaling + slot)
     rows = tl.load(B_start + req) + first + tl.arange(0, BLOCK_M)
     row_mask = first + tl.arange(0, BLOCK_M) < length
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    block = Blocks + tl.program_id(2) * 3
+    proj = tl.load(block)
+    offs_n = tl.load(block + 1) + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < tl.load(block + 2)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    s = tl.load(S + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :], mask=row_mask[:, None] & r_mask[None, :],
-                other=0.0)
+    s = tl.load(S + rows[:, None].to(tl.int64) * stride_sm + proj * R_SUB + offs_r[None, :],
+                mask=row_mask[:, None] & r_mask[None, :], other=0.0)
     b = tl.load(B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     delta = tl.dot(s, b, input_precision=DOT_PRECISION) * scaling
@@ -109,17 +114,35 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, b_start: torch.Tensor, 
     return s
 
 
+_BLOCK_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _block_table(splits: tuple[int, ...], block_n: int, device: torch.device) -> torch.Tensor:
+    """(projection, first column, end column) of each column block of an output made of
+    projections of ``splits`` columns: made once per shape and device, so a step replayed from a
+    CUDA graph reads a tensor that lives as long as the process (the first, uncaptured run makes it)."""
+    key = (splits, block_n, str(device))
+    if key not in _BLOCK_TABLES:
+        rows, start = [], 0
+        for j, n in enumerate(splits):
+            rows += [(j, c, start + n) for c in range(start, start + n, block_n)]
+            start += n
+        _BLOCK_TABLES[key] = torch.tensor(rows, dtype=torch.int32).to(device)
+    return _BLOCK_TABLES[key]
+
+
 def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
                        b_start: torch.Tensor, b_len: torch.Tensor, b_slot: torch.Tensor, slot_rank: torch.Tensor,
-                       max_len: int) -> None:
+                       max_len: int, splits: tuple[int, ...]) -> None:
     """Triton version of `lora_expand`."""
     n, cols = y.shape
     if n == 0 or b_slot.numel() == 0:
         return
-    block_n = 64 if cols >= 64 else max(16, next_pow2(cols))
-    grid = (b_slot.numel(), triton.cdiv(max_len, BLOCK_M), triton.cdiv(cols, block_n))
+    block_n = 64 if min(splits) >= 64 else max(16, next_pow2(min(splits)))
+    blocks = _block_table(tuple(splits), block_n, y.device)
+    grid = (b_slot.numel(), triton.cdiv(max_len, BLOCK_M), blocks.shape[0])
     launcher(_lora_expand_kernel, y)[grid](
-        s, b, y, scaling, b_start, b_len, b_slot, slot_rank, cols,
+        s, b, y, scaling, b_start, b_len, b_slot, slot_rank, blocks, s.shape[1] // len(splits),
         s.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=max(16, next_pow2(b.shape[2])),
         DOT_PRECISION=dot_precision(y.dtype),
@@ -149,12 +172,18 @@ def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, b_start: torch.Tensor, b
 
 def lora_expand_torch(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
                       b_start: torch.Tensor, b_len: torch.Tensor, b_slot: torch.Tensor, slot_rank: torch.Tensor,
-                      max_len: int) -> None:
-    """Torch twin of `lora_expand`, computed as PEFT's ``result + lora_B(s) * scaling``."""
+                      max_len: int, splits: tuple[int, ...]) -> None:
+    """Torch twin of `lora_expand`, computed as PEFT's ``result + lora_B(s) * scaling``, each
+    projection on its own."""
+    r_sub = s.shape[1] // len(splits)
     for slot, rows in _segments(b_start, b_len, b_slot).items():
         rank = int(slot_rank[slot])
-        delta = (s.index_select(0, rows)[:, :rank] @ b[slot, :, :rank].t()) * float(scaling[slot])
-        y[rows] = y.index_select(0, rows) + delta
+        s_rows = s.index_select(0, rows)
+        col = 0
+        for j, n in enumerate(splits):
+            delta = (s_rows[:, j * r_sub : j * r_sub + rank] @ b[slot, col : col + n, :rank].t()) * float(scaling[slot])
+            y[rows, col : col + n] = y[:, col : col + n].index_select(0, rows) + delta
+            col += n
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, b_start: torch.Tensor, b_len: torch.Tensor, b_slot: torch.Tensor,
@@ -170,11 +199,15 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, b_start: torch.Tensor, b_len: 
 
 
 def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, b_start: torch.Tensor,
-                b_len: torch.Tensor, b_slot: torch.Tensor, slot_rank: torch.Tensor, max_len: int) -> None:
-    """``y += s @ B[slot]^T * scaling[slot]`` in place for each segment with an adapter: y ``[n, N]``
-    (may be a column slice of a wider output), s ``[n, R]`` (may be a column slice of a stacked
-    shrink's output), B ``[S, N, R]``, scaling ``[S]`` float32; segments as in `lora_shrink`."""
+                b_len: torch.Tensor, b_slot: torch.Tensor, slot_rank: torch.Tensor, max_len: int,
+                splits: tuple[int, ...] | None = None) -> None:
+    """``y += s @ B[slot]^T * scaling[slot]`` in place for each segment with an adapter, per
+    projection: y ``[n, N]`` is m projections' outputs side by side (``splits``: their widths,
+    summing to N; None: one projection), s ``[n, m * R]`` (projection j's shrink in columns
+    ``j * R`` on), B ``[S, N, R]`` (the projections' B stacked as y's columns), scaling ``[S]``
+    float32; segments as in `lora_shrink`."""
+    splits = tuple(splits) if splits is not None else (y.shape[1],)
     if use_triton(y):
-        lora_expand_triton(y, s, b, scaling, b_start, b_len, b_slot, slot_rank, max_len)
+        lora_expand_triton(y, s, b, scaling, b_start, b_len, b_slot, slot_rank, max_len, splits)
     else:
-        lora_expand_torch(y, s, b, scaling, b_start, b_len, b_slot, slot_rank, max_len)
+        lora_expand_torch(y, s, b, scaling, b_start, b_len, b_slot, slot_rank, max_len, splits)

@@ -2,8 +2,9 @@
 and the per-forward view the layers add the adapters' products with (``LoraBatch``).
 
 Per layer and projection group the pool holds A ``[slots, m * R, in]`` (the m projections of a
-fused group stacked, so one shrink serves q, k and v) and one B ``[slots, out, R]`` per
-projection, R = ``max_lora_rank``, an adapter of a lower rank padded with zeros. A slot is filled
+fused group stacked, so one shrink serves q, k and v) and B ``[slots, out, R]`` (their B stacked
+as the fused output's columns, so one expand serves them), R = ``max_lora_rank``, an adapter of a
+lower rank padded with zeros. A slot is filled
 by ``load`` (the engine core decides which adapter goes where: ``llmserve.lora.manager``).
 
 Tensor parallelism cuts an adapter as the weight it wraps: for a column-parallel projection (q,
@@ -29,7 +30,8 @@ ROW_PARALLEL = {"o", "down"}
 @dataclass
 class _GroupWeights:
     a: torch.Tensor                 # [slots, m * R, in / (tp if row-parallel)]
-    b: list[torch.Tensor]           # per projection: [slots, out / (tp if column-parallel), R]
+    b: torch.Tensor                 # [slots, sum of the outs / (tp if column-parallel), R]
+    splits: tuple[int, ...]         # each projection's output columns (on this rank), in order
 
 
 class LoraPool:
@@ -48,9 +50,10 @@ class LoraPool:
             for group, modules in GROUPS.items():
                 in_dim = self._local(projection_shape(network_config, modules[0])[0], group in ROW_PARALLEL)
                 a = torch.zeros(max_loras, len(modules) * max_rank, in_dim, dtype=dtype, device=device)
-                bs = [torch.zeros(max_loras, self._local(projection_shape(network_config, m)[1], group not in ROW_PARALLEL),
-                                  max_rank, dtype=dtype, device=device) for m in modules]
-                groups[group] = _GroupWeights(a, bs)
+                splits = tuple(self._local(projection_shape(network_config, m)[1], group not in ROW_PARALLEL)
+                               for m in modules)
+                b = torch.zeros(max_loras, sum(splits), max_rank, dtype=dtype, device=device)
+                groups[group] = _GroupWeights(a, b, splits)
             self.layers.append(groups)
 
     def _local(self, n: int, split: bool) -> int:
@@ -62,7 +65,7 @@ class LoraPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for g in layer.values() for t in (g.a, *g.b))
+        return sum(t.nbytes for layer in self.layers for g in layer.values() for t in (g.a, g.b))
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (whatever was there goes): this rank's share of its A and B,
@@ -72,8 +75,9 @@ class LoraPool:
             for group, modules in GROUPS.items():
                 weights = groups[group]
                 weights.a[slot].zero_()
+                weights.b[slot].zero_()
                 for j, module in enumerate(modules):
-                    weights.b[j][slot].zero_()
+                    col, n = sum(weights.splits[:j]), weights.splits[j]     # its columns of the fused output
                     ab = adapter.weights.get((layer_num, module))
                     if ab is None:
                         continue
@@ -83,7 +87,7 @@ class LoraPool:
                     else:
                         b = self._cut(b, 0)
                     weights.a[slot, j * self.max_rank : j * self.max_rank + r].copy_(a)
-                    weights.b[j][slot, :, :r].copy_(b)
+                    weights.b[slot, col : col + n, :r].copy_(b)
         self.rank[slot] = r
         self.scaling[slot] = adapter.scaling
         self.names[slot] = adapter.name
@@ -102,13 +106,8 @@ class LoraBatch:
 
     def add(self, layer_num: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out += `` each request's adapter's product for projection group ``group`` (``out`` is
-        the group's fused output, ``x`` its input): one shrink, one expand per projection into
-        its columns."""
+        the group's fused output, ``x`` its input): one shrink, one expand."""
         pool, weights = self.pool, self.pool.layers[layer_num][group]
         s = lora_shrink(x, weights.a, self.b_start, self.b_len, self.b_slot, pool.rank, self.max_len, pool.max_rank)
-        col = 0
-        for j, b in enumerate(weights.b):
-            n = b.shape[1]
-            lora_expand(out[:, col : col + n], s[:, j * pool.max_rank : (j + 1) * pool.max_rank], b, pool.scaling,
-                        self.b_start, self.b_len, self.b_slot, pool.rank, self.max_len)
-            col += n
+        lora_expand(out, s, weights.b, pool.scaling, self.b_start, self.b_len, self.b_slot, pool.rank, self.max_len,
+                    weights.splits)

@@ -92,3 +92,25 @@ def test_chunked_prompts_with_adapters(family):
     got = [torch.cat([first[:5], rest[:7]]), torch.cat([first[5:], rest[7:]])]
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_kernels_give_the_twins_logits(family):
+    """The model's mixed batch with every kernel in Triton (the interpreter on the CPU): the LoRA
+    kernels read the pool's stacked A and B as the twins do."""
+    from llmserve.kernels import set_backend
+
+    _, ours = family
+    if ours.model_type != "llama":
+        pytest.skip("the interpreter is slow: one family shows the kernels' reading of the pool")
+    prompts = random_prompts([5, 3, 6, 2], ours.vocab_size, seed=13)
+    logits = {}
+    for backend in ("torch", "triton"):
+        set_backend(backend)
+        driver = BatchDriver(ours, lora_slots=[_slot(a) for a in MIXED])
+        try:
+            first = driver.prefill(prompts)
+            logits[backend] = torch.cat([first, driver.decode(first.argmax(-1).tolist())])
+        finally:
+            driver.free()
+            set_backend(None)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
