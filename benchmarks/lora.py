@@ -34,11 +34,10 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
-from common import add_device_arguments, environment, markdown_table, resolve_dtype, synchronize, write_json
+from common import add_device_arguments, environment, markdown_table, resolve_dtype, wall_median_ms, write_json
 from offline import CONFIGS, build_model, prefill
 from common import IntervalTimer, gc_paused  # noqa: E402  (common is imported already: offline's fix of sys.path ran)
 
@@ -92,17 +91,6 @@ def decode_ms(model, batch: int, prompt_len: int, warmup: int, steps: int, slots
             model.req_manager.free_req(row)
 
 
-def timed_ms(fn, device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="1,32", help="comma-separated (default: 1,32)")
@@ -144,10 +132,11 @@ def main() -> int:
     lora = {b: statistics.mean(decode_ms(model, b, *timing, [i % args.num_adapters for i in range(b)])) for b in batches}
 
     spare = adapters[-1]
-    from_host = timed_ms(lambda: pool.load(0, spare), device, args.load_repeats)
+    from_host = wall_median_ms(lambda: pool.load(0, spare), device, args.load_repeats)
     with tempfile.TemporaryDirectory() as d:
         save_peft_dir(spare, d)
-        from_disk = timed_ms(lambda: pool.load(0, read_adapter("spare", d, cfg, args.rank)), device, args.load_repeats)
+        from_disk = wall_median_ms(lambda: pool.load(0, read_adapter("spare", d, cfg, args.rank)), device,
+                                   args.load_repeats)
 
     rows = []
     for b in batches:

@@ -31,19 +31,27 @@ BLOCK_M = 16   # rows of a segment per program (tl.dot's least)
 
 
 @triton.jit
-def _lora_shrink_kernel(X, A, S, B_start, B_len, B_slot, Rank, K, R_TOTAL, R_SUB,
-                        stride_xm, stride_as, stride_ar, stride_sm,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+def _segment_tile(B_start, B_len, B_slot, BLOCK_M: tl.constexpr):
+    """This program's rows: tile ``program_id(1)`` of segment ``program_id(0)``. Returns the
+    segment's adapter slot, whether the program is idle (no adapter, or no rows in the tile), the
+    rows and their mask."""
     req = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_M
     slot = tl.load(B_slot + req)
     length = tl.load(B_len + req)
-    if slot < 0 or first >= length:
+    rows = tl.load(B_start + req) + first + tl.arange(0, BLOCK_M)
+    return slot, (slot < 0) | (first >= length), rows, first + tl.arange(0, BLOCK_M) < length
+
+
+@triton.jit
+def _lora_shrink_kernel(X, A, S, B_start, B_len, B_slot, Rank, K, R_TOTAL, R_SUB,
+                        stride_xm, stride_as, stride_ar, stride_sm,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    slot, idle, rows, row_mask = _segment_tile(B_start, B_len, B_slot, BLOCK_M)
+    if idle:
         return
     rank = tl.load(Rank + slot)
-    rows = tl.load(B_start + req) + first + tl.arange(0, BLOCK_M)
-    row_mask = first + tl.arange(0, BLOCK_M) < length
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = offs_r < R_TOTAL
     r_mask = r_in & (offs_r % R_SUB < rank)
@@ -68,16 +76,11 @@ def _lora_expand_kernel(S, B, Y, Scaling, B_start, B_len, B_slot, Rank, Blocks, 
                         DOT_PRECISION: tl.constexpr):
     # Column block i of the output: projection Blocks[3i] (its columns of s start at j * R_SUB),
     # columns Blocks[3i + 1] up to Blocks[3i + 2] (a block never spans two projections).
-    req = tl.program_id(0)
-    first = tl.program_id(1) * BLOCK_M
-    slot = tl.load(B_slot + req)
-    length = tl.load(B_len + req)
-    if slot < 0 or first >= length:
+    slot, idle, rows, row_mask = _segment_tile(B_start, B_len, B_slot, BLOCK_M)
+    if idle:
         return
     rank = tl.load(Rank + slot)
     scaling = tl.load(Scaling + slot)
-    rows = tl.load(B_start + req) + first + tl.arange(0, BLOCK_M)
-    row_mask = first + tl.arange(0, BLOCK_M) < length
     block = Blocks + tl.program_id(2) * 3
     proj = tl.load(block)
     offs_n = tl.load(block + 1) + tl.arange(0, BLOCK_N)

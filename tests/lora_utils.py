@@ -3,6 +3,7 @@ tests hold our adapters against."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -51,10 +52,18 @@ def peft_model_of(hf_model, adapters: dict[str, str]):
     return model.eval()
 
 
-def peft_greedy(peft_model, adapter: str | None, prompt: list[int], steps: int):
-    """PEFT's greedy tokens and logits for ``prompt`` with ``adapter`` (None: the base model)."""
+@contextlib.contextmanager
+def adapter_active(peft_model, adapter: str | None):
+    """``peft_model`` running ``adapter`` (None: the base model, its adapters disabled)."""
     if adapter is None:
         with peft_model.disable_adapter():
-            return hf_greedy_with_logits(peft_model, prompt, steps)
-    peft_model.set_adapter(adapter)
-    return hf_greedy_with_logits(peft_model, prompt, steps)
+            yield peft_model
+    else:
+        peft_model.set_adapter(adapter)
+        yield peft_model
+
+
+def peft_greedy(peft_model, adapter: str | None, prompt: list[int], steps: int):
+    """PEFT's greedy tokens and logits for ``prompt`` with ``adapter`` (None: the base model)."""
+    with adapter_active(peft_model, adapter):
+        return hf_greedy_with_logits(peft_model, prompt, steps)

@@ -98,6 +98,34 @@ class BatchDriver:
         self.rows, self.lens = [], []
 
 
+def tp2_logits(build_driver, prompts: list[list[int]], out: str) -> dict[str, torch.Tensor]:
+    """Two gloo ranks (spawned processes) each build their driver with ``build_driver(rank,
+    world_size)`` (a picklable callable: a module-level function or a partial of one), prefill
+    ``prompts`` and decode one token each (1, 2, ...); rank 0's logits of both steps, through
+    the file ``out``."""
+    import torch.multiprocessing as mp
+
+    from llmserve.engine.worker_client import free_tcp_port
+
+    mp.start_processes(_tp_rank_main, args=(2, build_driver, prompts, free_tcp_port(), out), nprocs=2,
+                       start_method="spawn")
+    return torch.load(out)
+
+
+def _tp_rank_main(rank: int, world: int, build_driver, prompts: list[list[int]], port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        driver = build_driver(rank, world)
+        prefill = driver.prefill(prompts)
+        decode = driver.decode(list(range(1, len(prompts) + 1)))
+        if rank == 0:
+            torch.save({"prefill": prefill, "decode": decode}, out)
+    finally:
+        dist.destroy_process_group()
+
+
 def hf_greedy_with_logits(hf_model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     """HF's greedy continuation of one prompt (its KV cache, no EOS handling) and the logits it
     produced at each step."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_utils import ALL_TARGETS, AdapterSpec, make_peft_adapter, peft_greedy, peft_model_of
+from lora_utils import ALL_TARGETS, AdapterSpec, adapter_active, make_peft_adapter, peft_greedy, peft_model_of
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from llmserve.lora.adapter import read_adapter
@@ -81,8 +81,8 @@ def test_chunked_prompts_with_adapters(family):
     with torch.no_grad():
         want = []
         for adapter, p in zip(adapters, prompts):
-            peft_model.set_adapter(adapter)
-            want.append(peft_model(torch.tensor([p])).logits[0].float())
+            with adapter_active(peft_model, adapter):
+                want.append(peft_model(torch.tensor([p])).logits[0].float())
     driver = BatchDriver(ours, lora_slots=[_slot(a) for a in adapters])
     try:
         first = driver.prefill([p[:5] for p in prompts], return_all_logits=True)
