@@ -215,6 +215,20 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def wall_median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median wall-clock milliseconds of ``fn`` (host work included), the device synchronised
+    around each call, after one untimed call (generators, kernels)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
 def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
     """Microseconds a call, from a CUDA graph of `calls` calls replayed `replays` times."""
     side = torch.cuda.Stream()

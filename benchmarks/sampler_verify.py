@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
-from collections.abc import Callable
 
-from common import add_device_arguments, device_name, markdown_table, remove_script_dir_from_sys_path, synchronize, write_json
+from common import (
+    add_device_arguments, device_name, markdown_table, remove_script_dir_from_sys_path, wall_median_ms, write_json,
+)
 
 remove_script_dir_from_sys_path()
 
@@ -60,18 +59,6 @@ def peaked_logits(rows: int, vocab_size: int, device: torch.device) -> torch.Ten
     return logits.to(device)
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    fn()   # warm-up (generators, kernels)
-    times = []
-    for _ in range(iters):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
 def check_verify(result: VerifyResult, logits: torch.Tensor, chain: list[list[int]], params: SamplingParams) -> None:
     """No request failed, each emitted a prefix of its draft and one more token, and greedy ones their
     whole draft (the rows' argmax chain) and the last row's argmax: the path just timed gives the
@@ -96,9 +83,9 @@ def measure(setting: str, args: argparse.Namespace, device: torch.device) -> lis
     one = fresh_sampler(params, args.batch, prompt)
     many = fresh_sampler(params, rows, prompt)
     spec = fresh_sampler(params, args.batch, prompt)
-    sample_ms = median_ms(lambda: one.sample(logits[: args.batch], req_ids), device, args.iters)
-    sample_rows_ms = median_ms(lambda: many.sample(logits, list(range(rows))), device, args.iters)
-    verify_ms = median_ms(lambda: spec.verify(logits, req_ids, chain), device, args.iters)
+    sample_ms = wall_median_ms(lambda: one.sample(logits[: args.batch], req_ids), device, args.iters)
+    sample_rows_ms = wall_median_ms(lambda: many.sample(logits, list(range(rows))), device, args.iters)
+    verify_ms = wall_median_ms(lambda: spec.verify(logits, req_ids, chain), device, args.iters)
     check_verify(fresh_sampler(params, args.batch, prompt).verify(logits, req_ids, chain), logits, chain, params)
     return [setting, f"{sample_ms:.2f}", f"{sample_rows_ms:.2f}", f"{verify_ms:.2f}", f"{verify_ms / sample_ms:.1f}x"]
 

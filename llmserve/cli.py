@@ -71,6 +71,42 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "start-up have no deadline (default: 600)")
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` (a local PEFT adapter directory); a bare PATH is named after its directory."""
+    name, sep, path = value.partition("=")
+    if not sep:
+        name, path = os.path.basename(os.path.normpath(value)), value
+    path = os.path.abspath(os.path.expanduser(path))
+    if not name or not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH with PATH a local LoRA adapter directory")
+    return name, path
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", "--lora-adapters", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve: PEFT directories (adapter_config.json, adapter_model.safetensors) "
+                        "on this machine, each selected by its NAME (TGI's adapter_id, OpenAI's model)")
+    p.add_argument("--max-loras", type=int, default=4, metavar="N",
+                   help="adapters resident on the device at once; others load on demand, the least recently "
+                        "used one that no running request uses evicted (default: 4)")
+    p.add_argument("--max-lora-rank", type=int, default=64, metavar="R",
+                   help="largest adapter rank served; sizes the device pool (default: 64)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="adapters kept read in host memory; others are read from disk when loaded (default: all)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load adapters "
+                        "from local directories a request names (default: off)")
+
+
+def _lora_options(args: argparse.Namespace) -> dict:
+    names = [name for name, _ in args.lora_modules]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"--lora-modules names {duplicate!r} twice")
+    return dict(lora_modules=dict(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+
+
 def _step_options(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, quantized weights,
     speculation, the deadline."""
@@ -195,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     _add_serve_args(serve)
     _add_node_args(serve)
+    _add_lora_args(serve)
 
     gen = sub.add_parser("generate", help="continue a raw text prompt")
     gen.add_argument("prompt", nargs="+", help="one or more prompts, generated together in one batch")
@@ -302,7 +339,7 @@ def serve(args: argparse.Namespace) -> int:
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
         prefix_cache=args.prefix_cache, nnodes=args.nnodes, dist_init_addr=args.dist_init_addr,
-        dist_timeout=args.dist_timeout, **_step_options(args),
+        dist_timeout=args.dist_timeout, **_step_options(args), **_lora_options(args),
     )
     check_nodes(engine_config)
     if not 0 <= args.node_rank < args.nnodes:

@@ -102,9 +102,11 @@ class LLM:
         self._chat_stop = chosen.stop_words(self.tokenizer) if chosen else StopWords()
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """``prompts``: text, token ids, or ``{"prompt": ..., "images": [...]}`` for a model that
-        takes images (see ``MultimodalPrompt``); one or a list."""
+        takes images (see ``MultimodalPrompt``); one or a list. ``lora``: the LoRA adapter (a name
+        of ``lora_modules``) for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:
@@ -113,9 +115,12 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA adapters")
         inputs = [self._model_input(p) for p in prompts]
         # all validated before any is queued
-        requests = [self.engine.new_request(ids, p, pixels) for (ids, pixels), p in zip(inputs, params)]
+        requests = [self.engine.new_request(ids, p, pixels, name) for (ids, pixels), p, name in zip(inputs, params, loras)]
         outputs = {r.req_id: ClientRequest.start(r.req_id, r.prompt_token_ids, r.params, self.tokenizer) for r in requests}
         for r in requests:
             self.engine.enqueue(r)

@@ -70,6 +70,7 @@ class BatchDriver:
     """Drives a TpPartBaseModel directly: one table row per prompt, prefill then decode."""
 
     model: TpPartBaseModel
+    lora_slots: list[int] | None = None     # request i's LoRA adapter slot (-1: none); None: no adapters
 
     def __post_init__(self) -> None:
         self.rows: list[int] = []
@@ -83,7 +84,8 @@ class BatchDriver:
     def extend(self, chunks: list[list[int]], return_all_logits: bool = False) -> torch.Tensor:
         """Append ``chunks[i]`` to request i (any lengths >= 1) in one forward."""
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
-        logits = self.model.forward(ids, self.rows, list(self.lens), [len(c) for c in chunks], return_all_logits)
+        logits = self.model.forward(ids, self.rows, list(self.lens), [len(c) for c in chunks], return_all_logits,
+                                    b_lora_slot=self.lora_slots)
         self.lens = [n + len(c) for n, c in zip(self.lens, chunks)]
         return logits
 
@@ -94,6 +96,34 @@ class BatchDriver:
         for r in self.rows:
             self.model.req_manager.free_req(r)
         self.rows, self.lens = [], []
+
+
+def tp2_logits(build_driver, prompts: list[list[int]], out: str) -> dict[str, torch.Tensor]:
+    """Two gloo ranks (spawned processes) each build their driver with ``build_driver(rank,
+    world_size)`` (a picklable callable: a module-level function or a partial of one), prefill
+    ``prompts`` and decode one token each (1, 2, ...); rank 0's logits of both steps, through
+    the file ``out``."""
+    import torch.multiprocessing as mp
+
+    from llmserve.engine.worker_client import free_tcp_port
+
+    mp.start_processes(_tp_rank_main, args=(2, build_driver, prompts, free_tcp_port(), out), nprocs=2,
+                       start_method="spawn")
+    return torch.load(out)
+
+
+def _tp_rank_main(rank: int, world: int, build_driver, prompts: list[list[int]], port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        driver = build_driver(rank, world)
+        prefill = driver.prefill(prompts)
+        decode = driver.decode(list(range(1, len(prompts) + 1)))
+        if rank == 0:
+            torch.save({"prefill": prefill, "decode": decode}, out)
+    finally:
+        dist.destroy_process_group()
 
 
 def hf_greedy_with_logits(hf_model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -123,13 +153,13 @@ def assert_matches_hf_greedy(ours: TpPartBaseModel, hf_model, prompts: list[list
     refs = [hf_greedy_with_logits(hf_model, p, steps + 1) for p in prompts]
     driver = BatchDriver(ours)
     try:
-        _compare_steps(driver, refs, prompts, steps)
+        compare_steps(driver, refs, prompts, steps)
     finally:
         driver.free()   # the model is shared by the module's tests: leave its KV pool empty
     assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size
 
 
-def _compare_steps(driver: BatchDriver, refs, prompts: list[list[int]], steps: int) -> None:
+def compare_steps(driver: BatchDriver, refs, prompts: list[list[int]], steps: int) -> None:
     logits = driver.prefill(prompts)
     agree = 0
     for step in range(steps + 1):

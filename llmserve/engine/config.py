@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from llmserve.common.errors import ModelLoadError
@@ -52,6 +52,22 @@ class EngineConfig:
     # returns) and the engine stops with an error, rather than waiting for ever. Loading the model,
     # compiling kernels and capturing CUDA graphs at start-up are not steps.
     step_timeout: float = 600.0
+    # LoRA adapters (llmserve/lora/): name -> local PEFT adapter directory (vLLM's --lora-modules),
+    # the slots of the workers' device pool (adapters resident at once; others load on demand,
+    # the least recently used unheld one evicted), the largest rank a slot holds, and how many
+    # adapters the workers keep read on the host (None: all of them).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from local
+    # directories named by the request): off, the adapters are --lora-modules' and no request
+    # makes the server read a path.
+    allow_runtime_lora_updating: bool = False
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_modules) or self.allow_runtime_lora_updating
 
 
 # The largest decode batch that drafts, by device, when --speculate-max-batch is not given: past

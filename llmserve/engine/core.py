@@ -30,7 +30,7 @@ from llmserve.engine.config import ModelSpec
 from llmserve.engine.engine import LLMEngine
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Ping,
-    Pong, Shutdown, StartEngine, StartupFailed, StepFailed, encode,
+    LoraUpdated, Pong, Shutdown, StartEngine, StartupFailed, StepFailed, UpdateLora, encode,
 )
 from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.worker_client import ModelWorkerGroup
@@ -108,6 +108,8 @@ class EngineCore:
                 self.engine.abort_request(req_id)
         elif isinstance(message, EndSession):
             self.engine.end_session(message.session_id)
+        elif isinstance(message, UpdateLora):
+            self._update_lora(message)
         else:
             raise TypeError(f"unexpected message from the HTTP process: {type(message).__name__}")
 
@@ -115,13 +117,26 @@ class EngineCore:
         # Admitted by check_request at the API edge; the engine only asserts, and a failed
         # assertion here is a bug of ours that costs this request only.
         req = Request(message.req_id, message.prompt_token_ids, message.params, pixel_values=message.pixel_values,
-                      session_id=message.session_id)
+                      session_id=message.session_id, lora_name=message.lora_name)
         try:
             self.engine.enqueue(req)
         except Exception as e:
             logger.exception("request %d could not be queued", req.req_id)
             self._send(EngineOutputs([RequestDelta(req.req_id, None, finish_reason=FinishReason.ERROR,
                                                    error=error_line(e))], self._stats()))
+
+    def _update_lora(self, message: UpdateLora) -> None:
+        try:
+            if message.path is None:
+                self.engine.unload_lora(message.name)
+            else:
+                self.engine.load_lora(message.name, message.path)
+        except KeyError:
+            self._send(LoraUpdated(message.call_id, f"LoRA adapter {message.name!r} is not loaded", not_found=True))
+        except ValueError as e:       # AdapterLoadError included: the adapter cannot be served
+            self._send(LoraUpdated(message.call_id, error_line(e)))
+        else:
+            self._send(LoraUpdated(message.call_id))
 
     # -- one step ------------------------------------------------------------------------
     def _step(self) -> list[RequestDelta]:
@@ -163,7 +178,7 @@ class EngineCore:
                            num_draft_tokens=e.num_draft_tokens, num_accepted_tokens=e.num_accepted_tokens,
                            accepted_length_counts=tuple(e.accepted_length_counts),
                            num_cached_slots=s.num_cached_slots, num_cache_queried_tokens=s.prefix_cache.num_queried_tokens,
-                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens)
+                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens, num_loras_resident=len(s.loras.resident))
 
     def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
         """One message per step; between steps, only when the stats changed (an abort, say)."""

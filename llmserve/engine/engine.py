@@ -27,7 +27,7 @@ from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from llmserve.engine.worker_client import ModelWorkerGroup
 from llmserve.ipc import error_line
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import InvalidRequest, SamplingParams
 from llmserve.worker.protocol import BatchEntry, CacheOp, StepInput, StepOutput, WorkerInitArgs
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ class LLMEngine:
         before it knows the model, so that they import torch meanwhile); else started here."""
         config = with_device_defaults(config, model.device)   # what /info reports: the values in force
         check_speculation(config)
+        if config.serves_lora and not (config.max_loras >= 1 and config.max_lora_rank >= 1):
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {config.max_loras} and {config.max_lora_rank}")
         if not config.step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds, got {config.step_timeout}")
         self.config = config
@@ -56,7 +58,9 @@ class LLMEngine:
             nnodes=config.nnodes, dist_timeout=config.dist_timeout,
             eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
-            dequantize=config.dequantize,
+            dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
+            max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras or len(config.lora_modules),
         ))
         self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
         self.limits = RequestLimits.of_model(self.info)
@@ -67,7 +71,8 @@ class LLMEngine:
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
             prompt_lookup_min_ngram=config.prompt_lookup_min_ngram, prompt_lookup_max_ngram=config.prompt_lookup_max_ngram,
             prefix_cache=config.prefix_cache, image_token_id=self.info.image_token_id,
-            tokens_per_image=self.info.tokens_per_image,
+            tokens_per_image=self.info.tokens_per_image, lora_modules=dict(config.lora_modules),
+            max_loras=config.max_loras,
         ))
         # At tp > 1 too: rank 0 broadcasts each draw to the other ranks (ModelWorker._share_draw).
         self.overlap = config.overlap if config.overlap is not None else model.device == "cuda"
@@ -105,11 +110,13 @@ class LLMEngine:
                 f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    pixel_values: list[np.ndarray] | None = None, session_id: str | None = None) -> Request:
+                    pixel_values: list[np.ndarray] | None = None, session_id: str | None = None,
+                    lora_name: str | None = None) -> Request:
         """Queue a request; ``InvalidRequest`` (a ``ValueError``) if it can never run.
         ``session_id``: when it finishes, its tokens stay pinned in the prefix cache for the
-        session's next turn (until ``end_session``, or until the cache needs the room)."""
-        req = self.new_request(prompt_token_ids, params, pixel_values)
+        session's next turn (until ``end_session``, or until the cache needs the room).
+        ``lora_name``: the LoRA adapter to run it with (None: the base model)."""
+        req = self.new_request(prompt_token_ids, params, pixel_values, lora_name)
         req.session_id = session_id
         self.enqueue(req)
         return req
@@ -124,15 +131,53 @@ class LLMEngine:
         return self.scheduler.prefix_cache.evict_all()
 
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    pixel_values: list[np.ndarray] | None = None) -> Request:
+                    pixel_values: list[np.ndarray] | None = None, lora_name: str | None = None) -> Request:
         """A validated request, not queued yet (``LLM.generate`` checks all its prompts before it
         queues any). ``pixel_values``: its images, preprocessed; the prompt has their placeholders
         expanded already (``llmserve.multimodal.expand_image_tokens``)."""
         check_request(prompt_token_ids, params, self.limits, len(pixel_values or ()))
-        return Request(next(self._ids), list(prompt_token_ids), params, pixel_values=pixel_values or None)
+        self.check_lora(lora_name)
+        return Request(next(self._ids), list(prompt_token_ids), params, pixel_values=pixel_values or None,
+                       lora_name=lora_name)
+
+    def check_lora(self, lora_name: str | None) -> None:
+        """``InvalidRequest`` unless ``lora_name`` is None or an adapter this engine serves."""
+        if lora_name is not None and lora_name not in self.scheduler.loras.paths:
+            known = ", ".join(sorted(self.scheduler.loras.paths)) or "none"
+            raise InvalidRequest("lora", f"unknown LoRA adapter {lora_name!r} (served: {known})")
+
+    @property
+    def lora_names(self) -> list[str]:
+        return list(self.scheduler.loras.paths)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve one more adapter (vLLM's /v1/load_lora_adapter): every rank reads and checks it
+        now (``AdapterLoadError`` if it cannot be served); it takes a device slot when a request
+        first uses it."""
+        loras = self.scheduler.loras
+        if not self.config.allow_runtime_lora_updating:
+            raise ValueError("loading LoRA adapters at run time is off (--allow-runtime-lora-updating)")
+        if name in loras.paths:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        self.workers.read_lora(name, path)
+        loras.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter (``KeyError`` if unknown; ``ValueError`` while a request that
+        names it has not finished)."""
+        loras = self.scheduler.loras
+        if not self.config.allow_runtime_lora_updating:
+            raise ValueError("unloading LoRA adapters at run time is off (--allow-runtime-lora-updating)")
+        if name not in loras.paths:
+            raise KeyError(name)
+        if any(req.lora_name == name for req in self.requests.values()) or not loras.unregister(name):
+            raise ValueError(f"LoRA adapter {name!r} is in use by unfinished requests: unload it once they end")
 
     def enqueue(self, req: Request) -> None:
         """Queue a request that passed ``check_request`` (here, or at the server's API edge)."""
+        self.check_lora(req.lora_name)      # (an adapter may have been unloaded since the edge's check)
+        if req.lora_name is not None:
+            req.lora_id = self.scheduler.loras.ids[req.lora_name]
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
 
@@ -164,10 +209,10 @@ class LLMEngine:
         entries = [self._batch_entry(s) for s in plan.scheduled]
         overlap = self.overlap and not drafting and not plan.has_drafts
         step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted],
-                         overlap=overlap, cache_ops=self._take_cache_ops())
+                         overlap=overlap, cache_ops=self._take_cache_ops(), lora_loads=self.scheduler.loras.take_loads())
         self._to_free = []
         if (not entries and not step.finished_req_ids and not step.preempted_req_ids and not step.cache_ops
-                and not self._in_flight):
+                and not step.lora_loads and not self._in_flight):
             return []
         self.num_prefill_tokens += plan.num_prefill_tokens
         self.last_step_num_tokens = plan.num_tokens
@@ -331,6 +376,7 @@ class LLMEngine:
             pending_token=end > req.num_tokens,   # its last token is the one in flight
             pixel_values=req.pixel_values if first else None,
             prefix_node_ids=[node.id for node in tree.path(req.cache_node)] if first and start else None,
+            lora_slot=req.lora_slot,
         )
 
     def _take_cache_ops(self) -> list[CacheOp]:

@@ -52,6 +52,7 @@ class AddRequest:
     # An interactive session's id: the request's tokens stay pinned in the prefix cache for the
     # session's next turn once it finishes (until EndSession, or until the cache needs the room).
     session_id: str | None = None
+    lora_name: str | None = None     # the LoRA adapter to run it with (None: the base model)
 
 
 @dataclass
@@ -63,6 +64,15 @@ class AbortRequests:
 class EndSession:
     """The session is over: unpin its tokens in the prefix cache."""
     session_id: str
+
+
+@dataclass
+class UpdateLora:
+    """Load adapter ``name`` from local directory ``path``, or unload it (``path`` None); the core
+    answers ``LoraUpdated`` with the same ``call_id`` (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+    call_id: int
+    name: str
+    path: str | None
 
 
 @dataclass
@@ -109,6 +119,7 @@ class EngineStats:
     num_cached_slots: int = 0
     num_cache_queried_tokens: int = 0
     num_cache_hit_tokens: int = 0
+    num_loras_resident: int = 0       # LoRA adapters in the workers' device pool
 
 
 @dataclass
@@ -123,6 +134,13 @@ class StepFailed:
     """A step raised for no request of its own (a bug of ours): these requests were ended."""
     req_ids: list[int]
     error: str
+
+
+@dataclass
+class LoraUpdated:
+    call_id: int
+    error: str | None = None          # None: done
+    not_found: bool = False           # unloading a name that is not loaded
 
 
 @dataclass

@@ -11,7 +11,7 @@ are released, oldest first, before that too. Waiting requests are admitted longe
 first, within an age bound (``order``).
 
 Every key the tree sees is made by ``key``: what must never share KV must differ there (an
-image's placeholders are keyed by its pixels).
+image's placeholders are keyed by its pixels, a LoRA adapter's requests by the adapter).
 """
 
 from __future__ import annotations
@@ -46,8 +46,14 @@ class PrefixCacheManager:
         self._queued_at: dict[Request, int] = {}    # waiting fresh requests -> the step they arrived at
 
     def key(self, req: Request, n: int) -> list[int]:
-        """The request's first ``n`` tokens as the tree keys them."""
-        return req.cache_key(n, self.image_token_id, self.tokens_per_image)
+        """The request's first ``n`` tokens as the tree keys them. A request with a LoRA adapter
+        has its first token keyed as (adapter, token): the adapter changes every layer's K and V,
+        so its prefixes live in a subtree of their own, which no other adapter (nor the base model)
+        reaches. The key stays one entry per token (the tree's depth counts slots)."""
+        key = req.cache_key(n, self.image_token_id, self.tokens_per_image)
+        if req.lora_id and key:
+            key[0] = (req.lora_id, key[0])
+        return key
 
     # -- the waiting queue -----------------------------------------------------------------
     def queued(self, req: Request) -> None:

@@ -16,7 +16,8 @@ session keeping its conversation; soft, released oldest first before the schedul
 anything: prefix_cache.py). Eviction takes the least recently used leaves that neither holds.
 
 A key is a sequence of ints: token ids, except that an image placeholder is written as a negative
-hash of that image's pixels (``PrefixCacheManager.key``), so different images never share KV.
+hash of that image's pixels, and a LoRA request's first token as a pair (adapter, token)
+(``PrefixCacheManager.key``), so different images or adapters never share KV.
 """
 
 from __future__ import annotations

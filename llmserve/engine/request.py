@@ -76,6 +76,11 @@ class Request:
     # An interactive session's id: when the request finishes, the prefix cache keeps its tokens
     # pinned for the session's next turn.
     session_id: str | None = None
+    # The LoRA adapter the request runs with (None: the base model): its name, its registration's
+    # id (the prefix cache's key: LoraManager.ids), and while it runs, its slot in the workers' pool.
+    lora_name: str | None = None
+    lora_id: int = 0
+    lora_slot: int = -1
 
     # The prefix cache's view (prefix_cache.py): the deepest tree node of the request's cached tokens
     # (it locks the node's path), None when it holds none; how many of its cached tokens' slots are

@@ -9,7 +9,9 @@ prompts already under way, then waiting requests: the preempted ones, then the o
 order (with the prefix cache, longest cached prefix first). A prompt longer than what is left of
 the budget is split over several steps (chunked prefill), so a burst of long prompts never stalls
 the running decodes for more than one budget's worth of compute; the request samples its first
-token with its last chunk. Last, decodes may bring drafts in what the step leaves (speculation:
+token with its last chunk. A request with a LoRA adapter is admitted once its adapter has a slot
+in the workers' pool (``LoraManager``): a running request holds its adapter's slot, and when
+every slot is held the queue waits for one to free. Last, decodes may bring drafts in what the step leaves (speculation:
 drafting.py). The scheduler only does the bookkeeping; the engine runs the step and tells it
 what happened (``update_after_step``, ``finish_request``).
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from llmserve.engine.drafting import Drafter
 from llmserve.engine.prefix_cache import PrefixCacheManager
 from llmserve.engine.request import FinishReason, Request, RequestStatus
+from llmserve.lora.manager import LoraManager
 
 
 @dataclass
@@ -58,6 +61,9 @@ class SchedulerConfig:
     # How prompts with images are keyed (Request.cache_key); None: a text-only model.
     image_token_id: int | None = None
     tokens_per_image: int = 0
+    # LoRA adapters: name -> local directory, and the slots of the workers' pool.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 0
 
 
 @dataclass
@@ -110,6 +116,7 @@ class Scheduler:
                                                config.image_token_id, config.tokens_per_image)
         self.drafter = Drafter(config.speculate, config.speculate_max_batch,
                                config.prompt_lookup_min_ngram, config.prompt_lookup_max_ngram)
+        self.loras = LoraManager(config.lora_modules, config.max_loras)
 
     # ----------------------------------------------------------------------------------
     # Requests in and out
@@ -133,6 +140,7 @@ class Scheduler:
         # may have), and both must leave the same tree.
         self.prefix_cache.leave(req, keep=reason is not FinishReason.ERROR, upto=req.num_tokens - 1)
         self.drafter.forget(req)
+        self._release_lora_slot(req)
         req.finish(reason)
 
     def retire(self, req: Request) -> bool:
@@ -143,6 +151,9 @@ class Scheduler:
         if req not in self.running:
             return False
         self.running.remove(req)
+        # (The step in flight still uses the adapter's slot: a load into it comes with a later
+        # step, which the device runs after this one.)
+        self._release_lora_slot(req)
         return True
 
     def abort_request(self, req_id: int) -> Request | None:
@@ -208,6 +219,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(req)
         self.prefix_cache.leave(req, keep=True)   # what it computed stays in the tree: its re-prefill matches it
+        self._release_lora_slot(req)
         req.num_cached = 0
         req.status = RequestStatus.WAITING
         # At the front, so it resumes before every request that arrived after it.
@@ -223,11 +235,14 @@ class Scheduler:
                 break   # preempted while its token was in flight: it waits for the step that reads it
             if len(self.running) >= self.config.max_running_requests:
                 break
+            if not self._take_lora_slot(req):
+                break   # every adapter slot is held by running requests: the queue waits for one
             req.num_cached = self.prefix_cache.match(req)
             chunk = self._chunk(req, budget) if self._make_room_for(req) else 0
             if chunk == 0:
                 req.num_cached = 0
                 self.prefix_cache.release(req)
+                self._release_lora_slot(req)
                 break
             self.waiting.popleft()
             self.prefix_cache.admitted(req)
@@ -237,6 +252,21 @@ class Scheduler:
             self.running.append(req)
             admitted.append(self._scheduled(req, chunk))
         return admitted
+
+    def _take_lora_slot(self, req: Request) -> bool:
+        """Give a request about to run its adapter's slot (False: none is free)."""
+        if req.lora_name is None:
+            return True
+        slot = self.loras.acquire(req.lora_name)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _release_lora_slot(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _make_room_for(self, req: Request) -> bool:
         """Whether the KV pool holds the rest of the request's tokens (all of them but a cached

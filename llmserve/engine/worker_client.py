@@ -51,12 +51,16 @@ class ModelRpcClient:
         self.conn = conn
         self._init_model = rpyc.async_(conn.root.init_model)
         self._step = rpyc.async_(conn.root.step)
+        self._read_lora = rpyc.async_(conn.root.read_lora)
 
     def init_model(self, args: WorkerInitArgs):
         return self._init_model(pickle.dumps(args))
 
     def step(self, step: StepInput):
         return self._step(pickle.dumps(step))
+
+    def read_lora(self, name: str, path: str):
+        return self._read_lora(name, path)
 
     def close(self) -> None:
         try:
@@ -153,6 +157,12 @@ class ModelWorkerGroup:
             # A worker reports its requests' own failures in StepOutput; what it raises instead
             # leaves its state (KV cache, rows, sampler) unknown.
             raise WorkerError(f"a model worker's step failed: {e}") from e
+
+    def read_lora(self, name: str, path: str) -> None:
+        """Rank 0 reads and checks a LoRA adapter (``AdapterLoadError`` if it cannot be served),
+        keeping it on the host for the step that loads it. The other ranks read it from the same
+        path when that step reaches them (``StepInput.lora_loads`` carries the path)."""
+        self._wait(self.client.read_lora(name, path), self.step_timeout)
 
     def _wait(self, result, timeout: float | None):
         """Rank 0's answer, waiting up to ``timeout`` (None: for ever); meanwhile, every

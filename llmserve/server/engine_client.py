@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from llmserve.common.logs import status_logger
 from llmserve.engine.config import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Ping, Pong,
-    Shutdown, StartEngine, StartupFailed, StepFailed, encode, frame_size,
+    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, LoraUpdated,
+    Ping, Pong, Shutdown, StartEngine, StartupFailed, StepFailed, UpdateLora, encode, frame_size,
 )
 from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
@@ -84,6 +84,7 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.prefill_time: float | None = None
+        self.lora_name: str | None = None     # its LoRA adapter (per-adapter counts)
 
     @property
     def req_id(self) -> int:
@@ -248,6 +249,8 @@ class EngineClient:
         self._task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._probe: asyncio.Future[None] | None = None   # the Ping in flight, which every /health awaits
+        self._lora_calls: dict[int, asyncio.Future[LoraUpdated]] = {}   # UpdateLora calls awaiting the core
+        self._lora_call_ids = itertools.count()
         if metrics is not None:
             metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
                                  lambda: self.stats.num_used_slots, lambda: self.stats.num_cached_slots,
@@ -256,17 +259,22 @@ class EngineClient:
 
     # -- handler side ------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 pixel_values: list[np.ndarray] | None = None, session_id: str | None = None) -> RequestStream:
+                 pixel_values: list[np.ndarray] | None = None, session_id: str | None = None,
+                 lora_name: str | None = None) -> RequestStream:
         """Queue a request that passed ``check_request`` (``ServerState.start_all``: the core trusts
         it); ``EngineError`` if the engine is down. ``pixel_values``: its images, preprocessed;
-        ``session_id``: the interactive session whose turn it is (its tokens stay cached after it)."""
+        ``session_id``: the interactive session whose turn it is (its tokens stay cached after it);
+        ``lora_name``: its LoRA adapter (None: the base model)."""
         if self.error is not None:
             raise EngineError(f"the engine has stopped: {self.error}")
         stream = RequestStream(self, ClientRequest.start(next(self._ids), prompt_token_ids, params, self.tokenizer))
         self._streams[stream.req_id] = stream
-        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values, session_id))
+        self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values, session_id, lora_name))
+        stream.lora_name = lora_name
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(stream.request.num_prompt_tokens)
+            if lora_name is not None:
+                self.metrics.observe_lora_started(lora_name, stream.request.num_prompt_tokens)
         return stream
 
     def abort(self, req_id: int) -> None:
@@ -297,6 +305,15 @@ class EngineClient:
         except TimeoutError:
             return f"the engine core has not answered for {timeout:g} s"
         return None if self.is_healthy else str(self.error)
+
+    async def update_lora(self, name: str, path: str | None) -> LoraUpdated:
+        """Load adapter ``name`` from ``path`` (None: unload it) in the engine; its answer."""
+        if self.error is not None:
+            raise EngineError(f"the engine has stopped: {self.error}")
+        call_id = next(self._lora_call_ids)
+        answer = self._lora_calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(UpdateLora(call_id, name, path))
+        return await answer
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -367,6 +384,10 @@ class EngineClient:
                     self._fail_requests(message.req_ids, message.error)
                 elif isinstance(message, Pong):
                     self._answered()
+                elif isinstance(message, LoraUpdated):
+                    call = self._lora_calls.pop(message.call_id, None)
+                    if call is not None and not call.done():
+                        call.set_result(message)
                 elif isinstance(message, EngineDead):
                     self._die(EngineError(message.error))
                     return
@@ -431,6 +452,10 @@ class EngineClient:
         logger.error("the engine failed: %s", error)
         self.error = error
         self._answered()     # a /health waiting on the core now answers with the error
+        for call in self._lora_calls.values():
+            if not call.done():
+                call.set_exception(EngineError(f"the engine failed: {error}"))
+        self._lora_calls.clear()
         if self.metrics is not None:
             self.metrics.healthy.set(0)
         self.fail_all(f"the engine failed: {error}")
@@ -463,3 +488,5 @@ class EngineClient:
         decode_time = stream.last_token_time - stream.first_token_time if ran_out else None
         self.metrics.observe_finished(reason, req.num_prompt_tokens, req.num_output_tokens, stream.prefill_time,
                                       decode_time)
+        if stream.lora_name is not None:
+            self.metrics.observe_lora_finished(stream.lora_name, req.num_output_tokens)

@@ -99,7 +99,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         core.start_model(inspect_model(engine_config, tokenizer))
         ready = core.wait_ready()
         metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),
-                                max_total_token_num=ready.info.max_total_token_num)
+                                max_total_token_num=ready.info.max_total_token_num,
+                                lora_names=list(engine_config.lora_modules))
         server: _Server | None = None
 
         def on_fatal(error: BaseException) -> None:

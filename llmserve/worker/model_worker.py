@@ -22,6 +22,7 @@ from rpyc.utils.server import ThreadedServer
 
 from llmserve.common.logs import adopt_library_logging
 from llmserve.ipc import error_line, socket_path
+from llmserve.lora.adapter import AdapterCache
 from llmserve.worker.faults import InjectedFaults, is_device_failure
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.prefix_slots import PrefixSlots
@@ -65,10 +66,13 @@ class ModelWorker:
             mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
             cuda_graph_max_bs=args.cuda_graph_max_bs, speculate=args.speculate,
             speculate_max_batch=args.speculate_max_batch, dequantize=args.dequantize,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
         self.device = device
+        self.adapters = AdapterCache(args.lora_modules, self.model.network_config_, args.max_lora_rank,
+                                     args.max_cpu_loras)
         if device.type == "cuda":
             self.model.warm_up()   # Triton's compiles now, not inside the first requests' steps
             # Once the weights are loaded (conversions on the CPU may use every core), the host
@@ -126,6 +130,8 @@ class ModelWorker:
             self.req_images.pop(req_id, None)
             if self.sampler is not None:
                 self.sampler.remove_request(req_id)
+        for load in step.lora_loads:
+            self.model.lora_pool.load(load.slot, self.adapters.get(load.name, load.path))
         owed, self._owed = self._owed, None
         self._drop_rejected(step.entries)
         if not step.entries:
@@ -144,8 +150,10 @@ class ModelWorker:
         all_logits = [e.want_prompt_logprobs or e.num_draft_tokens > 0 for e in step.entries]
         try:
             input_embeds = self._input_embeds(step.entries)
+            lora_slots = [e.lora_slot for e in step.entries] if self.model.lora_pool is not None else None
             logits = self.model.forward(self._input_ids(step.entries), rows, [e.num_cached for e in step.entries],
-                                        q_lens, return_all_logits=all_logits, input_embeds=input_embeds)
+                                        q_lens, return_all_logits=all_logits, input_embeds=input_embeds,
+                                        b_lora_slot=lora_slots)
         except Exception as e:
             failed = self._forward_failed(step.entries, rows, e)
             return [*_outputs_of(owed), failed]
@@ -494,6 +502,9 @@ class ModelRpcServer(rpyc.Service):
         """The engine is closing: the other ranks leave their step loops (and exit)."""
         if self.worker is not None and self.worker.channel is not None:
             self.worker.channel.send(b"")
+    def exposed_read_lora(self, name: str, path: str) -> bytes:
+        self.worker.adapters.get(name, path)
+        return pickle.dumps(None)
 
     def exposed_step(self, step: bytes) -> bytes:
         if self.worker.channel is not None:

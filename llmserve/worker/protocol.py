@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmserve.lora.manager import LoadAdapter
 from llmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,13 @@ class WorkerInitArgs:
     speculate: int = 0               # draft tokens per request (EngineConfig): sizes the verify steps' graphs
     speculate_max_batch: int = 0
     dequantize: bool = False         # GGUF on CPU: expand the quantized matrices at load (ModelInitParams)
+    # LoRA: the adapters (name -> local directory; each is read and checked at start-up), the
+    # device pool's slots and largest rank, and how many adapters stay read on the host (the
+    # others are read again from their directory when loaded). No adapters: no pool.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 0
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 0
 
     @property
     def ranks_per_node(self) -> int:
@@ -121,6 +129,8 @@ class BatchEntry:
     # first: sent with the step that (re)admits a request with a cached prefix, whose row the
     # worker starts with those slots (one more reference each).
     prefix_node_ids: list[int] | None = None
+    # The request's LoRA adapter: a slot of the workers' pool (-1: the base model).
+    lora_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:
@@ -138,6 +148,8 @@ class StepInput:
     # The prefix cache's changes since the last step, applied in order before anything else
     # (before the frees above: a finished request's slots are cached before its row goes).
     cache_ops: list[CacheOp] = field(default_factory=list)
+    # LoRA adapters to put in pool slots before the forward (llmserve.lora.manager), in order.
+    lora_loads: list[LoadAdapter] = field(default_factory=list)
 
 
 @dataclass

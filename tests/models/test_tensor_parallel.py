@@ -3,41 +3,23 @@ MLP and half of an odd-sized (so zero-padded) vocabulary, must produce HF's logi
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.multiprocessing as mp
 from transformers import BloomConfig, LlamaConfig, Phi3Config, Qwen3Config
 
-from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, rel_err
+from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, rel_err, tp2_logits
 
 PROMPTS = [[5, 17, 300, 2, 9], [44] * 3, list(range(100, 111))]
 
 
-def _rank_main(rank: int, world: int, path: str, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        model = load_ours(path, tp_rank=rank, world_size=world, device="cpu", dtype=torch.float32)
-        driver = BatchDriver(model)
-        prefill = driver.prefill(PROMPTS)
-        decode = driver.decode([1, 2, 3])
-        if rank == 0:
-            torch.save({"prefill": prefill, "decode": decode}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    from llmserve.engine.worker_client import free_tcp_port
-
-    return free_tcp_port()
+def _driver(path: str, rank: int, world: int) -> BatchDriver:
+    return BatchDriver(load_ours(path, tp_rank=rank, world_size=world, device="cpu", dtype=torch.float32))
 
 
 def _check(config, tmp_path) -> None:
     hf = build_tiny_hf_model(config, tmp_path / "model")
-    out = str(tmp_path / "logits.pt")
-    mp.start_processes(_rank_main, args=(2, str(tmp_path / "model"), _free_port(), out), nprocs=2, start_method="spawn")
-    got = torch.load(out)
+    got = tp2_logits(functools.partial(_driver, str(tmp_path / "model")), PROMPTS, str(tmp_path / "logits.pt"))
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):
             ref = hf(torch.tensor([prompt + [i + 1]])).logits[0].float()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -16,6 +17,9 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, lo
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
 from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
 from llmserve.common.mem_manager import MemoryManager, ReqManager
+
+if TYPE_CHECKING:
+    from llmserve.lora.pool import LoraBatch, LoraPool
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,10 @@ class ModelInitParams:
     # A GGUF file's Q4_0 / Q4_1 / Q8_0 matrices run on the CPU in their blocks (kernels/quantized_linear);
     # True expands them to dense float32 at load, as on a GPU (same values, torch's GEMM).
     dequantize: bool = False
+    # LoRA: adapter slots on the device (0: the model serves no adapters; its layers run as
+    # without LoRA) and the largest rank a slot holds (llmserve/lora/pool.py).
+    max_loras: int = 0
+    max_lora_rank: int = 64
 
 
 class TpPartBaseModel:
@@ -61,6 +69,8 @@ class TpPartBaseModel:
     infer_state_class: type[InferStateInfo] = InferStateInfo
     # the GGUF architectures the model reads, by name (its family's tables); none: HF checkpoints only
     gguf_archs: Mapping[str, GGUFArch] = {}
+    # whether the layers add LoRA adapters' products (q/k/v/o/gate/up/down projections)
+    supports_lora: bool = False
 
     def __init__(self, params: ModelInitParams):
         self.params = params
@@ -73,6 +83,7 @@ class TpPartBaseModel:
         self._verify_must()
         self._verify_params()
         self._init_weights()
+        self.lora_pool: LoraPool | None = self._init_lora_pool()   # before the KV cache takes what is left
         self._init_mem_manager()
         self._init_infer_layer()
         self._init_some_value()
@@ -147,6 +158,17 @@ class TpPartBaseModel:
         for w in all_weights:
             w.finalize()
         self._gguf_tensors = None
+
+    def _init_lora_pool(self) -> LoraPool | None:
+        p = self.params
+        if p.max_loras <= 0:
+            return None
+        if not self.supports_lora:
+            raise ModelLoadError(f"LoRA adapters are not supported for {self.model_type} models")
+        from llmserve.lora.pool import LoraPool
+
+        return LoraPool(self.network_config_, p.max_loras, p.max_lora_rank, self.tp_rank_, self.world_size_,
+                        self.data_type, self.device)
 
     def _init_extra_weights(self, *args) -> list:
         """Hook: weight objects beyond the decoder's (LLaVA's vision tower and projector), loaded
@@ -264,6 +286,7 @@ class TpPartBaseModel:
         b_q_len: list[int],
         return_all_logits: bool | list[bool] = False,
         input_embeds: InputEmbeds | None = None,
+        b_lora_slot: list[int] | None = None,
     ) -> torch.Tensor:
         """Run one batch. Request i (row ``b_req_idx[i]`` of the req->token table, which already
         maps its first ``b_cached_len[i]`` tokens) brings ``b_q_len[i]`` new tokens, packed in
@@ -272,7 +295,8 @@ class TpPartBaseModel:
         flags asks for all rows of the flagged requests only (prompt logprobs of one request
         should not cost a vocab-wide row for every token of the batch), requests back to back.
         ``input_embeds``: rows whose embeddings are given (image features), for models whose pre
-        layer writes them."""
+        layer writes them. ``b_lora_slot``: request i's adapter, a slot of ``lora_pool`` (-1 or
+        None: the base model)."""
         mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len, expected_lens=b_cached_len)
         all_logits = return_all_logits if isinstance(return_all_logits, list) else [return_all_logits] * len(b_q_len)
         is_decode = all(n == 1 for n in b_q_len) and not any(all_logits)
@@ -280,13 +304,24 @@ class TpPartBaseModel:
         # image's placeholder): such a step runs eagerly.
         if input_embeds is None:
             if is_decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(b_q_len)):
-                return self.decode_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index)
+                return self.decode_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, mem_index, b_lora_slot)
             if not is_decode and self.verify_graphs is not None and self.verify_graphs.can_run(b_q_len, all_logits):
-                return self.verify_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, b_q_len, mem_index)
+                return self.verify_graphs.run(torch.as_tensor(input_ids), b_req_idx, b_cached_len, b_q_len, mem_index,
+                                              b_lora_slot)
         state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, all_logits, is_decode)
         state.input_embeds = input_embeds
+        if b_lora_slot is not None and any(slot >= 0 for slot in b_lora_slot):
+            state.lora = self.lora_batch(torch.tensor(b_lora_slot, dtype=torch.int32).to(self.device, non_blocking=True),
+                                         state.b_q_start, state.b_q_len, state.max_q_len)
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
         return self.forward_layers(input_ids, state)
+
+    def lora_batch(self, b_slot: torch.Tensor, b_start: torch.Tensor, b_len: torch.Tensor, max_len: int) -> LoraBatch:
+        from llmserve.lora.pool import LoraBatch
+
+        if self.lora_pool is None:
+            raise ValueError("a request names a LoRA adapter, and this model serves none")
+        return LoraBatch(self.lora_pool, b_slot, b_start, b_len, max_len)
 
     def forward_layers(self, input_ids: torch.Tensor, state: InferStateInfo) -> torch.Tensor:
         """The layers over a batch whose slots and state are ready (``input_ids`` on the device)."""

@@ -9,8 +9,10 @@ bucket, and launches one graph.
 What makes one capture valid for every later step of its bucket:
 
 - The inputs live in static device buffers, written before each replay: token ids, req->token
-  table rows, sequence lengths, positions (one int64 block, one host-to-device copy) and the
-  new tokens' KV slots.
+  table rows, sequence lengths, positions, LoRA adapter slots (one int64 block, one host-to-device
+  copy) and the new tokens' KV slots. With a LoRA pool the graphs always run the adapters'
+  kernels (a request of the base model is slot -1, whose programs exit at once); without one
+  they hold no LoRA work at all.
 - The padding rows are a request of their own: a table row and a KV slot reserved at start-up
   (the model's pools are built one larger for them), one token long, so they read and write
   that slot only, and their logits are dropped.
@@ -114,8 +116,8 @@ class DecodeGraphs(_StepGraphs):
         self.pad_row = model.req_manager.alloc_req()
         self.pad_slot = int(model.req_manager.append_tokens(self.pad_row, 1)[0])
         n = self.max_batch_size
-        # Rows: token id, table row, sequence length (with the new token), position.
-        self._inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
+        # Rows: token id, table row, sequence length (with the new token), position, LoRA slot.
+        self._inputs = torch.zeros((5, n), dtype=torch.int64, device=device)
         self._slots = torch.full((n,), self.pad_slot, dtype=torch.int32, device=device)
         self._q_start = torch.arange(n, dtype=torch.int32, device=device)
         self._q_len = torch.ones(n, dtype=torch.int32, device=device)
@@ -127,28 +129,30 @@ class DecodeGraphs(_StepGraphs):
 
     # -- a step --------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, b_req_idx: list[int], b_cached_len: list[int],
-            mem_index: torch.Tensor) -> torch.Tensor:
+            mem_index: torch.Tensor, b_lora_slot: list[int] | None = None) -> torch.Tensor:
         """One decode step (request i: row ``b_req_idx[i]`` of the table, ``b_cached_len[i]``
         tokens cached, its new token ``input_ids[i]`` already given KV slot ``mem_index[i]``).
         Returns float32 logits ``[batch, vocab]``: a view of the graph's output, valid until the
         next step."""
         bs = len(b_req_idx)
         bucket = self.bucket(bs)
-        self._write_inputs(bucket, b_req_idx, b_cached_len)
+        self._write_inputs(bucket, b_req_idx, b_cached_len, b_lora_slot)
         self._inputs[0, :bs].copy_(input_ids)
         self._slots[:bs].copy_(mem_index)
         return self._replay(bucket, bs)
 
-    def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int]) -> None:
-        """Rows, lengths and positions of the requests, then of the padding request up to
-        ``bucket``; token ids 0 and the padding slot everywhere (the caller writes the requests'
-        own ids and slots over theirs)."""
+    def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int],
+                      b_lora_slot: list[int] | None = None) -> None:
+        """Rows, lengths, positions and adapters of the requests, then of the padding request up
+        to ``bucket``; token ids 0 and the padding slot everywhere (the caller writes the
+        requests' own ids and slots over theirs)."""
         pad = bucket - len(b_req_idx)
         host = torch.tensor([
             [0] * bucket,
             list(b_req_idx) + [self.pad_row] * pad,
             [n + 1 for n in b_cached_len] + [1] * pad,
             list(b_cached_len) + [0] * pad,
+            (list(b_lora_slot) if b_lora_slot is not None else [-1] * len(b_req_idx)) + [-1] * pad,
         ], dtype=torch.int64)
         self._inputs[:, :bucket].copy_(host, non_blocking=True)   # a blocking copy would wait for the step before
         self._slots[:bucket].fill_(self.pad_slot)
@@ -168,6 +172,8 @@ class DecodeGraphs(_StepGraphs):
             position_ids=inputs[3], mem_index=self._slots[:bucket],
             mem_manager=model.mem_manager, req_manager=model.req_manager, logit_rows=None,
         )
+        if model.lora_pool is not None:
+            state.lora = model.lora_batch(inputs[4].int(), state.b_q_start, state.b_q_len, 1)
         state.init_some_extra_state(model)
         return model.forward_layers(inputs[0], state)
 
@@ -231,10 +237,10 @@ class VerifyGraphs(_StepGraphs):
         self.pad_row, self.pad_slot = pad_row, pad_slot
         device, n, rows = model.device, max_batch_size, self.buckets[-1]
         # One int64 block, one host-to-device copy a step: per request (table row, first row, new
-        # tokens, cached tokens, sequence length), then per row the positions.
-        self._block = torch.zeros(5 * n + rows, dtype=torch.int64, device=device)
-        self._columns = self._block[: 5 * n].view(5, n)
-        self._positions = self._block[5 * n :]
+        # tokens, cached tokens, sequence length, LoRA slot), then per row the positions.
+        self._block = torch.zeros(6 * n + rows, dtype=torch.int64, device=device)
+        self._columns = self._block[: 6 * n].view(6, n)
+        self._positions = self._block[6 * n :]
         self._input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self._slots = torch.full((rows,), pad_slot, dtype=torch.int32, device=device)
         if capture:
@@ -248,18 +254,19 @@ class VerifyGraphs(_StepGraphs):
 
     # -- a step --------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
-            mem_index: torch.Tensor) -> torch.Tensor:
+            mem_index: torch.Tensor, b_lora_slot: list[int] | None = None) -> torch.Tensor:
         """One verify step (``can_run`` holds; the new tokens' KV slots given in ``mem_index``).
         Returns float32 logits ``[new tokens, vocab]``, the rows in the step's order: a view of the
         graph's output, valid until the next step."""
         num_rows = sum(b_q_len)
         bucket = self.bucket(num_rows)
-        self._write_inputs(bucket, b_req_idx, b_cached_len, b_q_len)
+        self._write_inputs(bucket, b_req_idx, b_cached_len, b_q_len, b_lora_slot)
         self._input_ids[:num_rows].copy_(input_ids)
         self._slots[:num_rows].copy_(mem_index)
         return self._replay(bucket, num_rows)
 
-    def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int]) -> None:
+    def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
+                      b_lora_slot: list[int] | None = None) -> None:
         """The requests' columns, then padding requests (no new tokens) up to the largest batch;
         the rows' positions, then padding rows (position 0) up to ``bucket``; every row's KV slot
         the padding slot (the caller writes the requests' own over theirs)."""
@@ -275,6 +282,7 @@ class VerifyGraphs(_StepGraphs):
              *b_q_len, *[0] * pad,
              *b_cached_len, *[0] * pad,
              *[c + n for c, n in zip(b_cached_len, b_q_len)], *[0] * pad,
+             *(b_lora_slot if b_lora_slot is not None else [-1] * len(b_req_idx)), *[-1] * pad,
              *positions, *[0] * (bucket - num_rows)], dtype=torch.int64)
         self._block[: host.numel()].copy_(host, non_blocking=True)   # non-blocking: see DecodeGraphs
         self._slots[:bucket].fill_(self.pad_slot)
@@ -293,6 +301,8 @@ class VerifyGraphs(_StepGraphs):
             position_ids=self._positions[:bucket], mem_index=self._slots[:bucket],
             mem_manager=model.mem_manager, req_manager=model.req_manager, logit_rows=None,
         )
+        if model.lora_pool is not None:
+            state.lora = model.lora_batch(columns[5], columns[1], columns[2], self.tokens_per_request)
         state.init_some_extra_state(model)
         return model.forward_layers(self._input_ids[:bucket], state)
 

@@ -10,6 +10,7 @@ import torch
 if TYPE_CHECKING:
     from llmserve.common.basemodel.basemodel import TpPartBaseModel
     from llmserve.common.mem_manager import MemoryManager, ReqManager
+    from llmserve.lora.pool import LoraBatch
 
 
 @dataclass
@@ -51,6 +52,9 @@ class InferStateInfo:
     # New tokens whose input embeddings are given rather than looked up (an image's placeholder
     # tokens); None: every row comes from the vocabulary. Written by a model's pre layer.
     input_embeds: InputEmbeds | None = None
+    # The requests' LoRA adapters, which the wrapped projections add; None: no request of the
+    # batch has one (or the model serves none), and the layers run as without LoRA.
+    lora: LoraBatch | None = None
 
     def init_some_extra_state(self, model: TpPartBaseModel) -> None:
         """Hook for model-specific per-forward state (e.g. rotary cos/sin for the positions)."""

@@ -17,6 +17,7 @@ class LlamaTpPartModel(TpPartBaseModel):
 
     pre_and_post_weight_class = LlamaPreAndPostLayerWeight
     transformer_weight_class = LlamaTransformerLayerWeight
+    supports_lora = True
 
     pre_layer_infer_class = LlamaPreLayerInfer
     post_layer_infer_class = LlamaPostLayerInfer

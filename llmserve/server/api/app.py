@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
 from llmserve.grammar import BACKEND as GRAMMAR_BACKEND
-from llmserve.server.api import interactive, openai, tgi, tokenization, ui
+from llmserve.server.api import interactive, lora, openai, tgi, tokenization, ui
 from llmserve.server.api.errors import (
     APIError, error_response, http_error, internal_error, not_json_error, validation_error,
 )
@@ -40,6 +40,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai.build_router(state))
     app.include_router(interactive.build_router(state))
     app.include_router(tokenization.build_router(state))
+    if state.engine.config.allow_runtime_lora_updating:
+        app.include_router(lora.build_router(state))
     if state.config.ui:       # GET / (beside TGI's POST /): the chat page; off with --no-ui
         app.include_router(ui.build_router())
     install_openapi(app, api_key_set=state.config.api_key is not None)
@@ -104,6 +106,8 @@ def create_app(state: ServerState) -> FastAPI:
             "max_batch_prefill_tokens": state.engine.config.max_prefill_tokens,
             "chunked_prefill": state.engine.config.chunked_prefill,
             "prefix_cache": state.engine.config.prefix_cache,
+            # LoRA adapters served (--lora-modules), selected by adapter_id or an OpenAI `model`
+            "lora_adapters": list(state.lora_modules), "max_loras": state.engine.config.max_loras,
             "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
             "cuda_graph_verify_bs": i.cuda_graph_verify_bs,
             # prompt-lookup speculation (--speculate; 0: off)

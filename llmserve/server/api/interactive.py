@@ -48,6 +48,7 @@ class InteractiveRequest(SamplingFields):
     request_output_len: int | None = None
     cancel: bool = False
     image_url: Any = None          # LMDeploy's, for its vision models: refused here rather than ignored
+    adapter_name: str | None = None  # LMDeploy's: the LoRA adapter (a name of --lora-modules; None: the base model)
 
     @property
     def ends_session(self) -> bool:
@@ -151,7 +152,12 @@ def build_router(state: ServerState) -> APIRouter:
 
     @router.post("/chat/interactive")
     async def chat_interactive(body: InteractiveRequest, http_request: HTTPRequest):
-        check_model(state, body.model)
+        lora_name = check_model(state, body.model)
+        if body.adapter_name is not None:
+            require(body.adapter_name in state.lora_modules,
+                    f"adapter `{body.adapter_name}` is not loaded (served: {', '.join(state.lora_modules) or 'none'})",
+                    "adapter_name")
+            lora_name = body.adapter_name
         if body.cancel or body.ends_session:
             # LMDeploy answers both with an empty turn, 200 even where no such session is open.
             action = "`cancel`" if body.cancel else "ending a session"
@@ -167,7 +173,8 @@ def build_router(state: ServerState) -> APIRouter:
             max_tokens = chat_max_tokens(state, len(prompt), body.request_output_len, "request_output_len", "prompt")
             params = sampling_params(body, state, len(prompt), max_tokens, None, FIELDS,
                                      defaults=state.chat_template.template, template_stop=state.chat_stop)
-            streams, slot = state.start_all([(prompt, params)], FIELDS, session_id=turn.engine_session)
+            streams, slot = state.start_all([(prompt, params)], FIELDS, session_id=turn.engine_session,
+                                            lora_name=lora_name)
         except BaseException:
             turn.refused()
             raise

@@ -46,6 +46,9 @@ ROUTE_ERRORS: dict[str, list[HTTPStatus]] = {
     "/v1/chat/completions": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY + _GENERATION,
     "/v1/chat/interactive": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.CONFLICT] + _BODY + _GENERATION,
     "/health": [HTTPStatus.SERVICE_UNAVAILABLE],
+    # --allow-runtime-lora-updating only
+    "/v1/load_lora_adapter": [HTTPStatus.BAD_REQUEST, HTTPStatus.FAILED_DEPENDENCY] + _BODY,
+    "/v1/unload_lora_adapter": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.FAILED_DEPENDENCY] + _BODY,
 }
 
 

@@ -100,6 +100,9 @@ class ServerState:
         self.model_name = config.served_model_name or default_model_name(self.model_path)
         # The names an OpenAI request may use for this model.
         self.model_names = frozenset({self.model_name, self.model_path, os.path.basename(self.model_path)})
+        # The LoRA adapters served (--lora-modules): name -> directory. An OpenAI request selects
+        # one by its `model`, a TGI request by `adapter_id`.
+        self.lora_modules: dict[str, str] = dict(engine.config.lora_modules)
         self.started_at = int(time.time())
         # HF fast tokenizers must not be used by two threads at once ("Already borrowed"): the
         # event loop uses the client's tokenizer (single-token texts, echo), and prompts are
@@ -271,14 +274,16 @@ class ServerState:
         return values
 
     def start_all(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
-                  pixel_values: list[np.ndarray] | None = None,
-                  session_id: str | None = None) -> tuple[list[RequestStream], Slot]:
+                  pixel_values: list[np.ndarray] | None = None, session_id: str | None = None,
+                  lora_name: str | None = None) -> tuple[list[RequestStream], Slot]:
         """Admit one client request and queue its generations (one per prompt and choice).
 
         This is where a request is checked against the engine's rules, once (check_request);
         the engine core trusts what it is sent. ``fields`` names the API's fields in the errors.
         ``pixel_values``: the request's images (``load_images``), shared by its generations;
-        ``session_id``: the interactive session it is a turn of (server/sessions.py)."""
+        ``session_id``: the interactive session it is a turn of (server/sessions.py); ``lora_name``:
+        the LoRA adapter it runs with (one of ``lora_modules``, checked by the API; None: the base
+        model)."""
         for prompt, params in jobs:
             try:
                 check_request(prompt, params, self.limits.request, len(pixel_values or ()))
@@ -288,7 +293,7 @@ class ServerState:
         streams: list[RequestStream] = []
         try:
             for prompt, params in jobs:
-                streams.append(self._start(prompt, params, pixel_values, session_id))
+                streams.append(self._start(prompt, params, pixel_values, session_id, lora_name))
         except APIError:
             for s in streams:
                 s.abort()
@@ -297,18 +302,19 @@ class ServerState:
         return streams, slot
 
     def _start(self, prompt_token_ids: list[int], params: SamplingParams,
-               pixel_values: list[np.ndarray] | None, session_id: str | None = None) -> RequestStream:
+               pixel_values: list[np.ndarray] | None, session_id: str | None = None,
+               lora_name: str | None = None) -> RequestStream:
         """Queue an admitted generation; a dead engine is a 424."""
         try:
-            return self.engine.generate(prompt_token_ids, params, pixel_values, session_id)
+            return self.engine.generate(prompt_token_ids, params, pixel_values, session_id, lora_name)
         except EngineError as e:
             raise generation_error(str(e)) from None
 
     async def complete(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
                        http_request: HTTPRequest, pixel_values: list[np.ndarray] | None = None,
-                       ) -> tuple[list[RequestStream], list[list[TokenEvent]]]:
+                       lora_name: str | None = None) -> tuple[list[RequestStream], list[list[TokenEvent]]]:
         """A non-streaming request, run to the end: its streams and each one's events."""
-        streams, slot = self.start_all(jobs, fields, pixel_values)
+        streams, slot = self.start_all(jobs, fields, pixel_values, lora_name=lora_name)
         return streams, await self.run_to_end(streams, slot, http_request)
 
     async def run_to_end(self, streams: list[RequestStream], slot: Slot,

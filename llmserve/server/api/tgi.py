@@ -122,7 +122,6 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
     lim = state.limits.max_top_n_tokens
     _check(p.top_n_tokens is None or 0 <= p.top_n_tokens <= lim,
            f"`top_n_tokens` must be >= 0 and <= {lim}. Given: {p.top_n_tokens}")
-    _check(p.adapter_id in (None, "None"), f"adapter `{p.adapter_id}` is not loaded: this server serves no LoRA adapters")
     stop = stop_list(p.stop)
     check_stop(stop)
 
@@ -151,6 +150,15 @@ def sampling_params(p: TGIParameters, state: ServerState, num_prompt_tokens: int
         raise TGI_FIELDS.error(e) from None
 
 
+def lora_of(p: TGIParameters, state: ServerState) -> str | None:
+    """The LoRA adapter ``adapter_id`` names (seed 004's default "None": the base model)."""
+    if p.adapter_id in (None, "None"):
+        return None
+    served = ", ".join(state.lora_modules) or "none: this server serves no LoRA adapters"
+    _check(p.adapter_id in state.lora_modules, f"adapter `{p.adapter_id}` is not loaded (served: {served})")
+    return p.adapter_id
+
+
 def wants_sampling(p: TGIParameters) -> bool:
     """TGI samples when asked to, or when any warper is set (the text-generation client always
     sends do_sample=false, and a temperature of 0.7 there still means sampling). A temperature or
@@ -176,15 +184,17 @@ def best_of_params(p: TGIParameters, params: SamplingParams, state: ServerState,
 @dataclasses.dataclass
 class Prepared:
     """A request ready to start: its prompt's tokens, the SamplingParams of each of its
-    generations (``best_of`` of them) and its images' pixel values."""
+    generations (``best_of`` of them), its images' pixel values and its LoRA adapter."""
     prompt_token_ids: list[int]
     params: list[SamplingParams]
     pixel_values: list[np.ndarray] | None = None
+    lora_name: str | None = None
 
 
 async def prepare(body: TGIRequest, state: ServerState, stream: bool) -> Prepared:
     _check(body.inputs not in ("", []), "`inputs` cannot be empty")
     p = body.parameters
+    lora_name = lora_of(p, state)
     # Seed 004: any truncate in (0, 2^31-1]; one of the prompt's length or more cuts nothing.
     _check(p.truncate is None or 0 < p.truncate <= MAX_INT32, f"`truncate` must be in (0, {MAX_INT32}]. Given: {p.truncate}")
     text, urls = split_images(body.inputs, state.takes_images)
@@ -194,7 +204,7 @@ async def prepare(body: TGIRequest, state: ServerState, stream: bool) -> Prepare
     if p.truncate is not None:
         ids = ids[-p.truncate:]
     pixel_values = await state.load_images(urls, TGI_FIELDS)
-    return Prepared(ids, best_of_params(p, sampling_params(p, state, len(ids)), state, stream), pixel_values)
+    return Prepared(ids, best_of_params(p, sampling_params(p, state, len(ids)), state, stream), pixel_values, lora_name)
 
 
 def tokenize_with_offsets(state: ServerState, text: str) -> Any:
@@ -269,7 +279,7 @@ def build_router(state: ServerState) -> APIRouter:
     async def generate_json(body: TGIRequest, http_request: HTTPRequest) -> dict[str, Any]:
         job = await prepare(body, state, stream=False)
         streams, all_events = await state.complete([(job.prompt_token_ids, sp) for sp in job.params], TGI_FIELDS,
-                                                   http_request, job.pixel_values)
+                                                   http_request, job.pixel_values, job.lora_name)
         best = max(range(len(streams)), key=lambda i: logprob_sum(all_events[i]))
         response: dict[str, Any] = {"generated_text": generated_text(body, streams[best])}
         p = body.parameters
@@ -284,7 +294,8 @@ def build_router(state: ServerState) -> APIRouter:
         _check(not body.parameters.decoder_input_details,
                "`decoder_input_details` == true is not supported when streaming tokens")
         job = await prepare(body, state, stream=True)
-        [stream], slot = state.start_all([(job.prompt_token_ids, job.params[0])], TGI_FIELDS, job.pixel_values)
+        [stream], slot = state.start_all([(job.prompt_token_ids, job.params[0])], TGI_FIELDS, job.pixel_values,
+                                         lora_name=job.lora_name)
         full_text = state.config.full_text_enabled
 
         async def events():

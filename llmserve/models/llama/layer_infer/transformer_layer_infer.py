@@ -34,5 +34,7 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
                            infer_state.mem_manager.kv_buffer[self.layer_num_])
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        act = silu_and_mul_fwd(linear(x, layer_weight.gate_up_weight_))
-        return self._row_parallel_linear(act, layer_weight.down_weight_, None)
+        gate_up = linear(x, layer_weight.gate_up_weight_)
+        if infer_state.lora is not None:
+            infer_state.lora.add(self.layer_num_, "gate_up", x, gate_up)
+        return self._row_parallel_linear(silu_and_mul_fwd(gate_up), layer_weight.down_weight_, None, infer_state, "down")

@@ -26,9 +26,14 @@ MODEL_PLACEHOLDERS = frozenset({"tgi", "dummy"})
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
-def check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a name that is
+    neither the model's nor an adapter's."""
+    if model in state.lora_modules:
+        return model
     if model is not None and model not in state.model_names and model not in MODEL_PLACEHOLDERS:
         raise model_not_found_error(model)
+    return None
 
 
 def openai_fields(prompt_param: str, max_tokens_param: str, logprobs_param: str) -> APIFields:

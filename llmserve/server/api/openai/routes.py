@@ -43,20 +43,26 @@ def build_router(state: ServerState) -> APIRouter:
                 "root": state.model_path, "max_model_len": state.limits.max_model_len,
                 "chat_template": state.chat_template.name if state.chat_template else None}
 
+    def adapter_card(name: str) -> dict[str, Any]:
+        # vLLM's card of a LoRA adapter: its parent is the base model
+        return model_card() | {"id": name, "root": state.lora_modules[name], "parent": state.model_name}
+
     @router.get("/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(adapter_card(name) for name in state.lora_modules)]}
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str):
-        # any name a request's `model` may use (the served name, the path, its base name)
+        # any name a request's `model` may use (the served name, the path, its base name, an adapter's)
+        if model_id in state.lora_modules:
+            return adapter_card(model_id)
         if model_id not in state.model_names:
             raise model_not_found_error(model_id)
         return model_card()
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
-        check_model(state, body.model)
+        lora_name = check_model(state, body.model)
         require(body.suffix is None, "suffix is not supported", "suffix")
         require(body.best_of in (None, 1), "best_of > 1 is not supported", "best_of")
         require(body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
@@ -97,12 +103,12 @@ def build_router(state: ServerState) -> APIRouter:
             object_name="text_completion", chunk_object_name="text_completion", id_prefix="cmpl",
             full_choice=lambda i, s, events: make_choice(i, s, s.request.output_text, events, s.request.finish_reason, True),
             chunk_choice=lambda i, s, e, first: make_choice(i, s, e.text, [e], e.finish_reason, first),
-            num_prompt_tokens=sum(len(p) for p in prompts), count_output=not score_only,
+            num_prompt_tokens=sum(len(p) for p in prompts), count_output=not score_only, lora_name=lora_name,
         )
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
-        check_model(state, body.model)
+        lora_name = check_model(state, body.model)
         require(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         require(body.top_logprobs is None or body.logprobs, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -153,6 +159,7 @@ def build_router(state: ServerState) -> APIRouter:
             state, body, http_request, [(prompt, p) for p in params], fields, object_name="chat.completion",
             chunk_object_name="chat.completion.chunk", id_prefix="chatcmpl",
             full_choice=full_choice, chunk_choice=chunk_choice, num_prompt_tokens=len(prompt), pixel_values=pixel_values,
+            lora_name=lora_name,
         )
 
     return router
@@ -164,16 +171,17 @@ async def run_openai(
     full_choice: Callable[[int, RequestStream, list[TokenEvent]], dict[str, Any]],
     chunk_choice: Callable[[int, RequestStream, TokenEvent, bool], dict[str, Any]],
     num_prompt_tokens: int, count_output: bool = True, pixel_values: list[np.ndarray] | None = None,
+    lora_name: str | None = None,
 ):
     """Start one engine request per choice, then answer in one JSON body or as a stream."""
-    header = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    header = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": lora_name or state.model_name}
     if not body.stream:
-        streams, all_events = await state.complete(jobs, fields, http_request, pixel_values)
+        streams, all_events = await state.complete(jobs, fields, http_request, pixel_values, lora_name)
         return header | {"object": object_name,
                          "choices": [full_choice(i, s, ev) for i, (s, ev) in enumerate(zip(streams, all_events))],
                          "usage": usage(num_prompt_tokens, streams, count_output)}
 
-    streams, slot = state.start_all(jobs, fields, pixel_values)
+    streams, slot = state.start_all(jobs, fields, pixel_values, lora_name=lora_name)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     chunk_header = header | {"object": chunk_object_name}
 

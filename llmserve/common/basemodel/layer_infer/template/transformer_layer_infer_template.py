@@ -59,6 +59,8 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         """q ``[n, Hq, D]`` and kv ``[n, 2 * Hkv, D]`` (K heads then V heads): strided views of
         one fused projection, laid out like a KV-cache slot so one scatter stores both."""
         qkv = linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
+        if infer_state.lora is not None:
+            infer_state.lora.add(self.layer_num_, "qkv", x, qkv)
         q_size = self.tp_q_head_num_ * self.head_dim_
         q = qkv[:, :q_size].view(-1, self.tp_q_head_num_, self.head_dim_)
         kv = qkv[:, q_size:].view(-1, 2 * self.tp_kv_head_num_, self.head_dim_)
@@ -71,7 +73,8 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_])
 
     def _get_o(self, o: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
-        return self._row_parallel_linear(o.view(-1, self.tp_q_head_num_ * self.head_dim_), layer_weight.o_weight_, layer_weight.o_bias_)
+        return self._row_parallel_linear(o.view(-1, self.tp_q_head_num_ * self.head_dim_), layer_weight.o_weight_,
+                                         layer_weight.o_bias_, infer_state, "o")
 
     # -- the layer --------------------------------------------------------------------
     def context_forward(self, h: torch.Tensor, pending: torch.Tensor | None, infer_state: InferStateInfo,
@@ -123,9 +126,14 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         )
         return o
 
-    @staticmethod
-    def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _row_parallel_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             infer_state: InferStateInfo | None = None, lora_group: str = "") -> torch.Tensor:
         """Each rank multiplies its slice of the inputs; the sum over ranks is the full output.
-        The bias is added once, after the reduction."""
-        y = all_reduce(linear(x, weight))
+        The bias is added once, after the reduction. With adapters in the batch (``infer_state.lora``),
+        their products for ``lora_group`` are partial sums too (A is cut as the weight), added before
+        the reduction."""
+        y = linear(x, weight)
+        if infer_state is not None and infer_state.lora is not None:
+            infer_state.lora.add(self.layer_num_, lora_group, x, y)
+        y = all_reduce(y)
         return y if bias is None else y.add_(bias)

@@ -1,0 +1,151 @@
+"""Reading a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+into per-layer A / B matrices, checked against the base model it is to run on.
+
+The config is read by PEFT itself (``LoraConfig.from_pretrained``); the weights are PEFT's names,
+``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`` ([r, in]) and ``...lora_B.weight``
+([out, r]). What a layer adds is PEFT's ``lora_B(lora_A(x)) * scaling``, with scaling
+``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.common.errors import ModelLoadError
+
+# The projections an adapter may wrap, by PEFT's module name -> ours (the layer's fused groups
+# are made of them: q, k, v -> qkv; gate, up -> gate_up; o and down alone).
+TARGET_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+                  "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class AdapterLoadError(ModelLoadError):
+    """An adapter directory that cannot be served; the message says why, in one line."""
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter's weights on the host, full size (each rank cuts its share when it loads
+    them into its pool): ``weights[(layer, module)] = (A [r, in], B [out, r])``."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def modules(self) -> set[str]:
+        return {module for _, module in self.weights}
+
+
+def read_adapter(name: str, path: str, network_config, max_rank: int) -> LoraAdapter:
+    """The adapter at local directory ``path``, checked against the base model's config:
+    ``AdapterLoadError`` if it wraps modules we cannot, has a rank above ``max_rank``, or shapes
+    that do not fit the model."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        raise AdapterLoadError(f"LoRA adapter {name!r}: {path!r} is not a directory")
+    try:
+        config = LoraConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001  (PEFT raises ValueError, OSError, TypeError for bad files)
+        raise AdapterLoadError(f"LoRA adapter {name!r}: cannot read {path}/adapter_config.json ({e})") from e
+    _check_config(name, config, max_rank)
+    weights_file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights_file):
+        raise AdapterLoadError(f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors")
+    tensors = load_file(weights_file)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in TARGET_MODULES:
+            raise AdapterLoadError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (only q/k/v/o/gate/up/down "
+                                   f"projections' lora_A / lora_B are served)")
+        halves.setdefault((int(m.group(1)), TARGET_MODULES[m.group(3)]), {})[m.group(4)] = t
+    scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+    weights = {}
+    for (layer, module), ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterLoadError(f"LoRA adapter {name!r}: layer {layer} {module}_proj has lora_A or lora_B only")
+        a, b = ab["A"], ab["B"]
+        _check_shapes(name, layer, module, a, b, config.r, network_config)
+        weights[(layer, module)] = (a, b)
+    if not weights:
+        raise AdapterLoadError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
+    return LoraAdapter(name, path, config.r, scaling, weights)
+
+
+def _check_config(name: str, config, max_rank: int) -> None:
+    def refuse(why: str) -> AdapterLoadError:
+        return AdapterLoadError(f"LoRA adapter {name!r}: {why}")
+
+    if config.modules_to_save:
+        raise refuse(f"modules_to_save ({', '.join(sorted(config.modules_to_save))}) is not supported: only "
+                     "low-rank deltas of the projections are served, not replaced modules")
+    if not 1 <= config.r <= max_rank:
+        raise refuse(f"rank {config.r} is above --max-lora-rank {max_rank}")
+    targets = config.target_modules
+    names = {targets} if isinstance(targets, str) else set(targets or ())
+    unknown = names - set(TARGET_MODULES)
+    if unknown:
+        raise refuse(f"target_modules {sorted(unknown)} are not supported (any of {', '.join(TARGET_MODULES)})")
+    unsupported = [what for what, on in (
+        ("use_dora", config.use_dora), (f"bias={config.bias!r}", config.bias != "none"),
+        ("lora_bias", getattr(config, "lora_bias", False)), ("rank_pattern", config.rank_pattern),
+        ("alpha_pattern", config.alpha_pattern), ("layer_replication", config.layer_replication),
+        ("trainable_token_indices", config.trainable_token_indices),
+        ("alora_invocation_tokens", getattr(config, "alora_invocation_tokens", None)),
+    ) if on]
+    if unsupported:
+        raise refuse(f"{', '.join(unsupported)} is not supported")
+
+
+def _check_shapes(name: str, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, r: int, cfg) -> None:
+    if layer >= cfg.num_hidden_layers:
+        raise AdapterLoadError(f"LoRA adapter {name!r}: layer {layer} is past the model's {cfg.num_hidden_layers}")
+    in_dim, out_dim = projection_shape(cfg, module)
+    if a.shape != (r, in_dim) or b.shape != (out_dim, r):
+        raise AdapterLoadError(
+            f"LoRA adapter {name!r}: layer {layer} {module}_proj has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+            f"the model needs ({r}, {in_dim}) and ({out_dim}, {r}): an adapter of another base model?")
+
+
+def projection_shape(cfg, module: str) -> tuple[int, int]:
+    """(in, out) features of projection ``module`` of the whole model (before any TP cut)."""
+    from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads
+
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
+    return {"q": (hidden, q), "k": (hidden, kv), "v": (hidden, kv), "o": (q, hidden),
+            "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}[module]
+
+
+class AdapterCache:
+    """A worker's adapters read on the host: each known one is read (and so checked) once at
+    start-up, and the ``capacity`` most recently loaded stay read; the others are read again from
+    their directory when the engine loads them into a slot."""
+
+    def __init__(self, adapters: dict[str, str], network_config, max_rank: int, capacity: int):
+        self.network_config, self.max_rank, self.capacity = network_config, max_rank, max(1, capacity)
+        self._read: OrderedDict[str, LoraAdapter] = OrderedDict()
+        for name, path in adapters.items():
+            self.get(name, path)
+
+    def get(self, name: str, path: str) -> LoraAdapter:
+        adapter = self._read.get(name)
+        if adapter is None or adapter.path != path:
+            adapter = read_adapter(name, path, self.network_config, self.max_rank)
+            self._read[name] = adapter
+        self._read.move_to_end(name)
+        while len(self._read) > self.capacity:
+            self._read.popitem(last=False)
+        return adapter

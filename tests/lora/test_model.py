@@ -1,0 +1,116 @@
+"""LoRA adapters in our models against PEFT on the same weights: tiny random Llama, Qwen2 and
+Mistral, each with three random adapters of different ranks and targets (fp32 on the CPU:
+identical greedy tokens), a batch mixing the base model and all three, and prompts in chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_utils import ALL_TARGETS, AdapterSpec, adapter_active, make_peft_adapter, peft_greedy, peft_model_of
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from llmserve.lora.adapter import read_adapter
+from parity_utils import BatchDriver, build_tiny_hf_model, compare_steps, load_ours, random_prompts
+
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=300, max_position_embeddings=256)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SHAPE),
+    "qwen2": lambda: Qwen2Config(**SHAPE),
+    "mistral": lambda: MistralConfig(**SHAPE, sliding_window=None),
+}
+ADAPTERS = {
+    "attn-r4": AdapterSpec(r=4, targets=("q_proj", "v_proj"), alpha=8, seed=1),
+    "all-r8-rslora": AdapterSpec(r=8, targets=ALL_TARGETS, alpha=4, rslora=True, seed=2),
+    "mlp-r2": AdapterSpec(r=2, targets=("o_proj", "gate_proj", "down_proj", "k_proj"), alpha=32, seed=3),
+}
+MAX_RANK = 8
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny_hf_model(CONFIGS[request.param](), path)
+    dirs = {name: make_peft_adapter(hf, path / name, spec) for name, spec in ADAPTERS.items()}
+    ours = load_ours(path, max_loras=len(dirs), max_lora_rank=MAX_RANK)
+    for slot, (name, adapter_dir) in enumerate(dirs.items()):
+        ours.lora_pool.load(slot, read_adapter(name, adapter_dir, ours.network_config_, MAX_RANK))
+    return peft_model_of(hf, dirs), ours
+
+
+# Request i's adapter: the base model, then each adapter (slot = its index in ADAPTERS).
+MIXED = [None, *ADAPTERS]
+
+
+def _slot(adapter: str | None) -> int:
+    return -1 if adapter is None else list(ADAPTERS).index(adapter)
+
+
+@pytest.mark.parametrize("adapter", list(ADAPTERS))
+def test_each_adapter_matches_peft(family, adapter):
+    peft_model, ours = family
+    prompts = random_prompts([5, 11], ours.vocab_size, seed=7)
+    refs = [peft_greedy(peft_model, adapter, p, 9) for p in prompts]
+    driver = BatchDriver(ours, lora_slots=[_slot(adapter)] * len(prompts))
+    try:
+        compare_steps(driver, refs, prompts, 8)
+    finally:
+        driver.free()
+
+
+def test_mixed_batch_gives_each_request_its_own_tokens(family):
+    """Base and three adapters in one batch: each request's logits and greedy tokens are PEFT's
+    with its own adapter (what it gets alone), through prefill and decode."""
+    peft_model, ours = family
+    prompts = random_prompts([6, 3, 9, 4], ours.vocab_size, seed=11)
+    refs = [peft_greedy(peft_model, adapter, p, 9) for adapter, p in zip(MIXED, prompts)]
+    driver = BatchDriver(ours, lora_slots=[_slot(a) for a in MIXED])
+    try:
+        compare_steps(driver, refs, prompts, 8)
+    finally:
+        driver.free()
+    # The adapters change the tokens (else this test could not tell them apart).
+    assert len({tuple(peft_greedy(peft_model, a, prompts[0], 6)[0]) for a in MIXED}) == len(MIXED)
+
+
+def test_chunked_prompts_with_adapters(family):
+    """Prompts fed in chunks beside each other (cached tokens plus several new ones per request)."""
+    peft_model, ours = family
+    prompts = random_prompts([12, 10], ours.vocab_size, seed=5)
+    adapters = ["all-r8-rslora", "mlp-r2"]
+    with torch.no_grad():
+        want = []
+        for adapter, p in zip(adapters, prompts):
+            with adapter_active(peft_model, adapter):
+                want.append(peft_model(torch.tensor([p])).logits[0].float())
+    driver = BatchDriver(ours, lora_slots=[_slot(a) for a in adapters])
+    try:
+        first = driver.prefill([p[:5] for p in prompts], return_all_logits=True)
+        rest = driver.extend([p[5:] for p in prompts], return_all_logits=True)
+    finally:
+        driver.free()
+    got = [torch.cat([first[:5], rest[:7]]), torch.cat([first[5:], rest[7:]])]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_kernels_give_the_twins_logits(family):
+    """The model's mixed batch with every kernel in Triton (the interpreter on the CPU): the LoRA
+    kernels read the pool's stacked A and B as the twins do."""
+    from llmserve.kernels import set_backend
+
+    _, ours = family
+    if ours.model_type != "llama":
+        pytest.skip("the interpreter is slow: one family shows the kernels' reading of the pool")
+    prompts = random_prompts([5, 3, 6, 2], ours.vocab_size, seed=13)
+    logits = {}
+    for backend in ("torch", "triton"):
+        set_backend(backend)
+        driver = BatchDriver(ours, lora_slots=[_slot(a) for a in MIXED])
+        try:
+            first = driver.prefill(prompts)
+            logits[backend] = torch.cat([first, driver.decode(first.argmax(-1).tolist())])
+        finally:
+            driver.free()
+            set_backend(None)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
