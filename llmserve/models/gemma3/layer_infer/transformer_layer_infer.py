@@ -9,8 +9,13 @@ from llmserve.models.gemma3.infer_struct import Gemma3InferStateInfo
 
 class Gemma3TransformerLayerInfer(Gemma2TransformerLayerInfer):
     """Gemma 2's layer with each head of q and k RMS-normalised before rotary (as Qwen3's, with
-    Gemma's norm), the sliding layers rotating with their own tables. The soft-capping and the
-    window pattern come from the config (Gemma 3 sets no attention soft-cap)."""
+    Gemma's norm), the sliding layers rotating with their own tables. The window pattern comes
+    from the config; attention scores are never soft-capped: HF's Gemma3Attention keeps the
+    config's ``attn_logit_softcapping`` but does not apply it (the final-logit cap it applies)."""
+
+    def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
+        super().__init__(layer_num, tp_rank, world_size, network_config)
+        self.logit_softcap_ = 0.0
 
     def _get_qkv(self, x: torch.Tensor, infer_state: Gemma3InferStateInfo,
                  layer_weight) -> tuple[torch.Tensor, torch.Tensor]:
