@@ -111,6 +111,13 @@ def hf_greedy_with_logits(hf_model, prompt: list[int], steps: int) -> tuple[list
     return tokens, logits
 
 
+def hf_prompt_logprobs(hf_model, ids: list[int]) -> list[float]:
+    """HF's logprob of each prompt token after the first (what ``echo`` with ``logprobs`` reports)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
