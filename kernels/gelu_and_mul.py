@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import as_rows, launcher, next_pow2, use_triton
+from .backend import use_triton
+from .silu_and_mul import launch_act_and_mul
 
 SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -33,15 +34,7 @@ def _gelu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
 
 def gelu_and_mul_fwd_triton(x: torch.Tensor) -> torch.Tensor:
     """Triton version of `gelu_and_mul_fwd`."""
-    I = x.shape[-1] // 2
-    x2 = as_rows(x)
-    y = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
-    if x2.shape[0] > 0:
-        BLOCK = min(next_pow2(I), 1024)
-        launcher(_gelu_and_mul_kernel, x2)[(x2.shape[0], triton.cdiv(I, BLOCK))](
-            x2, y, x2.stride(0), y.stride(0), I, BLOCK=BLOCK, num_warps=4,
-        )
-    return y.view(*x.shape[:-1], I)
+    return launch_act_and_mul(_gelu_and_mul_kernel, x)
 
 
 def gelu_and_mul_fwd_torch(x: torch.Tensor) -> torch.Tensor:

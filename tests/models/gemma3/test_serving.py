@@ -9,7 +9,7 @@ import pytest
 from transformers import Gemma3TextConfig
 
 from parity_utils import build_tiny_hf_model, hf_greedy_with_logits, hf_prompt_logprobs
-from serving_utils import ServerProcess
+from serving_utils import ServerProcess, greedy_completion
 
 PROMPT = ("The quick brown fox jumps over the lazy dog, and then the dog, who is not lazy at all, "
           "chases the fox around the farm")
@@ -36,9 +36,7 @@ def gemma3(tmp_path_factory, smollm2_tokenizer):
 
 
 def complete(server: ServerProcess, **body) -> dict:
-    r = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": "gemma3", "temperature": 0, **body})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return greedy_completion(server, "gemma3", **body)
 
 
 def test_info_names_the_family(gemma3):
