@@ -25,6 +25,7 @@ MODEL_CLASSES: dict[str, str] = {
     "gemma": "llmserve.models.gemma.model:GemmaTpPartModel",
     "gemma2": "llmserve.models.gemma2.model:Gemma2TpPartModel",
     "gemma3_text": "llmserve.models.gemma3.model:Gemma3TpPartModel",
+    "gemma3": "llmserve.models.gemma3.conditional:Gemma3ConditionalTpPartModel",   # its text decoder
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
     "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }
