@@ -10,14 +10,13 @@ from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 class Gemma2TransformerLayerInfer(GemmaTransformerLayerInfer):
     """Gemma's layer with the attention's and the MLP's outputs each normalised before they join
     the residual stream, scores scaled by ``query_pre_attn_scalar ** -0.5`` and soft-capped
-    (``attn_logit_softcapping``), and a sliding window on the layers ``layer_types`` marks
-    ``sliding_attention`` (Gemma 2: every other one; Gemma 3: five of six)."""
+    (``attn_logit_softcapping``). The template gives a sliding window to the layers ``layer_types``
+    marks ``sliding_attention`` (Gemma 2: every other one; Gemma 3: five of six)."""
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
         cfg = network_config
         self.is_sliding_ = cfg.layer_types[layer_num] == "sliding_attention"
-        self.sliding_window_ = cfg.sliding_window if self.is_sliding_ and cfg.sliding_window else 0
         self.sm_scale_ = cfg.query_pre_attn_scalar ** -0.5
         self.logit_softcap_ = getattr(cfg, "attn_logit_softcapping", None) or 0.0
 

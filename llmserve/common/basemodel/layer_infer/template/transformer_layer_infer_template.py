@@ -5,6 +5,7 @@ from typing import Callable
 import torch
 
 from llmserve.common.basemodel.basemodel import head_dim, num_kv_heads
+from llmserve.common.basemodel.model_shape import sliding_window
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
 from llmserve.common.distributed import all_reduce
@@ -28,12 +29,12 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         self.tp_q_head_num_ = network_config.num_attention_heads // world_size
         self.tp_kv_head_num_ = num_kv_heads(network_config) // world_size
         self.head_dim_ = head_dim(network_config)
-        # Attention variants a family sets per layer (Gemma 2 / 3): the score scale (None:
-        # head_dim ** -0.5), a sliding window (0: none; the query at p sees keys p - W < k <= p)
-        # and score soft-capping (0: none). Both kernels take them as specialisation flags, so the
-        # plain path is compiled as before.
+        # Attention variants, per layer: the score scale (None: head_dim ** -0.5; a family sets
+        # it), the sliding window the config gives this layer (0: none; see sliding_window) and
+        # score soft-capping (0: none; a family sets it). Both kernels take them as
+        # specialisation flags, so the plain path is compiled as before.
         self.sm_scale_: float | None = None
-        self.sliding_window_: int = 0
+        self.sliding_window_: int = sliding_window(network_config, layer_num)
         self.logit_softcap_: float = 0.0
 
     # -- hooks ------------------------------------------------------------------------
