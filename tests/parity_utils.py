@@ -169,6 +169,14 @@ def assert_chunked_prefill_matches_hf(ours: TpPartBaseModel, hf_model, prompt: l
     assert rel_err(got.cpu(), ref) < LOGITS_TOL
 
 
+def assert_matches_hf_past_the_window(ours: TpPartBaseModel, hf_model, vocab: int, steps: int = 16) -> None:
+    """For models with a sliding window of about 8 tokens: prompts shorter and longer than it,
+    prefilled as one batch and decoded ``steps`` tokens past it (`assert_matches_hf_greedy`),
+    and a 30-token prompt fed in four chunks across it (`assert_chunked_prefill_matches_hf`)."""
+    assert_matches_hf_greedy(ours, hf_model, random_prompts([5, 12, 1, 20], vocab), steps=steps)
+    assert_chunked_prefill_matches_hf(ours, hf_model, random_prompts([30], vocab, seed=2)[0], cuts=[7, 13, 25])
+
+
 IMAGE_TOKEN = "<image>"
 
 
