@@ -32,9 +32,10 @@ def split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
 def first_key(seq_len, window, HAS_WINDOW: tl.constexpr):
     """The first key the query (at seq_len - 1) sees: 0, or the start of its sliding window. The
     splits cut the keys [first_key, seq_len); stage 2 calls this too."""
+    start = 0
     if HAS_WINDOW:
-        return tl.maximum(seq_len - window, 0)
-    return 0
+        start = tl.maximum(seq_len - window, 0)
+    return start
 
 
 # num_splits unspecialised: Triton would otherwise compile other variants for 1 and for

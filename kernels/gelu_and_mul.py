@@ -16,9 +16,6 @@ import triton.language as tl
 from .backend import use_triton
 from .silu_and_mul import launch_act_and_mul
 
-SQRT_2_OVER_PI = 0.7978845608028654
-
-
 @triton.jit
 def _gelu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -26,7 +23,7 @@ def _gelu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
     mask = cols < I
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    u = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+    u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)     # sqrt(2 / pi) (g + 0.044715 g^3)
     act = gate / (1.0 + tl.exp(-2.0 * u))                              # 0.5 g (1 + tanh(u))
     act = act.to(X.dtype.element_ty).to(tl.float32)                    # HF's act_fn output
     tl.store(Y + row * stride_y + cols, (act * up).to(Y.dtype.element_ty), mask=mask)
