@@ -7,7 +7,9 @@ from llmserve.models.gemma.layer_weights.pre_and_post_layer_weight import GemmaP
 from llmserve.models.gemma.layer_weights.transformer_layer_weight import GemmaTransformerLayerWeight
 from llmserve.models.llama.model import LlamaTpPartModel
 
-GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu")  # HF reads Gemma's legacy "gelu" as tanh GELU
+# (GemmaConfig itself turns Gemma 1's legacy "gelu" into gelu_pytorch_tanh; for Gemma 2 / 3 "gelu"
+# would be the exact GELU, which the GeGLU kernel does not compute.)
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh")
 
 
 class GemmaTpPartModel(LlamaTpPartModel):

@@ -10,7 +10,10 @@ import pytest
 import torch
 from transformers import Gemma2Config
 
-from parity_utils import BatchDriver, LOGITS_TOL, assert_matches_hf_past_the_window, hf_and_ours, random_prompts, rel_err
+from parity_utils import (
+    BatchDriver, LOGITS_TOL, assert_matches_hf_past_the_window, build_tiny_hf_model, hf_and_ours, load_ours, random_prompts,
+    rel_err,
+)
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, vocab_size=512, max_position_embeddings=256, sliding_window=8)
@@ -63,3 +66,11 @@ def test_prefix_cache_hit_past_the_window_matches_hf(models):
     finally:
         driver.free()
     assert ours.mem_manager.can_use_mem_size == ours.mem_manager.size
+
+
+def test_an_exact_gelu_is_refused(tmp_path):
+    """The GeGLU kernel computes the tanh GELU every Gemma 2 / 3 checkpoint names; a config asking
+    for the exact one fails at load rather than serving other numbers."""
+    build_tiny_hf_model(Gemma2Config(**TINY, hidden_activation="gelu"), tmp_path)
+    with pytest.raises(ValueError, match="hidden activation 'gelu'"):
+        load_ours(tmp_path)
