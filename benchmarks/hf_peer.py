@@ -1,5 +1,5 @@
-"""HF transformers as the peer in ``offline.py``'s table: ``LlamaForCausalLM`` (``Qwen3ForCausalLM``
-for a qwen3 config) with the very same
+"""HF transformers as the peer in ``offline.py``'s table: the config's causal-LM class
+(``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``) with the very same
 random weights (the same generator, seed and order as ours), prefilled and then decoded one
 step at a time, each step timed the way ours is (CUDA events around forward + argmax).
 

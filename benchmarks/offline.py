@@ -37,7 +37,7 @@ Columns
 
 Run (GPU):   python benchmarks/offline.py --json benchmarks/results/offline.json
 Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 32 --steps 4
-             (qwen3-tiny: the same for the Qwen3 model class)
+             (qwen3-tiny, gemma2-tiny: the same for the Qwen3 and Gemma 2 model classes)
 """
 
 from __future__ import annotations
@@ -139,17 +139,46 @@ QWEN3_8B_CONFIG: dict = {
 QWEN3_TINY_CONFIG: dict = {**TINY_CONFIG, **{k: QWEN3_8B_CONFIG[k] for k in ("model_type", "rope_theta", "rms_norm_eps")},
                            "head_dim": 64}
 
+# Gemma-2-9B's shapes: 42 layers of 16 query / 8 KV heads of 256, GeGLU, four norms a layer, a
+# 256k vocabulary whose embedding is also the lm_head (read once a step: the floor counts it once),
+# windows of 4096 on alternate layers, attention (50) and final-logit (30) soft-caps.
+GEMMA2_9B_CONFIG: dict = {
+    "model_type": "gemma2",
+    "hidden_size": 3584,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "intermediate_size": 14336,
+    "vocab_size": 256000,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+}
+# Its CPU-sized twin, with a window (64) that --prompt-len 100 outgrows.
+GEMMA2_TINY_CONFIG: dict = {**GEMMA2_9B_CONFIG, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 1024,
+                            "query_pre_attn_scalar": 32, "sliding_window": 64}
+
 CONFIGS = {"8b": LLAMA3_8B_CONFIG, "smollm2": SMOLLM2_135M_CONFIG, "tiny": TINY_CONFIG,
-           "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-tiny": QWEN3_TINY_CONFIG}
+           "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-tiny": QWEN3_TINY_CONFIG,
+           "gemma2-9b": GEMMA2_9B_CONFIG, "gemma2-tiny": GEMMA2_TINY_CONFIG}
 MAX_PREFILL_TOKENS = 16384
 
 
 # -- the model -----------------------------------------------------------------------------
 def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
                          scale: float = 0.02, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """HF-named random Llama weights (with Qwen3's q/k norms for a ``qwen3`` config), one dict per
-    layer (the first holds the embedding, the final norm and the lm_head), drawn on ``device`` so
-    that only what the model keeps is live."""
+    """HF-named random Llama weights (with Qwen3's q/k norms for a ``qwen3`` config; Gemma 2's four
+    norms a layer, zero as Gemma's 1 + w norms start, for a ``gemma2`` one), one dict per layer
+    (the first holds the embedding, the final norm and the lm_head unless tied), drawn on
+    ``device`` so that only what the model keeps is live."""
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
@@ -158,12 +187,14 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(scale)
 
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=dtype, device=device)
+    gemma = cfg["model_type"].startswith("gemma")
+
+    def ones(n: int) -> torch.Tensor:   # a norm that leaves its input's scale
+        return (torch.zeros if gemma else torch.ones)(n, dtype=dtype, device=device)
 
     yield {
         "model.embed_tokens.weight": normal(vocab, hidden),
-        "lm_head.weight": normal(vocab, hidden),
+        **({} if cfg.get("tie_word_embeddings") else {"lm_head.weight": normal(vocab, hidden)}),
         "model.norm.weight": ones(hidden),
     }
     for i in range(cfg["num_hidden_layers"]):
@@ -180,6 +211,8 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
             p + "mlp.down_proj.weight": normal(hidden, inter),
             **({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)}
                if cfg.get("model_type") == "qwen3" else {}),
+            **({p + "pre_feedforward_layernorm.weight": ones(hidden), p + "post_feedforward_layernorm.weight": ones(hidden)}
+               if cfg.get("model_type") == "gemma2" else {}),
         }
 
 
@@ -391,8 +424,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before them")
     p.add_argument("--model-size", choices=sorted(CONFIGS), default="8b",
-                   help="8b: Llama-3-8B shapes; qwen3-8b: Qwen3-8B's; smollm2: SmolLM2-135M's (the embedded "
-                        "model; for CPU comparisons); tiny, qwen3-tiny: 2 small layers, for CPU smoke tests")
+                   help="8b: Llama-3-8B shapes; qwen3-8b: Qwen3-8B's; gemma2-9b: Gemma-2-9B's; smollm2: SmolLM2-135M's "
+                        "(the embedded model; for CPU comparisons); tiny, qwen3-tiny, gemma2-tiny: 2 small layers, "
+                        "for CPU smoke tests")
     p.add_argument("--modes", default="eager,graphs",
                    help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
                         "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")

@@ -6,6 +6,7 @@ from .backend import get_backend, set_backend, use_triton
 from .context_attention import context_attention_fwd
 from .decode_attention import decode_attention_fwd
 from .destindex_copy_kv import destindex_copy_kv
+from .gelu_and_mul import gelu_and_mul_fwd
 from .layernorm import layernorm_forward
 from .quantized_linear import QuantizedWeight, embedding, linear
 from .rmsnorm import rmsnorm_forward
@@ -19,6 +20,7 @@ __all__ = [
     "context_attention_fwd",
     "decode_attention_fwd",
     "destindex_copy_kv",
+    "gelu_and_mul_fwd",
     "get_backend",
     "QuantizedWeight",
     "embedding",

@@ -14,7 +14,8 @@ from .rmsnorm import rmsnorm_forward_torch
 
 
 @triton.jit
-def _add_rmsnorm_kernel(H, Delta, W, Y, stride_h, stride_d, stride_y, N, eps, BLOCK_N: tl.constexpr):
+def _add_rmsnorm_kernel(H, Delta, W, Y, stride_h, stride_d, stride_y, N, eps, BLOCK_N: tl.constexpr,
+                        ROUND_FIRST: tl.constexpr):
     # One program per row; rows wider than BLOCK_N are walked in chunks (twice: add, then scale).
     row = tl.program_id(0).to(tl.int64)
     h_row = H + row * stride_h
@@ -37,12 +38,14 @@ def _add_rmsnorm_kernel(H, Delta, W, Y, stride_h, stride_d, stride_y, N, eps, BL
         mask = cols < N
         s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        # HF rounds the normalised value to the dtype before the weight multiply.
-        x = (s * rstd).to(H.dtype.element_ty).to(tl.float32)
+        x = s * rstd
+        if ROUND_FIRST:  # Llama: HF rounds the normalised value to the dtype before the weight multiply
+            x = x.to(H.dtype.element_ty).to(tl.float32)
         tl.store(y_row + cols, (w * x).to(Y.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                               round_first: bool = True) -> torch.Tensor:
     """Triton version of `add_rmsnorm_forward`."""
     n = h.shape[-1]
     h2, d2 = h.view(-1, n), delta.reshape(-1, n)
@@ -50,21 +53,24 @@ def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: tor
     if h2.shape[0] > 0:
         block_n, num_warps = row_launch_config(n)
         launcher(_add_rmsnorm_kernel, h2)[(h2.shape[0],)](
-            h2, d2, weight, y, h2.stride(0), d2.stride(0), y.stride(0), n, eps, BLOCK_N=block_n, num_warps=num_warps,
+            h2, d2, weight, y, h2.stride(0), d2.stride(0), y.stride(0), n, eps, BLOCK_N=block_n, ROUND_FIRST=round_first,
+            num_warps=num_warps,
         )
     return y.view(h.shape)
 
 
-def add_rmsnorm_forward_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Torch twin of `add_rmsnorm_forward`: HF's residual add, then LlamaRMSNorm."""
+def add_rmsnorm_forward_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                              round_first: bool = True) -> torch.Tensor:
+    """Torch twin of `add_rmsnorm_forward`: HF's residual add, then LlamaRMSNorm (or GemmaRMSNorm)."""
     h.add_(delta)
-    return rmsnorm_forward_torch(h, weight, eps)
+    return rmsnorm_forward_torch(h, weight, eps, round_first)
 
 
-def add_rmsnorm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rmsnorm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                        round_first: bool = True) -> torch.Tensor:
     """``h += delta`` in place (h: ``[n, N]`` with unit-stride rows), then RMSNorm of h with
-    weight ``[N]``; returns the norm as a new tensor in h's dtype."""
+    weight ``[N]``; returns the norm as a new tensor in h's dtype. round_first as `rmsnorm_forward`."""
     assert h.stride(-1) == 1 and delta.shape == h.shape, (h.shape, h.stride(), delta.shape)
     if use_triton(h):
-        return add_rmsnorm_forward_triton(h, delta, weight, eps)
-    return add_rmsnorm_forward_torch(h, delta, weight, eps)
+        return add_rmsnorm_forward_triton(h, delta, weight, eps, round_first)
+    return add_rmsnorm_forward_torch(h, delta, weight, eps, round_first)

@@ -115,6 +115,29 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     return out[0].transpose(0, 1)
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                     sliding_window: int = 0, logit_softcap: float = 0.0) -> torch.Tensor:
+    """`sdpa_attention` with a sliding window (key j visible to query p iff p - W < j <= p) and
+    score soft-capping, written op for op as HF's "eager" attention (Gemma 2 runs that one: SDPA
+    has no soft-capping): scores in q's dtype, capped, masked, softmax in fp32 rounded back to q's
+    dtype, then @ V. The n queries are the last n of the L keys' positions. Returns ``[n, Hq, D]``."""
+    n, L, Hq, Hkv = q.shape[0], k.shape[0], q.shape[1], k.shape[1]
+    qh = q.transpose(0, 1)                                               # [Hq, n, D]
+    kh = k.transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)          # [Hq, L, D]
+    vh = v.transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * sm_scale
+    if logit_softcap:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    key_pos = torch.arange(L, device=q.device)
+    q_pos = key_pos[L - n:, None]
+    visible = key_pos[None, :] <= q_pos
+    if sliding_window:
+        visible &= key_pos[None, :] > q_pos - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vh).transpose(0, 1)
+
+
 def gather_padded_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor, req_rows: torch.Tensor,
     kv_lens: torch.Tensor, L: int,
@@ -152,15 +175,16 @@ def row_launch_config(n: int) -> tuple[int, int]:
     return block, 4 if block <= 1024 else 8
 
 
-def launch_row_norm(kernel: Any, x: torch.Tensor, params: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
-    """Run a row-wise norm ``kernel(X, *params, Y, stride_x, stride_y, N, eps, BLOCK_N=...)``, one
-    program per row of ``x`` (any leading dims); returns the new output, shaped like ``x``."""
+def launch_row_norm(kernel: Any, x: torch.Tensor, params: Sequence[torch.Tensor], eps: float,
+                    **constexprs: Any) -> torch.Tensor:
+    """Run a row-wise norm ``kernel(X, *params, Y, stride_x, stride_y, N, eps, BLOCK_N=..., **constexprs)``,
+    one program per row of ``x`` (any leading dims); returns the new output, shaped like ``x``."""
     x2 = as_rows(x)
     y = torch.empty_like(x2)
     if x2.shape[0] > 0:
         block_n, num_warps = row_launch_config(x2.shape[1])
         launcher(kernel, x2)[(x2.shape[0],)](
             x2, *params, y, x2.stride(0), y.stride(0), x2.shape[1], eps,
-            BLOCK_N=block_n, num_warps=num_warps,
+            BLOCK_N=block_n, num_warps=num_warps, **constexprs,
         )
     return y.view(x.shape)

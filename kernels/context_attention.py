@@ -42,7 +42,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import LOG2E, dot_precision, gather_padded_kv, launcher, next_pow2, sdpa_attention, softmax_scale, use_triton
+from .backend import (
+    LOG2E, dot_precision, gather_padded_kv, launcher, masked_attention, next_pow2, sdpa_attention, softmax_scale, use_triton,
+)
+from .triton_math import softcap as _softcap
 
 
 @triton.jit
@@ -64,13 +67,16 @@ def _attn_inner(
     acc, l_i, m_i, q,
     K_head, V_head, Req_row, stride_r_pos,
     stride_k_t, stride_k_d, stride_v_t, stride_v_d,
-    offs_d, D, pos_m, slope_m, qk_scale,
+    offs_d, D, pos_m, slope_m, qk_scale, window, cap,
     lo, hi, end,
-    MASKED: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     HALF_MMA: tl.constexpr, EVEN_D: tl.constexpr, OFF32: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Online softmax over the keys [lo, hi): MASKED adds the causal mask (and key < end) and
-    masks the gathers; otherwise every key is visible to every row of the block.
+    """Online softmax over the keys [lo, hi): MASKED adds the causal mask (and key < end, and with
+    HAS_WINDOW the sliding window: key > pos - window) and masks the gathers; otherwise every key
+    is visible to every row of the block. HAS_SOFTCAP caps the scaled scores (cap is in the log2
+    domain, like the scores).
 
     The slot-table entries of the next key block are loaded one iteration ahead into registers
     (loop-carried): with the table load inside the iteration, Triton 3.6's pipeliner treats the
@@ -93,20 +99,33 @@ def _attn_inner(
             s = tl.dot(q, tl.trans(k))
         else:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-        if MASKED or HAS_ALIBI:
+        if MASKED or HAS_ALIBI or HAS_SOFTCAP:
             s = s * qk_scale
+            if HAS_SOFTCAP:
+                s = _softcap(s, cap)
             if HAS_ALIBI:
                 s += slope_m[:, None] * (offs_n[None, :] - pos_m[:, None]).to(tl.float32)
             if MASKED:
-                s = tl.where(offs_n[None, :] <= pos_m[:, None], s, float("-inf"))
+                visible = offs_n[None, :] <= pos_m[:, None]
+                if HAS_WINDOW:
+                    visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
+                s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
+            if HAS_WINDOW:
+                # A row may have seen no key yet (its window starts past this block): subtract 0
+                # instead of its -inf max, so its probabilities are 0, not NaN (-inf - -inf).
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - m_sub[:, None])
+                alpha = tl.math.exp2(m_i - m_sub)
+            else:
+                p = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
         else:
             # qk_scale >= 0 (the wrapper moves a negative scale's sign into q), so
             # max(s) * qk_scale is the max of the scaled scores; then one FMA an element.
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+            alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_kv_tile(V_head, slots, stride_v_t, stride_v_d, offs_n, end, offs_d, D, MASKED, EVEN_D)
@@ -122,13 +141,15 @@ def _attn_inner(
 def _context_attention_kernel(
     Q, K, V, O, ReqToToken, BReqIdx, BQStart, BQLen, BCachedLen, Slopes,
     qk_scale,  # |sm_scale| * log2(e): the softmax runs on exp2
+    window,    # HAS_WINDOW: query at p sees keys (p - window, p]
+    cap,       # HAS_SOFTCAP: logit_softcap * log2(e)
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_t, stride_k_h, stride_k_d,
     stride_v_t, stride_v_h, stride_v_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_r_req, stride_r_pos,
     GROUP, D,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, HALF_MMA: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HALF_MMA: tl.constexpr,
     PACK_GQA: tl.constexpr, NEGATE_Q: tl.constexpr, EVEN_D: tl.constexpr, OFF32: tl.constexpr,
     REQ_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -198,21 +219,37 @@ def _context_attention_kernel(
     # (padding rows past q_len sit further right still), so they need no mask; full <= end.
     end = cached + m_hi
     full = ((cached + m_lo + 1) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        # Keys before the first row's window are seen by no row: start at its block. Keys from
+        # the last row's window start on are inside every row's window: unmasked from there to
+        # full; the blocks between are masked.
+        lo = (tl.maximum(cached + m_lo - window + 1, 0) // BLOCK_N) * BLOCK_N
+        mid = tl.cdiv(tl.maximum(end - window, 0), BLOCK_N) * BLOCK_N
+        mid = tl.minimum(tl.maximum(mid, lo), full)
+        acc, l_i, m_i = _attn_inner(
+            acc, l_i, m_i, q, K_head, V_head, Req_row, stride_r_pos,
+            stride_k_t, stride_k_d, stride_v_t, stride_v_d, offs_d, D, pos_m, slope_m, qk_scale, window, cap,
+            lo, mid, end,
+            MASKED=True, HAS_ALIBI=HAS_ALIBI, HAS_WINDOW=True, HAS_SOFTCAP=HAS_SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION, HALF_MMA=HALF_MMA, EVEN_D=EVEN_D, OFF32=OFF32, BLOCK_N=BLOCK_N,
+        )
+    else:
+        mid = 0
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, K_head, V_head, Req_row, stride_r_pos,
-        stride_k_t, stride_k_d, stride_v_t, stride_v_d, offs_d, D, pos_m, slope_m, qk_scale,
-        0, full, end,
-        MASKED=False, HAS_ALIBI=HAS_ALIBI, DOT_PRECISION=DOT_PRECISION, HALF_MMA=HALF_MMA,
-        EVEN_D=EVEN_D, OFF32=OFF32, BLOCK_N=BLOCK_N,
+        stride_k_t, stride_k_d, stride_v_t, stride_v_d, offs_d, D, pos_m, slope_m, qk_scale, window, cap,
+        mid, full, end,
+        MASKED=False, HAS_ALIBI=HAS_ALIBI, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+        DOT_PRECISION=DOT_PRECISION, HALF_MMA=HALF_MMA, EVEN_D=EVEN_D, OFF32=OFF32, BLOCK_N=BLOCK_N,
     )
     # The diagonal: when full == 0 its first block holds key 0, which every row sees, so m_i is
-    # finite after it and no row makes NaNs.
+    # finite after it and no row makes NaNs (with a window that need not hold: see _attn_inner).
     acc, l_i, m_i = _attn_inner(
         acc, l_i, m_i, q, K_head, V_head, Req_row, stride_r_pos,
-        stride_k_t, stride_k_d, stride_v_t, stride_v_d, offs_d, D, pos_m, slope_m, qk_scale,
+        stride_k_t, stride_k_d, stride_v_t, stride_v_d, offs_d, D, pos_m, slope_m, qk_scale, window, cap,
         full, end, end,
-        MASKED=True, HAS_ALIBI=HAS_ALIBI, DOT_PRECISION=DOT_PRECISION, HALF_MMA=HALF_MMA,
-        EVEN_D=EVEN_D, OFF32=OFF32, BLOCK_N=BLOCK_N,
+        MASKED=True, HAS_ALIBI=HAS_ALIBI, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+        DOT_PRECISION=DOT_PRECISION, HALF_MMA=HALF_MMA, EVEN_D=EVEN_D, OFF32=OFF32, BLOCK_N=BLOCK_N,
     )
 
     out = acc / l_i[:, None]
@@ -286,6 +323,7 @@ def context_attention_fwd_triton(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    sliding_window: int = 0, logit_softcap: float = 0.0,
     *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
     pack_gqa: bool | None = None, offsets32: bool | None = None, req_major: bool | None = None,
@@ -301,14 +339,14 @@ def context_attention_fwd_triton(
     _half_mma: force the half-precision MMA path (tests under the interpreter; default: compiled
     fp16/bf16 on CUDA, as the current kernel)."""
     _launch(q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, max_q_len,
-               alibi_slopes, sm_scale, block_m=block_m, block_n=block_n, num_warps=num_warps,
+               alibi_slopes, sm_scale, sliding_window, logit_softcap, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, pack_gqa=pack_gqa, offsets32=offsets32, req_major=req_major,
                _half_mma=_half_mma)
 
 
 def _launch(
     q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, max_q_len,
-    alibi_slopes=None, sm_scale=None, *, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    alibi_slopes=None, sm_scale=None, sliding_window=0, logit_softcap=0.0, *, block_m=None, block_n=None, num_warps=None, num_stages=None,
     pack_gqa=None, offsets32=None, req_major=None, _half_mma=None,
 ):
     """The launch; returns Triton's compiled kernel (n_regs, n_spills, asm: for diagnostics)."""
@@ -337,15 +375,15 @@ def _launch(
     grid = (n_h, n_m, bs) if req_major else (n_h, bs, n_m)
     return launcher(_context_attention_kernel, q)[grid](
         q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, slopes,
-        abs(qk_scale),
+        abs(qk_scale), sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         req_to_token.stride(0), req_to_token.stride(1),
         group, D,
-        HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype), HALF_MMA=half_mma,
-        PACK_GQA=pack, NEGATE_Q=qk_scale < 0, EVEN_D=BLOCK_D == D, OFF32=off32, REQ_MAJOR=req_major,
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=logit_softcap > 0,
+        DOT_PRECISION=dot_precision(q.dtype), HALF_MMA=half_mma, PACK_GQA=pack, NEGATE_Q=qk_scale < 0, EVEN_D=BLOCK_D == D, OFF32=off32, REQ_MAJOR=req_major,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -356,12 +394,19 @@ def context_attention_fwd_torch(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> None:
     """Torch twin of `context_attention_fwd`: a batch of several fp32 requests in one SDPA call
     (`_batched_sdpa_context`); one request, or half precision, per request: gather K/V and attend
     through SDPA as HF does (`sdpa_attention`); with ALiBi biases, per request with an fp32 softmax."""
     sm_scale = softmax_scale(sm_scale, q.shape[-1])
     q_lens, cached_lens = b_q_len.tolist(), b_cached_len.tolist()
+    if sliding_window or logit_softcap:
+        if alibi_slopes is not None:
+            raise NotImplementedError("ALiBi with a sliding window or soft-capping")
+        _masked_context(q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, q_lens, cached_lens, sm_scale,
+                        sliding_window, logit_softcap)
+        return
     # One SDPA call for the batch rather than gathers and a call per request (SmolLM2-135M, a
     # prefill of 8 x 64 tokens on a 2-core CPU: its 30 layers' 240 calls took 34 ms, 6% of the
     # forward; batched, 23 ms). Half precision and single requests stay per request, bitwise HF's
@@ -382,6 +427,23 @@ def context_attention_fwd_torch(
             out = sdpa_attention(qi, k, v, sm_scale)
         else:
             out = _alibi_attention(qi, k, v, alibi_slopes, cached, sm_scale)
+        o[q_start:q_start + q_len] = out.to(o.dtype)
+
+
+def _masked_context(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor, req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor, b_q_start: torch.Tensor, q_lens: list[int], cached_lens: list[int], sm_scale: float,
+    sliding_window: int, logit_softcap: float,
+) -> None:
+    """`context_attention_fwd_torch` with a sliding window or soft-capping, per request as HF's
+    eager attention (`masked_attention`). Keys before the first query's window are not gathered."""
+    for req, q_start, q_len, cached in zip(b_req_idx.tolist(), b_q_start.tolist(), q_lens, cached_lens):
+        if q_len == 0:
+            continue
+        first = max(0, cached - sliding_window + 1) if sliding_window else 0
+        slots = req_to_token[req, first:cached + q_len].long()
+        out = masked_attention(q[q_start:q_start + q_len], k_cache.index_select(0, slots),
+                               v_cache.index_select(0, slots), sm_scale, sliding_window, logit_softcap)
         o[q_start:q_start + q_len] = out.to(o.dtype)
 
 
@@ -477,15 +539,18 @@ def context_attention_fwd(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> None:
     """Causal attention of new tokens over their requests' paged KV cache, written into o.
 
     q, o: [total_q, Hq, D]; k_cache, v_cache: [slots, Hkv, D] with the new tokens' K/V
     already in place; req_to_token: [max_reqs, max_len]; b_*: [bs]; max_q_len >= max(b_q_len).
     alibi_slopes: [Hq] fp32 or None (adds slope[h] * (kpos - p)); sm_scale defaults to 1/sqrt(D).
+    sliding_window: 0 (none) or W: the query at p sees keys p - W < kpos <= p (HF's sliding window).
+    logit_softcap: 0 (none) or c: scores become c * tanh(score * sm_scale / c) before the mask.
     """
     args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len,
-            max_q_len, alibi_slopes, sm_scale)
+            max_q_len, alibi_slopes, sm_scale, sliding_window, logit_softcap)
     if use_triton(q):
         context_attention_fwd_triton(*args)
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import LOG2E, gather_padded_kv, next_pow2, sdpa_attention, softmax_scale, use_triton
+from .backend import LOG2E, gather_padded_kv, masked_attention, next_pow2, sdpa_attention, softmax_scale, use_triton
 from .decode_attention_stage1 import decode_attention_stage1_triton
 from .decode_attention_stage2 import decode_attention_stage2_triton
 
@@ -39,6 +39,7 @@ def decode_attention_fwd_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    sliding_window: int = 0, logit_softcap: float = 0.0,
     *, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
 ) -> None:
     """Triton version of `decode_attention_fwd`: at most `num_splits` splits a request (default:
@@ -49,26 +50,28 @@ def decode_attention_fwd_triton(
         return
     num_splits = num_splits or decode_num_splits(bs, k_cache.shape[1])
     qk_scale = softmax_scale(sm_scale, D) * LOG2E
+    masks = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     if num_splits == 1:
         # One split a request (batches of 64 and more): stage 1 writes o itself, one launch a layer
         # fewer and no fp32 scratch, with the same bits (see decode_attention_stage1_triton).
         decode_attention_stage1_triton(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
-                                       o[:, :, None], None, qk_scale, alibi_slopes, block_n=block_n)
+                                       o[:, :, None], None, qk_scale, alibi_slopes, block_n=block_n, **masks)
         return
     # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
     mid_o = torch.empty((bs, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, Hq, num_splits), dtype=torch.float32, device=q.device)
     decode_attention_stage1_triton(
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse, qk_scale, alibi_slopes,
-        block_n=block_n,
+        block_n=block_n, **masks,
     )
-    decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_n=block_n)
+    decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_n=block_n, sliding_window=sliding_window)
 
 
 def decode_attention_fwd_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> None:
     """Torch twin of `decode_attention_fwd`: a batch of several fp32 requests in one SDPA call
     (`_batched_sdpa_decode`); one request, or half precision, per request through SDPA as HF
@@ -76,6 +79,16 @@ def decode_attention_fwd_torch(
     if q.shape[0] == 0:
         return
     sm_scale = softmax_scale(sm_scale, q.shape[-1])
+    if sliding_window or logit_softcap:
+        if alibi_slopes is not None:
+            raise NotImplementedError("ALiBi with a sliding window or soft-capping")
+        # Per request as HF's eager attention; only the keys inside the window are gathered.
+        for i, (req, seq_len) in enumerate(zip(b_req_idx.tolist(), b_seq_len.tolist())):
+            first = max(0, seq_len - sliding_window) if sliding_window else 0
+            slots = req_to_token[req, first:seq_len].long()
+            o[i:i + 1] = masked_attention(q[i:i + 1], k_cache.index_select(0, slots), v_cache.index_select(0, slots),
+                                          sm_scale, sliding_window, logit_softcap)
+        return
     if alibi_slopes is not None:
         o.copy_(_alibi_decode(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_seq_len,
                               alibi_slopes, sm_scale).to(o.dtype))
@@ -147,14 +160,17 @@ def decode_attention_fwd(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+    sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> None:
     """One decode step of attention, written into o.
 
     q, o: [bs, Hq, D]; k_cache, v_cache: [slots, Hkv, D] (current token's K/V already in);
     req_to_token: [max_reqs, max_len]; b_req_idx, b_seq_len: [bs]; max_seq_len >= max(b_seq_len).
     alibi_slopes: [Hq] fp32 or None (adds slope[h] * (kpos - p)); sm_scale defaults to 1/sqrt(D).
+    sliding_window, logit_softcap: as `context_attention_fwd` (0: none).
     """
-    args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_seq_len, max_seq_len, alibi_slopes, sm_scale)
+    args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_seq_len, max_seq_len, alibi_slopes, sm_scale,
+            sliding_window, logit_softcap)
     if use_triton(q):
         decode_attention_fwd_triton(*args)
     else:

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import dot_precision, launcher, next_pow2
+from .backend import LOG2E, dot_precision, launcher, next_pow2
+from .triton_math import softcap as _softcap
 
 
 @triton.jit
@@ -27,12 +28,24 @@ def split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def first_key(seq_len, window, HAS_WINDOW: tl.constexpr):
+    """The first key the query (at seq_len - 1) sees: 0, or the start of its sliding window. The
+    splits cut the keys [first_key, seq_len); stage 2 calls this too."""
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    return start
+
+
 # num_splits unspecialised: Triton would otherwise compile other variants for 1 and for
 # multiples of 16, in the middle of serving when a batch first takes that value.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_attention_stage1_kernel(
     Q, K, V, ReqToToken, BReqIdx, BSeqLen, Slopes, MidO, MidLse,
     qk_scale,  # sm_scale * log2(e): the softmax runs on exp2
+    window,    # HAS_WINDOW: the query sees its last `window` keys
+    cap,       # HAS_SOFTCAP: logit_softcap * log2(e)
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_t, stride_k_h, stride_k_d,
     stride_v_t, stride_v_h, stride_v_d,
@@ -40,16 +53,17 @@ def _decode_attention_stage1_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s, stride_mo_d,
     stride_ml_b, stride_ml_h, stride_ml_s,
     GROUP, D, num_splits,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, FINAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FINAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(BSeqLen + b)
-    split_len = split_length(seq_len, num_splits, BLOCK_N)
-    split_start = split * split_len
+    kv_start = first_key(seq_len, window, HAS_WINDOW)
+    split_len = split_length(seq_len - kv_start, num_splits, BLOCK_N)
+    split_start = kv_start + split * split_len
     if split_start >= seq_len:
         return  # stage 2 only reads the cdiv(seq_len, split_len) splits that exist
     split_end = tl.minimum(split_start + split_len, seq_len)
@@ -81,6 +95,8 @@ def _decode_attention_stage1_kernel(
         # batch 1-128 x 512-4096 keys (H100 sweep of 2026-11-25, benchmarks/README.md).
         k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [D, N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [H, N]
+        if HAS_SOFTCAP:
+            s = _softcap(s, cap)
         if HAS_ALIBI:
             s += slopes[:, None] * (offs_n - q_pos)[None, :].to(tl.float32)
         # The first key of a split is always valid, so m_i is finite after one block.
@@ -110,7 +126,7 @@ def decode_attention_stage1_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor,
     mid_o: torch.Tensor, mid_lse: torch.Tensor | None, qk_scale: float,
-    alibi_slopes: torch.Tensor | None, *, block_n: int,
+    alibi_slopes: torch.Tensor | None, *, block_n: int, sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> None:
     """Fill mid_o [bs, Hq, splits, D] and mid_lse [bs, Hq, splits] (fp32, log2 domain) for each
     split (at most mid_o.shape[2] a request, each a multiple of block_n keys).
@@ -119,7 +135,8 @@ def decode_attention_stage1_triton(
     ([bs, Hq, 1, D], any dtype): a split's normalised output rounded to it is what stage 2 would
     write from one split (weight exp2(0) = 1), so stage 2 is skipped, bit for bit the same.
 
-    qk_scale is sm_scale * log2(e); alibi_slopes are natural-log slopes [Hq] or None.
+    qk_scale is sm_scale * log2(e); alibi_slopes are natural-log slopes [Hq] or None;
+    sliding_window (0: none) and logit_softcap (0: none) as `decode_attention_fwd`.
     """
     bs, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -133,7 +150,7 @@ def decode_attention_stage1_triton(
     lse = mid_o if final else mid_lse  # never written when final
     launcher(_decode_attention_stage1_kernel, q)[(bs, Hkv, num_splits)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, slopes, mid_o, lse,
-        qk_scale,
+        qk_scale, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -141,7 +158,8 @@ def decode_attention_stage1_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
         group, D, num_splits,
-        HAS_ALIBI=alibi_slopes is not None, DOT_PRECISION=dot_precision(q.dtype), FINAL=final,
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=logit_softcap > 0,
+        DOT_PRECISION=dot_precision(q.dtype), FINAL=final,
         BLOCK_N=block_n, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D,
         num_warps=4, num_stages=2,
     )

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .backend import launcher, next_pow2
-from .decode_attention_stage1 import split_length
+from .decode_attention_stage1 import first_key, split_length
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # as stage 1's
@@ -16,13 +16,14 @@ def _decode_attention_stage2_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s, stride_mo_d,
     stride_ml_b, stride_ml_h, stride_ml_s,
     stride_o_b, stride_o_h, stride_o_d,
-    D, num_splits,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D, num_splits, window,
+    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.load(BSeqLen + b)
-    written = tl.cdiv(seq_len, split_length(seq_len, num_splits, BLOCK_N))  # the splits stage 1 wrote
+    n_keys = tl.load(BSeqLen + b)
+    n_keys -= first_key(n_keys, window, HAS_WINDOW)
+    written = tl.cdiv(n_keys, split_length(n_keys, num_splits, BLOCK_N))  # the splits stage 1 wrote
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -49,17 +50,17 @@ def _decode_attention_stage2_kernel(
 
 def decode_attention_stage2_triton(
     mid_o: torch.Tensor, mid_lse: torch.Tensor, o: torch.Tensor, b_seq_len: torch.Tensor,
-    *, block_n: int,
+    *, block_n: int, sliding_window: int = 0,
 ) -> None:
     """o[b, h] = softmax-weighted merge of stage 1's splits (mid_o [bs, Hq, splits, D], mid_lse
-    [bs, Hq, splits]); block_n as stage 1 was given it."""
+    [bs, Hq, splits]); block_n and sliding_window as stage 1 was given them."""
     bs, Hq, D = o.shape
     launcher(_decode_attention_stage2_kernel, o)[(bs, Hq)](
         mid_o, mid_lse, o, b_seq_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        D, mid_o.shape[2],
-        BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
+        D, mid_o.shape[2], sliding_window,
+        HAS_WINDOW=sliding_window > 0, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         num_warps=4,
     )

@@ -1,4 +1,6 @@
-"""RMSNorm matching HF LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
+"""RMSNorm matching HF LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
+``round_first=False`` HF GemmaRMSNorm's order: (x * rsqrt(...) * weight) in fp32, rounded once (a
+Gemma weight is stored as the fp32 ``1 + w`` it multiplies by)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from .backend import launch_row_norm, use_triton
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
+def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
     # One program per row; rows wider than BLOCK_N are walked in chunks.
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -26,25 +28,30 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
         mask = cols < N
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        # HF rounds the normalised value to x's dtype before the weight multiply.
-        h = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+        h = x * rstd
+        if ROUND_FIRST:  # Llama: HF rounds the normalised value to x's dtype before the weight multiply
+            h = h.to(X.dtype.element_ty).to(tl.float32)
         tl.store(y_row + cols, (w * h).to(Y.dtype.element_ty), mask=mask)
 
 
-def rmsnorm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
     """Triton version of `rmsnorm_forward`."""
-    return launch_row_norm(_rmsnorm_kernel, x, (weight,), eps)
+    return launch_row_norm(_rmsnorm_kernel, x, (weight,), eps, ROUND_FIRST=round_first)
 
 
-def rmsnorm_forward_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Torch twin of `rmsnorm_forward`, written as HF LlamaRMSNorm."""
+def rmsnorm_forward_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
+    """Torch twin of `rmsnorm_forward`, written as HF LlamaRMSNorm (or GemmaRMSNorm)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if not round_first:
+        return (h * weight.float()).to(x.dtype)
     return (weight * h.to(x.dtype)).to(x.dtype)
 
 
-def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [n, N] (any leading dims) with weight [N]; returns a new tensor in x's dtype."""
+def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
+    """RMSNorm of x [n, N] (any leading dims) with weight [N]; returns a new tensor in x's dtype.
+    round_first: round the normalised value to x's dtype before the weight multiply (Llama), or
+    multiply in fp32 and round once (Gemma)."""
     if use_triton(x):
-        return rmsnorm_forward_triton(x, weight, eps)
-    return rmsnorm_forward_torch(x, weight, eps)
+        return rmsnorm_forward_triton(x, weight, eps, round_first)
+    return rmsnorm_forward_torch(x, weight, eps, round_first)

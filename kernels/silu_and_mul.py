@@ -7,6 +7,8 @@ rounding at the end would differ from HF's by a unit in the last place on a good
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -26,17 +28,23 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
     tl.store(Y + row * stride_y + cols, (act * up).to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_fwd_triton(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of `silu_and_mul_fwd`."""
+def launch_act_and_mul(kernel: Any, x: torch.Tensor) -> torch.Tensor:
+    """Run a gated activation ``kernel(X, Y, stride_x, stride_y, I, BLOCK=...)`` over x ``[n, 2*I]``
+    (``[gate | up]``), a program per row and block of columns; returns the new ``[n, I]`` output."""
     I = x.shape[-1] // 2
     x2 = as_rows(x)
     y = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0:
         BLOCK = min(next_pow2(I), 1024)
-        launcher(_silu_and_mul_kernel, x2)[(x2.shape[0], triton.cdiv(I, BLOCK))](
+        launcher(kernel, x2)[(x2.shape[0], triton.cdiv(I, BLOCK))](
             x2, y, x2.stride(0), y.stride(0), I, BLOCK=BLOCK, num_warps=4,
         )
     return y.view(*x.shape[:-1], I)
+
+
+def silu_and_mul_fwd_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton version of `silu_and_mul_fwd`."""
+    return launch_act_and_mul(_silu_and_mul_kernel, x)
 
 
 def silu_and_mul_fwd_torch(x: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,13 @@ def hf_greedy_with_logits(hf_model, prompt: list[int], steps: int) -> tuple[list
     return tokens, logits
 
 
+def hf_prompt_logprobs(hf_model, ids: list[int]) -> list[float]:
+    """HF's logprob of each prompt token after the first (what ``echo`` with ``logprobs`` reports)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -190,6 +197,14 @@ def assert_chunked_prefill_matches_hf(ours: TpPartBaseModel, hf_model, prompt: l
     finally:
         driver.free()
     assert rel_err(got.cpu(), ref) < LOGITS_TOL
+
+
+def assert_matches_hf_past_the_window(ours: TpPartBaseModel, hf_model, vocab: int, steps: int = 16) -> None:
+    """For models with a sliding window of about 8 tokens: prompts shorter and longer than it,
+    prefilled as one batch and decoded ``steps`` tokens past it (`assert_matches_hf_greedy`),
+    and a 30-token prompt fed in four chunks across it (`assert_chunked_prefill_matches_hf`)."""
+    assert_matches_hf_greedy(ours, hf_model, random_prompts([5, 12, 1, 20], vocab), steps=steps)
+    assert_chunked_prefill_matches_hf(ours, hf_model, random_prompts([30], vocab, seed=2)[0], cuts=[7, 13, 25])
 
 
 IMAGE_TOKEN = "<image>"

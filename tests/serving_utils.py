@@ -190,6 +190,13 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+def greedy_completion(server: ServerProcess, model: str, **body) -> dict:
+    """The first choice of a greedy ``/v1/completions`` request (``body`` adds to or overrides it)."""
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": model, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
 async def sse_events(client: httpx.AsyncClient, url: str, path: str, body: dict, max_events: int | None = None,
                      on_event: Callable[[], None] | None = None) -> list[dict]:
     """The JSON events of one SSE stream (OpenAI's closing ``[DONE]`` left out): all of them, or

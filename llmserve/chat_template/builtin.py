@@ -145,6 +145,24 @@ class Mistral(RoleTemplate):
     tool_format: ClassVar[ToolFormat | None] = MistralTools()
 
 
+@CHAT_TEMPLATES.register_module(name="gemma")
+@dataclass
+class Gemma(RoleTemplate):
+    """Gemma 1 / 2 / 3 instruction-tuned: ``<start_of_turn>user\n{U1}<end_of_turn>\n<start_of_turn>model\n
+    {A1}<end_of_turn>\n<start_of_turn>user\n...``. It has no system role: a system message opens the
+    first user turn, followed by a blank line (as Gemma 3's own template does; Gemma 2's refuses
+    one). No tool-call format: Gemma's function calling is prompted, not a template format."""
+    eosys: str = "\n\n"
+    system_in_first_user: bool = True
+    user: str = "<start_of_turn>user\n"
+    eoh: str = "<end_of_turn>\n"
+    assistant: str = "<start_of_turn>model\n"
+    eoa: str = "<end_of_turn>"
+    separator: str = "\n"
+    stop_words: list[str] | None = stop_words("<end_of_turn>")
+    session_len: int = 8192
+
+
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
                  "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 

@@ -38,6 +38,7 @@ MODEL_NAME_PATTERNS: list[tuple[str, str]] = [
     (r"llava", "llava"),
     (r"vicuna", "vicuna"),
     (r"(mistral|mixtral).*instruct", "mistral"),
+    (r"gemma.*-it\b", "gemma"),
     (r"qwen.*(chat|instruct)", "qwen"),
     (r"smollm.*instruct", "smollm"),
 ]

@@ -13,23 +13,32 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from llmserve.common.basemodel.basemodel import head_dim
 
 
-def rope_type(config: PretrainedConfig) -> str:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The config's rope parameters; those of one layer type (``"sliding_attention"``,
+    ``"full_attention"``) where they differ by type (Gemma 3: its own base for local layers)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    return dict(params.get(layer_type) or {}) if layer_type is not None else params
+
+
+def rope_type(config: PretrainedConfig, layer_type: str | None = None) -> str:
     """The config's rope type: default, llama3, linear, dynamic, yarn, longrope, ..."""
-    return dict(getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    return rope_parameters(config, layer_type).get("rope_type", "default")
 
 
-def rotary_dim(config: PretrainedConfig) -> int:
+def rotary_dim(config: PretrainedConfig, layer_type: str | None = None) -> int:
     """How many of a head's dimensions rotate (``partial_rotary_factor``: Phi-4-mini's 0.75)."""
-    factor = dict(getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    factor = rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0)
     return int(head_dim(config) * factor)
 
 
 class RotaryEmbedding:
-    def __init__(self, config: PretrainedConfig, device: torch.device, max_position: int):
+    def __init__(self, config: PretrainedConfig, device: torch.device, max_position: int,
+                 layer_type: str | None = None):
         self.config = config
-        self.rope_type: str = rope_type(config)
+        self.layer_type = layer_type   # the layers whose rope parameters these are (None: all)
+        self.rope_type: str = rope_type(config, layer_type)
         self.head_dim: int = head_dim(config)
-        self.rotary_dim: int = rotary_dim(config)
+        self.rotary_dim: int = rotary_dim(config, layer_type)
         self.device = device
         inv_freq, self.attention_scaling = self._inv_freq(seq_len=None)
         # Dynamic NTK stretches the frequencies once a sequence outgrows the trained context, so
@@ -44,7 +53,7 @@ class RotaryEmbedding:
         self.long_after: int | None = None
         self._long_inv_freq: torch.Tensor | None = None
         if self.rope_type == "longrope":
-            params = dict(config.rope_parameters)
+            params = rope_parameters(config, layer_type)
             self.long_after = int(params.get("original_max_position_embeddings")
                                   or getattr(config, "original_max_position_embeddings", None)
                                   or config.max_position_embeddings)
@@ -53,12 +62,13 @@ class RotaryEmbedding:
 
     def _inv_freq(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
         if self.rope_type == "default":
-            theta = self.config.rope_parameters["rope_theta"]
+            theta = rope_parameters(self.config, self.layer_type)["rope_theta"]
             dim = self.rotary_dim
             return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         if self.rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope type {self.rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, torch.device("cpu"), seq_len=seq_len)
+        kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, torch.device("cpu"), seq_len=seq_len, **kw)
         return inv_freq.float(), float(scaling)
 
     def _table(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

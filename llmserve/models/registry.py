@@ -22,6 +22,10 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen2": "llmserve.models.llama.model:LlamaTpPartModel",
     "qwen3": "llmserve.models.qwen3.model:Qwen3TpPartModel",
     "phi3": "llmserve.models.phi3.model:Phi3TpPartModel",
+    "gemma": "llmserve.models.gemma.model:GemmaTpPartModel",
+    "gemma2": "llmserve.models.gemma2.model:Gemma2TpPartModel",
+    "gemma3_text": "llmserve.models.gemma3.model:Gemma3TpPartModel",
+    "gemma3": "llmserve.models.gemma3.conditional:Gemma3ConditionalTpPartModel",   # its text decoder
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
     "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }

@@ -12,7 +12,7 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "offline.py")
 
 
-@pytest.mark.parametrize("size", ["tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("size", ["tiny", "qwen3-tiny", "gemma2-tiny"])
 def test_offline_benchmark_times_ours_and_the_hf_peer_on_the_same_weights(size):
     done = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--model-size", size, "--batch-sizes", "1,2",
                            "--prompt-len", "8", "--steps", "2", "--warmup-steps", "1", "--peer", "hf"],

@@ -59,6 +59,14 @@ EXPECTED = {
         "[INST] SYS\n\nU1 [/INST] A1</s>[INST] U2 [/INST]",
         "[INST] U1 [/INST] A1</s>[INST] U2 [/INST]",
     ),
+    "gemma": (
+        "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+        "\n<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+        "<start_of_turn>user\nSYS\n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+        "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n",
+        "<start_of_turn>user\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+        "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n",
+    ),
     "vicuna": (
         "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
         "detailed, and polite answers to the user's questions. USER: hi ASSISTANT:",

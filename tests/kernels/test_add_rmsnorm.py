@@ -29,16 +29,19 @@ def test_twin_matches_hf(n, N, dtype):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("round_first", [True, False], ids=["llama", "gemma"])
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("n,N", SHAPES)
-def test_triton_matches_twin(device, dtype, n, N):
+def test_triton_matches_twin(device, dtype, n, N, round_first):
     g = rng(N + 1)
     h = randn(g, n, N, dtype=dtype, device=device, scale=3.0)
     delta = randn(g, n, N, dtype=dtype, device=device)
     w = randn(g, N, dtype=dtype, device=device)
+    if not round_first:   # Gemma's weight: the fp32 1 + w
+        w = 1.0 + w.float()
     h_twin = h.clone()
-    want = add_rmsnorm_forward_torch(h_twin, delta, w, 1e-6)
-    got = add_rmsnorm_forward_triton(h, delta, w, 1e-6)
+    want = add_rmsnorm_forward_torch(h_twin, delta, w, 1e-6, round_first)
+    got = add_rmsnorm_forward_triton(h, delta, w, 1e-6, round_first)
     assert got.dtype == dtype and got.shape == h.shape
     torch.testing.assert_close(h, h_twin, atol=0, rtol=0)       # the residual: one rounded add, both ways
     torch.testing.assert_close(got, want, **tol(dtype))

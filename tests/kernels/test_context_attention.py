@@ -234,3 +234,62 @@ def test_half_precision_and_alibi_stay_per_request(batched_calls):
         inputs = make_inputs(9, 4, 2, 32, [0, 3], [6, 4], alibi, dtype, "cpu")
         run_poisoned(context_attention_fwd_torch, inputs)
     assert not batched_calls
+
+
+# -- sliding windows and soft-capping (Gemma 2 / 3) --------------------------------------------------
+def masked_reference(inputs: dict, window: int, softcap: float, sm_scale: float | None = None) -> torch.Tensor:
+    """Dense fp64 attention with a sliding window (query p sees keys p - window < k <= p) and
+    soft-capped scores, one request at a time: the independent reference of both twins."""
+    q, kv = inputs["q"], inputs["_kv"]
+    Hq, D = q.shape[1], q.shape[2]
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    out = torch.full_like(q, float("nan"), dtype=torch.float64)
+    for i, (start, n, cached) in enumerate(zip(inputs["b_q_start"].tolist(), inputs["b_q_len"].tolist(),
+                                                inputs["b_cached_len"].tolist())):
+        k, v = kv.dense(i, Hq)
+        scores = q[start:start + n].double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, n, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(cached, cached + n)[:, None]
+        k_pos = torch.arange(cached + n)[None, :]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[start:start + n] = (probs @ v).transpose(0, 1)
+    return out
+
+
+# (Hq, Hkv, D, cached_lens, q_lens, window, softcap): windows shorter than the context, over cached
+# prefixes (chunked prefill) and within one prompt; a window of 1 (each query sees itself only)
+MASK_CASES = [
+    pytest.param(4, 2, 32, [0, 0], [40, 9], 8, 0.0, id="window-prefill"),
+    pytest.param(4, 2, 64, [37, 70, 0], [20, 1, 50], 16, 0.0, id="window-cached"),
+    pytest.param(2, 2, 32, [5, 0], [30, 41], 1, 0.0, id="window-1"),
+    pytest.param(4, 1, 32, [33, 0], [17, 25], 0, 5.0, id="softcap"),
+    pytest.param(8, 2, 64, [50, 3], [35, 60], 24, 3.0, id="window-softcap"),
+    pytest.param(4, 2, 32, [3, 0], [10, 6], 64, 0.0, id="window-longer-than-context"),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,cached,q_lens,window,softcap", MASK_CASES)
+def test_twin_window_and_softcap(Hq, Hkv, D, cached, q_lens, window, softcap):
+    inputs = make_inputs(11, Hq, Hkv, D, cached, q_lens, False, torch.float32, "cpu")
+    got = run_poisoned(context_attention_fwd_torch, inputs, sliding_window=window, logit_softcap=softcap, sm_scale=0.2)
+    want = masked_reference(inputs, window, softcap, sm_scale=0.2)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # guards against a vacuous pass: the mask and the cap change the output
+    plain = run_poisoned(context_attention_fwd_torch, inputs, sm_scale=0.2)
+    if window < max(c + n for c, n in zip(cached, q_lens)) or softcap:
+        assert not torch.allclose(got, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("options", [dict(block_m=16, block_n=16), dict(block_m=16, block_n=16, pack_gqa=True), {}],
+                         ids=["tiles16", "pack", "default-tiles"])
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("Hq,Hkv,D,cached,q_lens,window,softcap", MASK_CASES)
+def test_triton_window_and_softcap(device, dtype, options, Hq, Hkv, D, cached, q_lens, window, softcap):
+    inputs = make_inputs(12, Hq, Hkv, D, cached, q_lens, False, dtype, device)
+    masks = dict(sliding_window=window, logit_softcap=softcap, sm_scale=0.2)
+    want = run_poisoned(context_attention_fwd_torch, inputs, **masks)
+    assert not want.isnan().any()
+    got = run_poisoned(context_attention_fwd_triton, inputs, **masks, **options)
+    torch.testing.assert_close(got, want, **tol(dtype))

@@ -199,3 +199,46 @@ def test_batched_path_in_half_precision(dtype):
                                inputs["b_req_idx"], inputs["b_seq_len"], 64 ** -0.5)
     torch.testing.assert_close(got, per_request_reference(inputs), **tol(dtype))
 
+
+
+# -- sliding windows and soft-capping (Gemma 2 / 3) --------------------------------------------------
+def masked_reference(inputs: dict, window: int, softcap: float, sm_scale: float) -> torch.Tensor:
+    """Dense fp64 decode attention over the last ``window`` keys (all when 0), scores soft-capped."""
+    q, kv = inputs["q"], inputs["_kv"]
+    out = torch.empty_like(q, dtype=torch.float64)
+    for i, n in enumerate(inputs["b_seq_len"].tolist()):
+        k, v = kv.dense(i, q.shape[1])                       # [Hq, n, D]
+        first = max(0, n - window) if window else 0
+        scores = (k[:, first:] @ q[i].double()[:, :, None])[..., 0] * sm_scale   # [Hq, keys]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out[i] = (torch.softmax(scores, -1)[:, None, :] @ v[:, first:])[:, 0]
+    return out
+
+
+# (seq_lens, window, softcap, splits): windows shorter and longer than the keys, split or not
+DECODE_MASK_CASES = [
+    pytest.param([70, 5, 129], 16, 0.0, (4, 16), id="window-split"),
+    pytest.param([70, 5, 129], 33, 0.0, (1, 16), id="window-one-split"),
+    pytest.param([40, 300], 0, 4.0, (3, 16), id="softcap"),
+    pytest.param([90, 1, 200], 50, 2.0, None, id="window-softcap-defaults"),
+    pytest.param([10, 20], 1, 0.0, (2, 16), id="window-1"),
+]
+
+
+@pytest.mark.parametrize("seq_lens,window,softcap,splits", DECODE_MASK_CASES)
+def test_twin_window_and_softcap(seq_lens, window, softcap, splits):
+    inputs = make_inputs(13, 8, 2, 32, seq_lens, False, torch.float32, "cpu")
+    got = run_poisoned(decode_attention_fwd_torch, inputs, sliding_window=window, logit_softcap=softcap, sm_scale=0.3)
+    torch.testing.assert_close(got.double(), masked_reference(inputs, window, softcap, 0.3), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, run_poisoned(decode_attention_fwd_torch, inputs, sm_scale=0.3), atol=1e-3)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("seq_lens,window,softcap,splits", DECODE_MASK_CASES)
+def test_triton_window_and_softcap(device, dtype, seq_lens, window, softcap, splits):
+    inputs = make_inputs(14, 8, 2, 32, seq_lens, False, dtype, device)
+    masks = dict(sliding_window=window, logit_softcap=softcap, sm_scale=0.3)
+    want = run_poisoned(decode_attention_fwd_torch, inputs, **masks)
+    got = run_poisoned(decode_attention_fwd_triton, inputs, **masks, **split_args(splits))
+    torch.testing.assert_close(got, want, **tol(dtype))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import BloomConfig, LlamaConfig, Phi3Config, Qwen3Config
+from transformers import BloomConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, rel_err, tp2_logits
 
@@ -50,3 +50,16 @@ def test_phi3_tp2_logits_match_hf_with_padded_vocab(tmp_path):
                       max_position_embeddings=64, original_max_position_embeddings=8, partial_rotary_factor=0.75,
                       rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
                                     "long_factor": [1.0 + 1.5 * i for i in range(12)]}), tmp_path)
+
+
+def test_gemma2_tp2_logits_match_hf_with_padded_vocab(tmp_path):
+    # post-norms after the row-parallel reductions, soft-caps, a window (4) the prompts outgrow
+    _check(Gemma2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, vocab_size=511, sliding_window=4, query_pre_attn_scalar=24,
+                        attn_logit_softcapping=5.0, final_logit_softcapping=10.0), tmp_path)
+
+
+def test_gemma3_tp2_logits_match_hf_with_padded_vocab(tmp_path):
+    _check(Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=511, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention"]), tmp_path)

@@ -13,7 +13,13 @@ from llmserve.models.llama.layer_weights.transformer_layer_weight import LlamaTr
 
 class LlamaTpPartModel(TpPartBaseModel):
     """Llama 2 / 3, Mistral, Qwen2 and SmolLM2: one implementation, the differences (GQA, q/k/v
-    bias, rope scaling, tied embeddings) all come from the config."""
+    bias, rope scaling, tied embeddings, sliding windows) all come from the config.
+
+    A sliding window is applied in the attention kernels (model_shape.sliding_window); the KV
+    cache still keeps every token of a request. Freeing what fell out of every layer's window
+    would pay for configs whose every layer slides (Mistral v0.1, Phi-3-mini-4k: a long request
+    would hold W slots instead of its length) and needs the req->token table to hand back a
+    prefix's slots mid-request and the prefix cache to stop sharing them; not done yet."""
 
     pre_and_post_weight_class = LlamaPreAndPostLayerWeight
     transformer_weight_class = LlamaTransformerLayerWeight
@@ -33,11 +39,6 @@ class LlamaTpPartModel(TpPartBaseModel):
             raise ValueError(f"{cfg.model_type}: hidden_act {act!r} is not supported (only silu)")
         if getattr(cfg, "mlp_bias", False):
             raise ValueError(f"{cfg.model_type}: mlp_bias is not supported")
-        window = getattr(cfg, "sliding_window", None)
-        if window and (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
-            # Sliding-window attention is not implemented; within the window it is plain causal
-            # attention, so requests are capped at the window rather than silently diverging.
-            self.params.max_seq_len = min(self.params.max_seq_len or window, window)
 
     def _graphs_supported(self) -> bool:
         # Dynamic NTK rotary computes its table on the host once a sequence outgrows the trained

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from transformers import BloomConfig, LlamaConfig, Phi3Config, Qwen3Config
+from transformers import BloomConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from llmserve.common.basemodel.cuda_graph import batch_size_buckets, verify_row_buckets
 from llmserve.kernels.decode_attention import decode_num_splits
@@ -35,6 +35,14 @@ CONFIGS = {
                                original_max_position_embeddings=16, partial_rotary_factor=0.5, rope_scaling={
                                    "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
                                    "long_factor": [1.0 + 1.5 * i for i in range(4)]}),
+    # sliding windows (8: the requests outgrow them), attention and final-logit soft-caps
+    "gemma2": lambda: Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
+                                   sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=10.0),
+    # the sliding layers' own rotary tables beside the global one's
+    "gemma3": lambda: Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
+                                       sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
 }
 
 

@@ -25,6 +25,11 @@ CONFIGS = {
     "smollm2-like-tied": lambda: LlamaConfig(**TINY, num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-5),
     "qwen2-bias": lambda: Qwen2Config(**TINY, num_key_value_heads=2),
     "mistral": lambda: MistralConfig(**TINY, num_key_value_heads=2, sliding_window=None),
+    # sliding windows (in the attention kernels) that the prompts and decodes outgrow: every
+    # layer's (Mistral v0.1), the layers from max_window_layers on (Qwen2's use_sliding_window)
+    "mistral-window": lambda: MistralConfig(**TINY, num_key_value_heads=2, sliding_window=6),
+    "qwen2-window": lambda: Qwen2Config(**TINY, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
+                                        max_window_layers=1),
 }
 
 PROMPT_LENS = [5, 12, 1, 9]

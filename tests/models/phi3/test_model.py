@@ -69,8 +69,11 @@ def test_chunked_prefill_matches_full_prompt(models):
     assert_chunked_prefill_matches_hf(ours, hf, random_prompts([14], 512, seed=2)[0], cuts=[7, 13])
 
 
-def test_a_sliding_window_caps_requests_at_the_window(tmp_path):
-    """HF applies Phi-3's sliding_window (Phi-3-mini-4k: 2047 of 4096); within it attention is
-    plain causal, past it not implemented: requests are capped at the window."""
-    build_tiny_hf_model(Phi3Config(**TINY, sliding_window=24), tmp_path)
-    assert load_ours(tmp_path).max_seq_len == 24
+def test_a_sliding_window_matches_hf_past_the_window(tmp_path):
+    """HF applies Phi-3's sliding_window (Phi-3-mini-4k: 2047 of 4096) to every layer; so do the
+    attention kernels, and requests are not capped at it."""
+    hf = build_tiny_hf_model(Phi3Config(**TINY, sliding_window=8), tmp_path)
+    ours = load_ours(tmp_path)
+    assert ours.max_seq_len > 8 and [layer.sliding_window_ for layer in ours.layers_infer] == [8, 8]
+    assert_matches_hf_greedy(ours, hf, random_prompts([5, 20], 512), steps=8)
+    assert_chunked_prefill_matches_hf(ours, hf, random_prompts([24], 512, seed=2)[0], cuts=[7, 13])

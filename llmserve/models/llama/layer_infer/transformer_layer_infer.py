@@ -10,23 +10,26 @@ from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
     """RMSNorm, rotary q/k, SwiGLU MLP."""
 
+    # The norms round as HF LlamaRMSNorm (True) or GemmaRMSNorm (False: see rmsnorm_forward).
+    norm_round_first: bool = True
+
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
         self.eps_ = network_config.rms_norm_eps
 
     def _att_norm(self, h: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        return rmsnorm_forward(h, layer_weight.att_norm_weight_, self.eps_)
+        return rmsnorm_forward(h, layer_weight.att_norm_weight_, self.eps_, self.norm_round_first)
 
     def _ffn_norm(self, h: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        return rmsnorm_forward(h, layer_weight.ffn_norm_weight_, self.eps_)
+        return rmsnorm_forward(h, layer_weight.ffn_norm_weight_, self.eps_, self.norm_round_first)
 
     def _add_att_norm(self, h: torch.Tensor, pending: torch.Tensor, infer_state: LlamaInferStateInfo,
                       layer_weight) -> torch.Tensor:
-        return add_rmsnorm_forward(h, pending, layer_weight.att_norm_weight_, self.eps_)
+        return add_rmsnorm_forward(h, pending, layer_weight.att_norm_weight_, self.eps_, self.norm_round_first)
 
     def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: LlamaInferStateInfo,
                       layer_weight) -> torch.Tensor:
-        return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_)
+        return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_, self.norm_round_first)
 
     def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> None:
         # Rotary on q (in place) and k (on its way into the cache), and the store: one launch.

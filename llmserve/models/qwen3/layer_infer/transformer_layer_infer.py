@@ -22,5 +22,5 @@ class Qwen3TransformerLayerInfer(LlamaTransformerLayerInfer):
         # into rows, normalised, and k written back); one kernel doing the norms inside the
         # rotary-and-store launch would save them all, if a profile shows them.
         k = kv[:, : self.tp_kv_head_num_]
-        k.copy_(rmsnorm_forward(k, layer_weight.k_norm_weight_, self.eps_))
-        return rmsnorm_forward(q, layer_weight.q_norm_weight_, self.eps_), kv
+        k.copy_(rmsnorm_forward(k, layer_weight.k_norm_weight_, self.eps_, self.norm_round_first))
+        return rmsnorm_forward(q, layer_weight.q_norm_weight_, self.eps_, self.norm_round_first), kv

@@ -10,7 +10,12 @@ from llmserve.kernels import linear
 
 class PostLayerInferTpl(PostLayerInfer):
     """Final norm and vocab-parallel lm_head. Only the last new token of each request needs
-    logits unless the caller asks for all of them (speculative verification, prompt logprobs)."""
+    logits unless the caller asks for all of them (speculative verification, prompt logprobs).
+    A config's ``final_logit_softcapping`` (Gemma 2) caps the logits: c * tanh(logits / c)."""
+
+    def __init__(self, tp_rank: int, world_size: int, network_config):
+        super().__init__(tp_rank, world_size, network_config)
+        self.final_logit_softcap_: float = getattr(network_config, "final_logit_softcapping", None) or 0.0
 
     def _norm(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         raise NotImplementedError
@@ -39,4 +44,7 @@ class PostLayerInferTpl(PostLayerInfer):
         else:
             x = self._add_norm(h, pending, infer_state, layer_weight)
         logits = all_gather_last_dim(linear(x, layer_weight.lm_head_weight_))
-        return logits[:, : self.network_config_.vocab_size].float()
+        logits = logits[:, : self.network_config_.vocab_size].float()
+        if self.final_logit_softcap_:   # in fp32 (HF caps in the model's dtype: the same in fp32)
+            logits = torch.tanh(logits.div_(self.final_logit_softcap_)).mul_(self.final_logit_softcap_)
+        return logits

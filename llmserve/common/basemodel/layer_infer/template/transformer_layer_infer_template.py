@@ -5,6 +5,7 @@ from typing import Callable
 import torch
 
 from llmserve.common.basemodel.basemodel import head_dim, num_kv_heads
+from llmserve.common.basemodel.model_shape import sliding_window
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
 from llmserve.common.distributed import all_reduce
@@ -28,6 +29,13 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         self.tp_q_head_num_ = network_config.num_attention_heads // world_size
         self.tp_kv_head_num_ = num_kv_heads(network_config) // world_size
         self.head_dim_ = head_dim(network_config)
+        # Attention variants, per layer: the score scale (None: head_dim ** -0.5; a family sets
+        # it), the sliding window the config gives this layer (0: none; see sliding_window) and
+        # score soft-capping (0: none; a family sets it). Both kernels take them as
+        # specialisation flags, so the plain path is compiled as before.
+        self.sm_scale_: float | None = None
+        self.sliding_window_: int = sliding_window(network_config, layer_num)
+        self.logit_softcap_: float = 0.0
 
     # -- hooks ------------------------------------------------------------------------
     def _att_norm(self, h: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
@@ -114,6 +122,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
             q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
             infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_q_start, infer_state.b_q_len,
             infer_state.b_cached_len, infer_state.max_q_len, alibi_slopes=self._alibi_slopes(layer_weight),
+            sm_scale=self.sm_scale_, sliding_window=self.sliding_window_, logit_softcap=self.logit_softcap_,
         )
         return o
 
@@ -122,7 +131,8 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         decode_attention_fwd(
             q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
             infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_seq_len, infer_state.max_seq_len,
-            alibi_slopes=self._alibi_slopes(layer_weight),
+            alibi_slopes=self._alibi_slopes(layer_weight), sm_scale=self.sm_scale_,
+            sliding_window=self.sliding_window_, logit_softcap=self.logit_softcap_,
         )
         return o
 

@@ -1,0 +1,18 @@
+"""Small ``@triton.jit`` helpers shared by several kernels (functions Triton's ``tl.math`` lacks)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def tanh(x):
+    """tanh(x) = 2 sigmoid(2x) - 1 through exp2 (fp32): exact at +-inf, about 1e-7 absolute error
+    near 0. Triton 3.6/3.7 have no portable tanh (libdevice's is CUDA-only, not interpreted)."""
+    return 2.0 / (1.0 + tl.math.exp2(-2.8853900817779268 * x)) - 1.0   # 2 log2(e) x
+
+
+@triton.jit
+def softcap(s, cap):
+    """Logit soft-capping, ``cap * tanh(s / cap)`` (Gemma 2's attention and final logits)."""
+    return cap * tanh(s / cap)

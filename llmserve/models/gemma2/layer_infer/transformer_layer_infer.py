@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import torch
+
+from llmserve.kernels import rmsnorm_forward
+from llmserve.models.gemma.layer_infer.transformer_layer_infer import GemmaTransformerLayerInfer
+from llmserve.models.llama.infer_struct import LlamaInferStateInfo
+
+
+class Gemma2TransformerLayerInfer(GemmaTransformerLayerInfer):
+    """Gemma's layer with the attention's and the MLP's outputs each normalised before they join
+    the residual stream, scores scaled by ``query_pre_attn_scalar ** -0.5`` and soft-capped
+    (``attn_logit_softcapping``). The template gives a sliding window to the layers ``layer_types``
+    marks ``sliding_attention`` (Gemma 2: every other one; Gemma 3: five of six)."""
+
+    def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
+        super().__init__(layer_num, tp_rank, world_size, network_config)
+        cfg = network_config
+        self.is_sliding_ = cfg.layer_types[layer_num] == "sliding_attention"
+        self.sm_scale_ = cfg.query_pre_attn_scalar ** -0.5
+        self.logit_softcap_ = getattr(cfg, "attn_logit_softcapping", None) or 0.0
+
+    def _get_o(self, o: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
+        return rmsnorm_forward(super()._get_o(o, infer_state, layer_weight), layer_weight.post_att_norm_weight_,
+                               self.eps_, round_first=False)
+
+    def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
+        return rmsnorm_forward(super()._ffn(x, infer_state, layer_weight), layer_weight.post_ffn_norm_weight_,
+                               self.eps_, round_first=False)
