@@ -22,6 +22,9 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen2": "llmserve.models.llama.model:LlamaTpPartModel",
     "qwen3": "llmserve.models.qwen3.model:Qwen3TpPartModel",
     "phi3": "llmserve.models.phi3.model:Phi3TpPartModel",
+    "mixtral": "llmserve.models.mixtral.model:MixtralTpPartModel",
+    "qwen2_moe": "llmserve.models.qwen_moe.model:Qwen2MoeTpPartModel",
+    "qwen3_moe": "llmserve.models.qwen_moe.model:Qwen3MoeTpPartModel",
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
     "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }

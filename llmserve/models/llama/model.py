@@ -33,7 +33,7 @@ class LlamaTpPartModel(TpPartBaseModel):
         if getattr(cfg, "mlp_bias", False):
             raise ValueError(f"{cfg.model_type}: mlp_bias is not supported")
         window = getattr(cfg, "sliding_window", None)
-        if window and (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        if window and (cfg.model_type in ("mistral", "mixtral") or getattr(cfg, "use_sliding_window", False)):
             # Sliding-window attention is not implemented; within the window it is plain causal
             # attention, so requests are capped at the window rather than silently diverging.
             self.params.max_seq_len = min(self.params.max_seq_len or window, window)
