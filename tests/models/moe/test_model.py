@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from parity_utils import assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, hf_and_ours, random_prompts
+from triton.runtime.interpreter import InterpretedFunction
+
+from parity_utils import (
+    TEST_DEVICE, assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, hf_and_ours, random_prompts,
+)
+
+from llmserve.common.basemodel import moe
+from llmserve.kernels.fused_moe import _fused_moe_kernel, fused_moe_triton
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
             max_position_embeddings=256)
@@ -26,6 +33,9 @@ CONFIGS = {
                                                shared_expert_intermediate_size=64, num_experts=4,
                                                num_experts_per_tok=2, mlp_only_layers=[1]),
 }
+# Triton kernels run on CPU tensors only when interpreted (tests/conftest.py, without CUDA)
+interpreted_or_cuda = pytest.mark.skipif(TEST_DEVICE == "cpu" and not isinstance(_fused_moe_kernel, InterpretedFunction),
+                                         reason="Triton kernels on CPU need the interpreter; set LLMSERVE_TEST_DEVICE=cuda")
 DENSE_LAYERS = {"qwen3-moe-dense-layer": [0], "qwen2-moe-shared": [1]}
 
 
@@ -54,3 +64,13 @@ def test_prefill_and_decode_match_hf(models):
 def test_chunked_prefill_matches_full_prompt(models):
     _, hf, ours = models
     assert_chunked_prefill_matches_hf(ours, hf, random_prompts([14], 512, seed=2)[0], cuts=[7, 13])
+
+
+@interpreted_or_cuda
+def test_fused_moe_kernel_in_the_model_matches_hf(models, monkeypatch):
+    """The Triton experts (align + grouped GEMMs) inside the model, prefill and decode: HF's
+    logits and greedy tokens. On CPU through the interpreter, the other ops staying on their
+    twins (the twin of fused_moe runs the tests above there)."""
+    _, hf, ours = models
+    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    assert_matches_hf_greedy(ours, hf, random_prompts([6, 1, 11], 512, seed=3), steps=3)
