@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory to write (created; must be empty if it exists)")
-    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); qwen3-8b: Qwen3-8B's; tiny, qwen3-tiny: 2 small layers")
+    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); qwen3-8b: Qwen3-8B's; qwen3-30b-a3b, mixtral-8x7b: those MoE models' (per-expert tensors, as published); tiny, qwen3-tiny, qwen3-moe-tiny, mixtral-tiny: 2 small layers")
     p.add_argument("--num-layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="override the vocabulary size (default: the shape's, or the tokenizer's rounded up to 64 "

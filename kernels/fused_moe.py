@@ -15,7 +15,8 @@ which is all a decode step must read. At batch 64 of Qwen3-30B-A3B (128 experts,
 experts are hit by a few tokens each and are still read once each.
 
 Rounded as HF's ``MixtralExperts`` / ``Qwen3MoeExperts``: the SiLU output and its product with
-up round to the activation dtype, the router's softmax and top-k run in float32.
+up round to the activation dtype; the routing weights (float32, from ``moe_route``) multiply the
+down projection's output rounded to that dtype.
 """
 
 from __future__ import annotations
@@ -186,14 +187,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's top-k router: softmax over all experts in float32, the k largest, and (Mixtral;
-    Qwen-MoE when ``norm_topk_prob``) those k renormalised to sum to 1. Returns float32 weights
-    and int64 expert ids, both ``[n, k]``."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids

@@ -1,5 +1,5 @@
 """fused_moe: the twin against a per-token float64 reference, Triton against the twin (the
-align kernel's blocks checked on their own), and select_experts against HF's routers."""
+align kernel's blocks checked on their own)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE_DTYPES, DEVICES, randn, rng, tol
 
-from llmserve.kernels.fused_moe import fused_moe_torch, fused_moe_triton, moe_align, select_experts
+from llmserve.kernels.fused_moe import fused_moe_torch, fused_moe_triton, moe_align
+from llmserve.kernels.moe_route import select_experts_torch
 
 # (tokens, hidden, intermediate, experts, top_k): a decode-sized batch, more rows than one block
 # for some experts, widths that are no power of two, a single token; by rows per expert the
@@ -21,7 +22,7 @@ def make_inputs(n, H, I, E, k, dtype, device, seed=0):
     x = randn(g, n, H, dtype=dtype, device=device)
     w13 = randn(g, E, 2 * I, H, dtype=dtype, device=device, scale=H ** -0.5)
     w2 = randn(g, E, H, I, dtype=dtype, device=device, scale=I ** -0.5)
-    weights, ids = select_experts(randn(g, n, E, dtype=torch.float32, device=device), k, renormalize=True)
+    weights, ids = select_experts_torch(randn(g, n, E, dtype=torch.float32, device=device), k, renormalize=True)
     return x, w13, w2, weights, ids
 
 
@@ -62,18 +63,3 @@ def test_align_sorts_every_pair_into_its_experts_blocks(device):
     assert block_expert[: used // 2].tolist() == [0, 1, 2, 3, 3]
     P = ids.numel()
     assert rows == [[1, 4], [3, P], [7, P], [0, 2], [5, 6]]
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_select_experts_is_hf_router(renormalize):
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-
-    cfg = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=renormalize)
-    router = Qwen3MoeTopKRouter(cfg)
-    torch.nn.init.normal_(router.weight)
-    x = torch.randn(5, 16)
-    logits, want_w, want_ids = router(x)
-    got_w, got_ids = select_experts(logits, 3, renormalize)
-    assert torch.equal(got_ids, want_ids)
-    torch.testing.assert_close(got_w, want_w, atol=0, rtol=0)

@@ -21,7 +21,8 @@ from llmserve.common.basemodel.layer_weights.base_layer_weight import Weight, We
 from llmserve.common.distributed import all_reduce
 from llmserve.common.errors import ModelLoadError
 from llmserve.kernels import linear, silu_and_mul_fwd
-from llmserve.kernels.fused_moe import fused_moe, select_experts
+from llmserve.kernels.fused_moe import fused_moe
+from llmserve.kernels.moe_route import select_experts
 from llmserve.kernels.quantized_linear import QuantizedWeight, stack_rows
 
 

@@ -18,6 +18,7 @@ from parity_utils import (
 
 from llmserve.common.basemodel import moe
 from llmserve.kernels.fused_moe import _fused_moe_kernel, fused_moe_triton
+from llmserve.kernels.moe_route import select_experts_triton
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
             max_position_embeddings=256)
@@ -68,9 +69,10 @@ def test_chunked_prefill_matches_full_prompt(models):
 
 @interpreted_or_cuda
 def test_fused_moe_kernel_in_the_model_matches_hf(models, monkeypatch):
-    """The Triton experts (align + grouped GEMMs) inside the model, prefill and decode: HF's
+    """The Triton router and experts (route, align, grouped GEMMs) inside the model, prefill and decode: HF's
     logits and greedy tokens. On CPU through the interpreter, the other ops staying on their
     twins (the twin of fused_moe runs the tests above there)."""
     _, hf, ours = models
     monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    monkeypatch.setattr(moe, "select_experts", select_experts_triton)
     assert_matches_hf_greedy(ours, hf, random_prompts([6, 1, 11], 512, seed=3), steps=3)
