@@ -84,8 +84,9 @@ def run(shape: str, batch: int, device: torch.device, dtype: torch.dtype, copy_b
     hit = int(ids.unique().numel())
     per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     floor_us = (hit * per_expert + 2 * x.numel() * x.element_size()) / copy_bw * 1e6
-    ms = cuda_time_ms(lambda: fused_moe_triton(x, w13, w2, weights, ids), device=device)
-    align_ms = cuda_time_ms(lambda: moe_align(ids, experts, 16), device=device)
+    iters = dict(warmup=10, iters=100) if device.type == "cuda" else dict(warmup=1, iters=2)  # CPU: the interpreter
+    ms = cuda_time_ms(lambda: fused_moe_triton(x, w13, w2, weights, ids), device=device, **iters)
+    align_ms = cuda_time_ms(lambda: moe_align(ids, experts, 16), device=device, **iters)
     graphed = graph_us(lambda: fused_moe_triton(x, w13, w2, weights, ids)) if device.type == "cuda" else None
     return Row(batch, hit, ms, graphed, align_ms * 1e3, floor_us, ms * 1e3 / floor_us)
 

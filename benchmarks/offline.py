@@ -429,15 +429,17 @@ def last_logits(model: TpPartBaseModel) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def check_same_model(reference: tuple[torch.Tensor, torch.Tensor], hf_model, dtype: torch.dtype) -> None:
+def check_same_model(reference: tuple[torch.Tensor, torch.Tensor], hf_model, dtype: torch.dtype,
+                     experts: bool = False) -> None:
     """The peer computes what we compute: one short prompt's last logits agree (to the dtype's
     rounding), so the two hold the same weights and the table compares like with like."""
     ids, ours = reference
     theirs = hf_model(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()
     err = float((ours - theirs).norm() / theirs.norm())
     # float32 agrees to rounding; in half precision 32 random layers drift apart by several
-    # percent (as in tests/parity_utils.py), while different weights would differ by ~100%
-    if err > (1e-3 if dtype == torch.float32 else 0.1):
+    # percent (as in tests/parity_utils.py), while different weights would differ by ~100%; with
+    # experts, that drift also flips near-tied routing choices (a different expert for a token)
+    if err > (1e-3 if dtype == torch.float32 else 0.3 if experts else 0.1):
         raise RuntimeError(f"the peer's logits differ from ours by {err:.3f} (relative): not the same model")
     print(f"peer check: last-token logits agree to {err:.1e} (relative)", file=sys.stderr)
 
@@ -551,10 +553,14 @@ def main() -> int:
         # the same weights: the same generator, seed and order as the model's
         peer = HFPeer(build_hf_model(cfg, device, dtype, peer_weights or random_llama_weights(cfg, device, dtype)),
                       args.peer)
-        check_same_model(reference, peer.model, dtype)
+        check_same_model(reference, peer.model, dtype, experts=any(untouched.values()))
         for batch in batch_sizes:
             print(f"batch {batch}, {peer.mode}", file=sys.stderr)
-            prefill_s, step_ms = peer.run(batch, args.prompt_len, args.warmup_steps, args.steps)
+            try:
+                prefill_s, step_ms = peer.run(batch, args.prompt_len, args.warmup_steps, args.steps)
+            except Exception as e:  # e.g. torch.compile of a model it cannot capture: ours stay in the table
+                print(f"the {peer.mode} peer failed at batch {batch}: {type(e).__name__}: {e}", file=sys.stderr)
+                break
             results.append(summarize(peer.mode, batch, args.prompt_len, prefill_s, step_ms, args.warmup_steps,
                                      copy_bw, hf_weight_bytes(peer.model) - untouched[batch], kv_per_token, device))
         results.sort(key=lambda r: r.batch)   # stable: each batch's rows ours first, then the peer's
