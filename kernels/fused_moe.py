@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP: each token's output is the routing-weighted sum, over its top-k
 experts, of that expert's SwiGLU MLP, ``down_e(silu(gate_e(x)) * up_e(x))``.
 
-The Triton path runs three launches whatever the batch: ``_moe_align_kernel`` sorts the n * k
+The Triton path runs three launches whatever the batch (and a sum): ``_moe_align_kernel`` sorts the n * k
 (token, expert) pairs by expert into blocks of ``BLOCK_M`` rows, each block one expert's (the
 last block of an expert padded with a sentinel); ``_fused_moe_kernel`` then runs as a grouped
 GEMM, one program per (block, column tile), reading its block's expert's weights once: first
@@ -14,9 +14,12 @@ At batch 1 the k blocks each hold one real row: every touched expert's weights a
 which is all a decode step must read. At batch 64 of Qwen3-30B-A3B (128 experts, top 8), most
 experts are hit by a few tokens each and are still read once each.
 
-Rounded as HF's ``MixtralExperts`` / ``Qwen3MoeExperts``: the SiLU output and its product with
-up round to the activation dtype; the routing weights (float32, from ``moe_route``) multiply the
-down projection's output rounded to that dtype.
+Rounded as HF's ``MixtralExperts``: gate, up, the SiLU output and their product round to the
+activation dtype; the routing weights (float32, from ``moe_route``) multiply the down
+projection's output rounded to that dtype. (Qwen-MoE's router rounds its weights to the
+activation dtype first; in half precision that is within its tolerance, in float32 the same.)
+The Triton path sums a token's k outputs in float32 and rounds once; HF adds them one expert at
+a time in the activation dtype.
 """
 
 from __future__ import annotations
