@@ -109,15 +109,21 @@ def _fused_moe_kernel(A, W, C, TopkWeights, SortedPairs, BlockExpert, NumPadded,
     tl.store(out, acc.to(C.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-def _block_config(pairs: int, num_experts: int) -> dict[str, int]:
+def _block_config(pairs: int, num_experts: int, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes by the expected rows per expert: a decode step's few rows per expert want the
-    smallest block tl.dot takes; a prefill's many want tiles that reuse each weight tile."""
+    smallest block tl.dot takes; a prefill's many want tiles that reuse each weight tile.
+    float32 halves BLOCK_K, so that the pipelined tiles (A and gate's and up's weight tiles,
+    three stages) stay within an H100's shared memory."""
     rows_per_expert = pairs / num_experts
     if rows_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
-    if rows_per_expert <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
+    elif rows_per_expert <= 64:
+        cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+    if dtype == torch.float32:
+        cfg["BLOCK_K"] //= 2
+    return cfg
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +163,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     x = x.contiguous()
     if n == 0:
         return torch.zeros_like(x)
-    cfg = _block_config(n * k, E)
+    cfg = _block_config(n * k, E, x.dtype)
     align = moe_align(topk_ids, E, cfg["BLOCK_M"])
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty((n * k, I), dtype=x.dtype, device=x.device)
