@@ -17,6 +17,9 @@ Columns
   ours/floor    the cold-cache time over the floor (1.0 would be perfect)
   align us      the align launch alone (16-row blocks)
 
+``--sweep`` also times other tile sizes (BLOCK_N, BLOCK_K, warps, stages; BLOCK_M as the kernel
+picks it) at each batch size and prints the fastest, to tune ``fused_moe._block_config`` with.
+
 Run (GPU):   python benchmarks/fused_moe.py --json benchmarks/results/fused_moe.json
              python benchmarks/fused_moe.py --shape mixtral-8x7b --tp 2
 Smoke (CPU): TRITON_INTERPRET=1 python benchmarks/fused_moe.py --device cpu --shape tiny --batch-sizes 1,4
@@ -47,6 +50,7 @@ from common import (
 
 remove_script_dir_from_sys_path()
 
+from llmserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from llmserve.kernels.fused_moe import fused_moe_torch, fused_moe_triton, moe_align  # noqa: E402
 from llmserve.kernels.moe_route import select_experts  # noqa: E402
 
@@ -91,11 +95,38 @@ def run(shape: str, batch: int, device: torch.device, dtype: torch.dtype, copy_b
     return Row(batch, hit, ms, graphed, align_ms * 1e3, floor_us, ms * 1e3 / floor_us)
 
 
+SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+         for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def sweep(shape: str, batch: int, device: torch.device, dtype: torch.dtype, w13: torch.Tensor,
+          w2: torch.Tensor) -> list[tuple[float, dict]]:
+    """(cold-cache ms, tiles) of every SWEEP entry that compiles and fits, fastest first."""
+    hidden, _, experts, top_k = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(batch)
+    x = torch.randn(batch, hidden, generator=gen, device=device, dtype=dtype)
+    weights, ids = select_experts(torch.randn(batch, experts, generator=gen, device=device), top_k, renormalize=True)
+    default = fused_moe_module._block_config
+    timed = []
+    try:
+        for tiles in SWEEP:
+            cfg = default(batch * top_k, experts, dtype) | tiles
+            fused_moe_module._block_config = lambda *_: cfg
+            try:
+                timed.append((cuda_time_ms(lambda: fused_moe_triton(x, w13, w2, weights, ids), device=device), cfg))
+            except Exception as e:  # out of shared memory, and the like
+                print(f"batch {batch}, {tiles}: {type(e).__name__}", file=sys.stderr)
+    finally:
+        fused_moe_module._block_config = default
+    return sorted(timed, key=lambda t: t[0])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--tp", type=int, default=1, help="each expert's intermediate size / tp, as one rank holds it")
     p.add_argument("--batch-sizes", default="1,8,64,256")
+    p.add_argument("--sweep", action="store_true", help="also time other tile sizes (CUDA)")
     add_device_arguments(p)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -115,8 +146,15 @@ def main() -> int:
         ["batch", "experts hit", "ours us", "graph us", "align us", "floor us", "ours/floor"],
         [[r.batch, r.experts_hit, f"{r.ms * 1e3:.1f}", "-" if r.graph_us is None else f"{r.graph_us:.1f}",
           f"{r.align_us:.1f}", f"{r.floor_us:.1f}", f"{r.ours_over_floor:.2f}"] for r in rows]))
+    best = {}
+    if args.sweep and device.type == "cuda":
+        for r in rows:
+            timed = sweep(args.shape, r.batch, device, dtype, w13, w2)
+            best[r.batch] = [(ms * 1e3, cfg) for ms, cfg in timed[:5]]
+            print(f"batch {r.batch}: default {r.ms * 1e3:.1f} us; fastest " +
+                  "; ".join(f"{us:.1f} us {cfg}" for us, cfg in best[r.batch][:3]))
     if args.json:
-        write_json(args.json, {"benchmark": "fused_moe", "environment": environment(device), "shape": args.shape,
+        write_json(args.json, {"benchmark": "fused_moe", "sweep_fastest_us": best, "environment": environment(device), "shape": args.shape,
                                "tp": args.tp, "dtype": dtype_name(dtype), "copy_bandwidth_bytes_per_s": copy_bw,
                                "results": [asdict(r) for r in rows]})
     return 0
