@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP: each token's output is the routing-weighted sum, over its top-k
 experts, of that expert's SwiGLU MLP, ``down_e(silu(gate_e(x)) * up_e(x))``.
 
-The Triton path runs three launches whatever the batch (and a sum): ``_moe_align_kernel`` sorts the n * k
+The Triton path runs three launches (two for one token) and a sum: ``_moe_align_kernel`` sorts the n * k
 (token, expert) pairs by expert into blocks of ``BLOCK_M`` rows, each block one expert's (the
 last block of an expert padded with a sentinel); ``_fused_moe_kernel`` then runs as a grouped
 GEMM, one program per (block, column tile), reading its block's expert's weights once: first
@@ -10,8 +10,8 @@ applied (``[n*k, H]``). The k rows of a token are summed last. Buffer sizes depe
 the number of experts only (the worst-case padding), never on the routing, so a decode step is
 captured in a CUDA graph as is; a block past the routing's real end returns at once.
 
-At batch 1 the k blocks each hold one real row: every touched expert's weights are read once,
-which is all a decode step must read. At batch 64 of Qwen3-30B-A3B (128 experts, top 8), most
+At batch 1 the k blocks each hold one real row, and need no sorting: every touched expert's
+weights are read once, which is all a decode step must read. At batch 64 of Qwen3-30B-A3B (128 experts, top 8), most
 experts are hit by a few tokens each and are still read once each.
 
 Rounded as HF's ``MixtralExperts``: gate, up, the SiLU output and their product round to the
@@ -72,14 +72,19 @@ def _moe_align_kernel(TopkIds, SortedPairs, BlockExpert, NumPadded, P, num_block
 def _fused_moe_kernel(A, W, C, TopkWeights, SortedPairs, BlockExpert, NumPadded,
                       N, K, P, A_ROWS_PER_PAIR_DIV,
                       stride_am, stride_we, stride_wn, stride_cm,
-                      SILU_MUL: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      SILU_MUL: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr, SORTED: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     # C[pair, n] = A[pair // DIV] . W[expert, n] for the pairs of block program_id(0). With
-    # SILU_MUL, W holds [gate; up] (2N rows) and C = silu(A W_gate^T) * (A W_up^T).
+    # SILU_MUL, W holds [gate; up] (2N rows) and C = silu(A W_gate^T) * (A W_up^T). Unless
+    # SORTED, block i is pair i alone and BlockExpert is topk_ids (one token: no align launch).
     pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M >= tl.load(NumPadded):
-        return
-    pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if SORTED:
+        if pid_m * BLOCK_M >= tl.load(NumPadded):
+            return
+        pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    else:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, P)
     valid = pairs < P
     a_rows = (pairs // A_ROWS_PER_PAIR_DIV).to(tl.int64)
     expert = tl.load(BlockExpert + pid_m).to(tl.int64)
@@ -151,7 +156,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weig
     launcher(_fused_moe_kernel, a)[grid](
         a, w, out, topk_weights, sorted_pairs, block_expert, num_padded,
         n, w.shape[2], out.shape[0], a_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        SILU_MUL=silu_mul, MUL_ROUTING_WEIGHT=not silu_mul, DOT_PRECISION=dot_precision(a.dtype), **cfg,
+        SILU_MUL=silu_mul, MUL_ROUTING_WEIGHT=not silu_mul, SORTED=sorted_pairs is not None,
+        DOT_PRECISION=dot_precision(a.dtype), **cfg,
     )
 
 
@@ -164,7 +170,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if n == 0:
         return torch.zeros_like(x)
     cfg = _block_config(n * k, E, x.dtype)
-    align = moe_align(topk_ids, E, cfg["BLOCK_M"])
+    # One token's k experts are distinct: each its own block, in topk_ids' order, needs no sorting.
+    align = moe_align(topk_ids, E, cfg["BLOCK_M"]) if n > 1 else (None, topk_ids.reshape(-1), None)
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty((n * k, I), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, act, weights, align, k, I, True, cfg)
