@@ -111,9 +111,11 @@ class MoeLayerWeight:
 
     def _build_ffn(self, w: dict[str, Weight]) -> None:
         layout = self.moe_layout()
-        self.moe_ = None if layout is None else build_moe_weights(layout, w)
+        self.moe_: MoeWeights | None = None
         if layout is None:
             super()._build_ffn(w)  # type: ignore[misc]
+        else:
+            self.moe_ = build_moe_weights(layout, w)
 
 
 class MoeLayerInfer:
