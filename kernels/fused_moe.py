@@ -131,6 +131,12 @@ def _block_config(pairs: int, num_experts: int, dtype: torch.dtype) -> dict[str,
     return cfg
 
 
+# Above this many pairs (a prefill), the one-program align kernel's serial loops cost more than
+# torch's parallel sort (about ten launches); at or below it (decode steps up to batch 256 at top 8)
+# the kernel's single launch is cheaper.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs sorted into per-expert blocks of ``block_m`` rows:
     ``sorted_pairs`` (pair ids, ``n * k`` where a row is padding), ``block_expert`` (each block's
@@ -138,6 +144,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     number of experts, so nothing here waits on the routing."""
     P = topk_ids.numel()
     num_blocks = triton.cdiv(P + min(num_experts, P) * (block_m - 1), block_m)
+    if P > ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_sorting(topk_ids, num_experts, block_m, num_blocks)
     dev = topk_ids.device
     sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
@@ -146,6 +154,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     launcher(_moe_align_kernel, ids)[(1,)](ids, sorted_pairs, block_expert, num_padded, P, num_blocks,
                                            BLOCK_M=block_m, E_P2=next_pow2(num_experts), CHUNK=64, num_warps=4)
     return sorted_pairs, block_expert, num_padded
+
+
+def moe_align_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                      num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align` by torch's stable sort, the same rows in use (no host sync either)."""
+    ids = topk_ids.reshape(-1).long()
+    P, dev = ids.numel(), ids.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    order = torch.sort(ids, stable=True).indices                     # pairs by expert, in pair order
+    expert = ids[order]
+    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[expert]
+    sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    sorted_pairs[(pad_end - padded)[expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
+    return sorted_pairs, block_expert, pad_end[-1:].to(torch.int32)
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,

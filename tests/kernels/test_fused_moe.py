@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE_DTYPES, DEVICES, randn, rng, tol
 
-from llmserve.kernels.fused_moe import fused_moe_torch, fused_moe_triton, moe_align
+from llmserve.kernels.fused_moe import fused_moe_torch, fused_moe_triton, moe_align, moe_align_sorting
 from llmserve.kernels.moe_route import select_experts_torch
 
 # (tokens, hidden, intermediate, experts, top_k): a decode-sized batch, more rows than one block
 # for some experts, widths that are no power of two, a single token; by rows per expert the
-# three tile configurations (16, 32 and 64 rows a block)
-SHAPES = [(1, 64, 32, 8, 2), (5, 48, 40, 4, 2), (40, 64, 96, 6, 3), (130, 32, 32, 4, 2)]
+# three tile configurations (16, 32 and 64 rows a block); more pairs than ALIGN_KERNEL_MAX_PAIRS
+# (a prefill: torch's sort aligns them)
+SHAPES = [(1, 64, 32, 8, 2), (5, 48, 40, 4, 2), (40, 64, 96, 6, 3), (130, 32, 32, 4, 2), (2100, 16, 16, 4, 2)]
 
 
 def make_inputs(n, H, I, E, k, dtype, device, seed=0):
@@ -63,3 +64,19 @@ def test_align_sorts_every_pair_into_its_experts_blocks(device):
     assert block_expert[: used // 2].tolist() == [0, 1, 2, 3, 3]
     P = ids.numel()
     assert rows == [[1, 4], [3, P], [7, P], [0, 2], [5, 6]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("P,E,block_m", [(12, 5, 2), (300, 16, 16), (2000, 128, 16), (900, 6, 64)])
+def test_align_kernel_and_sort_agree(device, P, E, block_m):
+    """The two ways to align (the one-program kernel for decode, torch's sort past
+    ALIGN_KERNEL_MAX_PAIRS) give the same blocks."""
+    ids = torch.randint(0, E, (P,), generator=rng(P)).to(device)
+    num_blocks = -(-(P + min(E, P) * (block_m - 1)) // block_m)
+    kernel = moe_align(ids, E, block_m)
+    sorting = moe_align_sorting(ids, E, block_m, num_blocks)
+    used = int(kernel[2])
+    assert used == int(sorting[2]) and used % block_m == 0
+    assert torch.equal(kernel[0][:used], sorting[0][:used])
+    assert torch.equal(kernel[1][: used // block_m], sorting[1][: used // block_m])
+    assert torch.equal(kernel[0][used:], sorting[0][used:])   # all padding
