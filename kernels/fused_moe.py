@@ -175,14 +175,14 @@ def moe_align_sorting(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,
-                  align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], a_div: int, n: int,
+                  align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sorted_: bool, a_div: int, n: int,
                   silu_mul: bool, cfg: dict[str, int]) -> None:
     sorted_pairs, block_expert, num_padded = align
     grid = (block_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
     launcher(_fused_moe_kernel, a)[grid](
         a, w, out, topk_weights, sorted_pairs, block_expert, num_padded,
         n, w.shape[2], out.shape[0], a_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        SILU_MUL=silu_mul, MUL_ROUTING_WEIGHT=not silu_mul, SORTED=sorted_pairs is not None,
+        SILU_MUL=silu_mul, MUL_ROUTING_WEIGHT=not silu_mul, SORTED=sorted_,
         DOT_PRECISION=dot_precision(a.dtype), **cfg,
     )
 
@@ -197,12 +197,17 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return torch.zeros_like(x)
     cfg = _block_config(n * k, E, x.dtype)
     # One token's k experts are distinct: each its own block, in topk_ids' order, needs no sorting.
-    align = moe_align(topk_ids, E, cfg["BLOCK_M"]) if n > 1 else (None, topk_ids.reshape(-1), None)
+    sorted_ = n > 1
+    if sorted_:
+        align = moe_align(topk_ids, E, cfg["BLOCK_M"])
+    else:
+        ids = topk_ids.reshape(-1)
+        align = (ids, ids, ids)  # block i is pair i, its expert ids[i]; the other two go unread
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty((n * k, I), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, act, weights, align, k, I, True, cfg)
+    _grouped_gemm(x, w13, act, weights, align, sorted_, k, I, True, cfg)
     out = torch.empty((n * k, x.shape[1]), dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, out, weights, align, 1, x.shape[1], False, cfg)
+    _grouped_gemm(act, w2, out, weights, align, sorted_, 1, x.shape[1], False, cfg)
     return out.view(n, k, -1).sum(1)
 
 

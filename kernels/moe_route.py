@@ -51,7 +51,7 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     ids = torch.empty((n, top_k), dtype=torch.int32, device=logits.device)
     if n:
         E_P2 = next_pow2(E)
-        BLOCK_T = max(1, min(64, 4096 // E_P2, next_pow2(n)))
+        BLOCK_T = min(64, max(16, 4096 // E_P2))
         launcher(_moe_route_kernel, logits)[(triton.cdiv(n, BLOCK_T),)](
             logits, weights, ids, n, E, logits.stride(0), TOP_K=top_k, K_P2=next_pow2(top_k), RENORMALIZE=renormalize,
             BLOCK_T=BLOCK_T, E_P2=E_P2, num_warps=4,
