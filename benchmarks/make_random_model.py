@@ -5,7 +5,11 @@ What it writes (into ``--out``)
                                   (``--shape 8b``: hidden 4096, 32 layers, 32 / 8 heads,
                                   intermediate 14336, vocab 128256, rope theta 500000) or its
                                   2-layer ``tiny`` twin (for tests); Qwen3ForCausalLM with
-                                  ``--shape qwen3-8b`` / ``qwen3-tiny``; ``--num-layers`` shrinks any
+                                  ``--shape qwen3-8b`` / ``qwen3-tiny``; MixtralForCausalLM /
+                                  Qwen3MoeForCausalLM with ``mixtral-8x7b`` (93 GB bf16) /
+                                  ``qwen3-30b-a3b`` (61 GB), one tensor per expert as published
+                                  checkpoints (tiny twins: ``mixtral-tiny``, ``qwen3-moe-tiny``);
+                                  ``--num-layers`` shrinks any
   model-0000i-of-0000N.safetensors
   model.safetensors.index.json    the weights, drawn by ``offline.random_llama_weights`` (the same
                                   seed gives the same weights as ``offline.py``), one layer at a
