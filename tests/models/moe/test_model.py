@@ -7,13 +7,17 @@ tensor each, as published checkpoints have them, and that is what these load."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from itertools import count
+
 import pytest
+import torch
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from triton.runtime.interpreter import InterpretedFunction
 
 from parity_utils import (
-    TEST_DEVICE, assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, hf_and_ours, random_prompts,
+    EXACT, TEST_DEVICE, assert_chunked_prefill_matches_hf, assert_matches_hf_greedy, hf_and_ours, random_prompts,
 )
 
 from llmserve.common.basemodel import moe
@@ -57,9 +61,63 @@ def test_the_config_shapes_the_layers(models):
         assert (layer.moe_.shared_gate is not None) == (name == "qwen2-moe-shared")
 
 
+# In half precision a token may pick other experts than HF float32 does where its k-th and (k+1)-th
+# router probabilities are this close (bf16 noise in the hidden state reorders them): an O(1) change
+# of that token's MLP output that no logits tolerance covers, and frequent on tiny random models.
+NEAR_TIE = 0.02
+
+
+@contextmanager
+def routed_as_hf_at_near_ties(hf, num_prompts: int):
+    """Around `assert_matches_hf_greedy` in half precision: wherever our router picks other experts
+    than HF's, HF's own pick must be a near-tie (else the test fails), and our model then takes
+    HF's experts, weighted by its own router's probabilities, so the logits compare like for like.
+    Every other token keeps our router's (or the patched kernel's) weights and ids untouched. In
+    float32 the routing must match exactly, and this does nothing.
+
+    HF runs first, one prompt at a time (a prefill, then one token per step); our model runs the
+    prompts as one batch: its forward f in MoE layer l holds, prompt after prompt, the rows HF
+    routed in prompt i's forward f, layer l."""
+    if EXACT:
+        yield
+        return
+    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+    hf_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (probabilities, ids), in HF's call order
+    hooks = [r.register_forward_hook(lambda m, i, out: hf_calls.append((torch.softmax(out[0].float(), -1), out[2])))
+             for r in routers]
+    ours_route, our_calls = moe.select_experts, count()
+
+    def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+        weights, ids = ours_route(router_logits, top_k, renormalize)
+        forward, layer = divmod(next(our_calls), len(routers))
+        per_prompt = len(hf_calls) // num_prompts
+        hf_probs, hf_ids = (torch.cat(t) for t in zip(*(hf_calls[i * per_prompt + forward * len(routers) + layer]
+                                                        for i in range(num_prompts))))
+        flipped = (ids.cpu().sort(-1).values != hf_ids.sort(-1).values).any(-1)
+        ranked = hf_probs.sort(-1, descending=True).values
+        gap = ranked[:, top_k - 1] - ranked[:, top_k]
+        assert (gap[flipped] < NEAR_TIE).all(), f"forward {forward} layer {layer}: experts differ from HF's off a near-tie"
+        if flipped.any():
+            rows, forced = flipped.nonzero().squeeze(1).to(ids.device), hf_ids[flipped].to(ids)
+            w = torch.softmax(router_logits[rows].float(), -1).gather(1, forced.long())
+            weights, ids = weights.clone(), ids.clone()
+            weights[rows], ids[rows] = (w / w.sum(-1, keepdim=True) if renormalize else w), forced
+        return weights, ids
+
+    moe.select_experts = select_experts
+    try:
+        yield
+    finally:
+        moe.select_experts = ours_route
+        for h in hooks:
+            h.remove()
+
+
 def test_prefill_and_decode_match_hf(models):
     _, hf, ours = models
-    assert_matches_hf_greedy(ours, hf, random_prompts([5, 12, 1, 9], 512), steps=12)
+    prompts = random_prompts([5, 12, 1, 9], 512)
+    with routed_as_hf_at_near_ties(hf, len(prompts)):
+        assert_matches_hf_greedy(ours, hf, prompts, steps=12)
 
 
 def test_chunked_prefill_matches_full_prompt(models):
@@ -75,4 +133,6 @@ def test_fused_moe_kernel_in_the_model_matches_hf(models, monkeypatch):
     _, hf, ours = models
     monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
     monkeypatch.setattr(moe, "select_experts", select_experts_triton)
-    assert_matches_hf_greedy(ours, hf, random_prompts([6, 1, 11], 512, seed=3), steps=3)
+    prompts = random_prompts([6, 1, 11], 512, seed=3)
+    with routed_as_hf_at_near_ties(hf, len(prompts)):
+        assert_matches_hf_greedy(ours, hf, prompts, steps=3)
