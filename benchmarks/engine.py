@@ -18,6 +18,8 @@ throughput that HTTP, tokenization and streaming leave (issue 10's goal: >= 90%)
 
 Run (GPU):  python benchmarks/make_random_model.py /tmp/llama3-8b-random
             python benchmarks/engine.py --model /tmp/llama3-8b-random --concurrency 1,32,128,256
+            python benchmarks/make_random_model.py --shape mixtral-8x7b --out /tmp/mixtral-8x7b-random
+            python benchmarks/engine.py --model /tmp/mixtral-8x7b-random --tp 2 --concurrency 1,32
 Smoke (CPU): python benchmarks/engine.py --concurrency 1,2 --input-len 16 --output-len 4
 """
 
@@ -116,7 +118,7 @@ def start_engine(args: argparse.Namespace, max_running_requests: int) -> LLMEngi
     """The offline engine on ``--model`` / ``--dtype`` / ``--max-total-token-num`` (this script's
     and structured_output.py's flags)."""
     config = EngineConfig(model=args.model, dtype=args.dtype, max_running_requests=max_running_requests,
-                          max_total_token_num=args.max_total_token_num)
+                          max_total_token_num=args.max_total_token_num, tp=args.tp)
     return LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
 
 
@@ -135,6 +137,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each (Mixtral-8x7B: 2)")
     p.add_argument("--concurrency", default="1,32,128", help="comma-separated C values (default: 1,32,128)")
     p.add_argument("--num-prompts", default=None,
                    help="timed requests per C: one number, or one per --concurrency value, comma-separated (default: 4C)")

@@ -11,6 +11,7 @@ step at a time, each step timed the way ours is (CUDA events around forward + ar
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 
@@ -34,11 +35,36 @@ def build_hf_model(cfg: dict, device: torch.device, dtype: torch.dtype, weights:
     finally:
         torch.set_default_dtype(default_dtype)
     for chunk in weights:
+        chunk = fuse_experts(chunk)
         missing = set(chunk) - set(model.state_dict())
         assert not missing, f"HF {type(model).__name__} has no {sorted(missing)[:3]}"
         model.load_state_dict(chunk, strict=False)
         del chunk
     return model
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}
+
+
+def fuse_experts(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names (each expert's gate / up / down, Mixtral's under ``block_sparse_moe``) as
+    transformers 5 holds them in memory: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
+    ``mlp.experts.down_proj`` ``[E, H, I]`` per layer (its loader converts so; load_state_dict
+    does not). A chunk without experts comes back as it is."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+    for name, t in chunk.items():
+        m = _EXPERT.fullmatch(name)
+        if m:
+            experts.setdefault(m[1], {})[int(m[2]), _EXPERT_PART[m[3]]] = t
+        else:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    for layer, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([parts[e, 0], parts[e, 1]]) for e in range(n)])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([parts[e, 2] for e in range(n)])
+    return out
 
 
 class HFPeer:

@@ -5,7 +5,12 @@ What it writes (into ``--out``)
                                   (``--shape 8b``: hidden 4096, 32 layers, 32 / 8 heads,
                                   intermediate 14336, vocab 128256, rope theta 500000) or its
                                   2-layer ``tiny`` twin (for tests); Qwen3ForCausalLM / Gemma2ForCausalLM with
-                                  ``--shape qwen3-8b`` / ``gemma2-9b`` (or their tiny twins); ``--num-layers`` shrinks any
+                                  ``--shape qwen3-8b`` / ``gemma2-9b`` (tiny twins: ``qwen3-tiny``,
+                                  ``gemma2-tiny``); MixtralForCausalLM /
+                                  Qwen3MoeForCausalLM with ``mixtral-8x7b`` (93 GB bf16) /
+                                  ``qwen3-30b-a3b`` (61 GB), one tensor per expert as published
+                                  checkpoints (tiny twins: ``mixtral-tiny``, ``qwen3-moe-tiny``);
+                                  ``--num-layers`` shrinks any
   model-0000i-of-0000N.safetensors
   model.safetensors.index.json    the weights, drawn by ``offline.random_llama_weights`` (the same
                                   seed gives the same weights as ``offline.py``), one layer at a
@@ -198,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory to write (created; must be empty if it exists)")
-    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); qwen3-8b, gemma2-9b: Qwen3-8B's, Gemma-2-9B's; tiny, qwen3-tiny, gemma2-tiny: 2 small layers")
+    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); qwen3-8b, gemma2-9b: Qwen3-8B's, Gemma-2-9B's; qwen3-30b-a3b, mixtral-8x7b: those MoE models' (per-expert tensors, as published); tiny, qwen3-tiny, gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: 2 small layers")
     p.add_argument("--num-layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="override the vocabulary size (default: the shape's, or the tokenizer's rounded up to 64 "

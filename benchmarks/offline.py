@@ -22,7 +22,9 @@ Columns
   tok/s            batch / (ms/step)
   weights GB       parameter bytes a decode step reads: every weight tensor the model holds
                    (counted from its weight objects) except the token-embedding table, of which
-                   a step reads only the batch's rows (1.05 GB of the 16.06 GB held at 8B)
+                   a step reads only the batch's rows (1.05 GB of the 16.06 GB held at 8B), and
+                   less, in a mixture-of-experts model, the experts no token of the step routes to
+                   (expected_experts_hit: at batch 1 Qwen3-30B-A3B reads 8 of each layer's 128)
   KV GB/step       batch * kv_len * layers * 2 (K and V) * Hkv * head_dim * bytes, kv_len being
                    the tokens each query attends to, averaged over the timed steps
   floor ms         (weights GB + KV GB/step) / measured device-to-device copy bandwidth (bytes
@@ -37,12 +39,14 @@ Columns
 
 Run (GPU):   python benchmarks/offline.py --json benchmarks/results/offline.json
 Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 32 --steps 4
-             (qwen3-tiny, gemma2-tiny: the same for the Qwen3 and Gemma 2 model classes)
+             (qwen3-tiny, gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: the same for those model classes)
+MoE (GPU):   python benchmarks/offline.py --model-size qwen3-30b-a3b --batch-sizes 1,64 --peer hf-compiled
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -166,19 +170,60 @@ GEMMA2_TINY_CONFIG: dict = {**GEMMA2_9B_CONFIG, "hidden_size": 128, "num_hidden_
                             "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 1024,
                             "query_pre_attn_scalar": 32, "sliding_window": 64}
 
+# Qwen3-30B-A3B's shapes: Qwen3's attention (32 / 4 heads of 128) and 128 experts of 768 in every
+# layer, 8 routed per token and renormalised. bf16: 61 GB, one H100.
+QWEN3_30B_A3B_CONFIG: dict = {
+    **QWEN3_8B_CONFIG,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+# Mixtral-8x7B's: Mistral's attention and 8 experts of 14336 in every layer, top 2. bf16: 93 GB,
+# two GPUs (tp=2: make_random_model.py, then the server or engine.py with --tp 2).
+MIXTRAL_8X7B_CONFIG: dict = {
+    **LLAMA3_8B_CONFIG,
+    "model_type": "mixtral",
+    "vocab_size": 32000,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "sliding_window": None,
+}
+
+# Their CPU-sized twins.
+QWEN3_MOE_TINY_CONFIG: dict = {**QWEN3_30B_A3B_CONFIG, **{k: TINY_CONFIG[k] for k in (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")},
+    "head_dim": 64, "moe_intermediate_size": 64, "num_experts": 16, "num_experts_per_tok": 4}
+MIXTRAL_TINY_CONFIG: dict = {**TINY_CONFIG, **{k: MIXTRAL_8X7B_CONFIG[k] for k in (
+    "model_type", "num_local_experts", "num_experts_per_tok", "sliding_window")}}
+
 CONFIGS = {"8b": LLAMA3_8B_CONFIG, "smollm2": SMOLLM2_135M_CONFIG, "tiny": TINY_CONFIG,
            "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-tiny": QWEN3_TINY_CONFIG,
-           "gemma2-9b": GEMMA2_9B_CONFIG, "gemma2-tiny": GEMMA2_TINY_CONFIG}
+           "gemma2-9b": GEMMA2_9B_CONFIG, "gemma2-tiny": GEMMA2_TINY_CONFIG,
+           "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG, "qwen3-moe-tiny": QWEN3_MOE_TINY_CONFIG,
+           "mixtral-8x7b": MIXTRAL_8X7B_CONFIG, "mixtral-tiny": MIXTRAL_TINY_CONFIG}
 MAX_PREFILL_TOKENS = 16384
 
 
 # -- the model -----------------------------------------------------------------------------
 def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
                          scale: float = 0.02, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """HF-named random Llama weights (with Qwen3's q/k norms for a ``qwen3`` config; Gemma 2's four
-    norms a layer, zero as Gemma's 1 + w norms start, for a ``gemma2`` one), one dict per layer
-    (the first holds the embedding, the final norm and the lm_head unless tied), drawn on
-    ``device`` so that only what the model keeps is live."""
+    """HF-named random Llama weights (with Qwen3's q/k norms for a ``qwen3`` / ``qwen3_moe``
+    config, experts for a mixture-of-experts one, named as published checkpoints name them; Gemma 2's
+    four norms a layer, zero as Gemma's 1 + w norms start, for a ``gemma2`` one), one dict per layer
+    (the first holds the embedding, the final norm and the lm_head unless tied), drawn on ``device``
+    so that only what the model keeps is live."""
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
@@ -206,21 +251,41 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
             p + "self_attn.v_proj.weight": normal(kv_dim, hidden),
             p + "self_attn.o_proj.weight": normal(hidden, q_dim),
             p + "post_attention_layernorm.weight": ones(hidden),
-            p + "mlp.gate_proj.weight": normal(inter, hidden),
-            p + "mlp.up_proj.weight": normal(inter, hidden),
-            p + "mlp.down_proj.weight": normal(hidden, inter),
+            **random_mlp_weights(cfg, p, normal),
             **({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)}
-               if cfg.get("model_type") == "qwen3" else {}),
+               if cfg.get("model_type") in ("qwen3", "qwen3_moe") else {}),
             **({p + "pre_feedforward_layernorm.weight": ones(hidden), p + "post_feedforward_layernorm.weight": ones(hidden)}
                if cfg.get("model_type") == "gemma2" else {}),
         }
+
+
+def random_mlp_weights(cfg: dict, p: str, normal) -> dict[str, torch.Tensor]:
+    """One layer's MLP: dense, or (every layer of these configs) Mixtral's / Qwen3-MoE's experts."""
+    hidden = cfg["hidden_size"]
+    if cfg["model_type"] == "mixtral":
+        p, names, inter, experts = p + "block_sparse_moe.", ("w1", "w3", "w2"), cfg["intermediate_size"], cfg["num_local_experts"]
+    elif cfg["model_type"] == "qwen3_moe":
+        assert cfg["decoder_sparse_step"] == 1 and not cfg["mlp_only_layers"], "every layer has experts here"
+        p, names, inter, experts = p + "mlp.", ("gate_proj", "up_proj", "down_proj"), cfg["moe_intermediate_size"], cfg["num_experts"]
+    else:
+        inter = cfg["intermediate_size"]
+        return {p + "mlp.gate_proj.weight": normal(inter, hidden), p + "mlp.up_proj.weight": normal(inter, hidden),
+                p + "mlp.down_proj.weight": normal(hidden, inter)}
+    weights = {p + "gate.weight": normal(experts, hidden)}
+    for e in range(experts):
+        gate, up, down = (f"{p}experts.{e}.{name}.weight" for name in names)
+        weights |= {gate: normal(inter, hidden), up: normal(inter, hidden), down: normal(hidden, inter)}
+    return weights
 
 
 def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight]:
     """Every distinct weight the model's weight objects hold (a tied lm_head counts once)."""
     weights: dict[int, torch.Tensor | QuantizedWeight] = {}
     for layer in (model.pre_post_weight, *model.trans_layers_weight):
-        for value in vars(layer).values():
+        values = list(vars(layer).values())
+        if getattr(layer, "moe_", None) is not None:
+            values += vars(layer.moe_).values()
+        for value in values:
             if isinstance(value, (torch.Tensor, QuantizedWeight)):
                 weights.setdefault(id(value), value)
     return list(weights.values())
@@ -236,6 +301,25 @@ def weight_bytes(model: TpPartBaseModel) -> tuple[int, int]:
     held = sum(nbytes(w) for w in held_weights(model))
     wte, lm_head = model.pre_post_weight.wte_weight_, model.pre_post_weight.lm_head_weight_
     return held, held - (0 if wte is lm_head else nbytes(wte))
+
+
+def expected_experts_hit(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a layer's router picks for ``batch`` tokens, on average, when each token's
+    k experts are a uniform draw (random weights route so: their router logits are near zero).
+    One token hits k of them; 64 tokens of Qwen3-30B-A3B (8 of 128) hit 125 of the 128."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def step_weight_bytes(model: TpPartBaseModel, read: int, batch: int) -> float:
+    """Bytes a decode step of ``batch`` requests reads: ``read`` (every weight, see weight_bytes)
+    less the experts its tokens leave untouched (an expert nobody routes to is never read)."""
+    for layer in model.trans_layers_weight:
+        moe = getattr(layer, "moe_", None)
+        if moe is not None:
+            experts = moe.w13.shape[0]
+            per_expert = (nbytes(moe.w13) + nbytes(moe.w2)) / experts
+            read -= (experts - expected_experts_hit(experts, moe.top_k, batch)) * per_expert
+    return read
 
 
 def hf_weight_bytes(hf_model) -> int:
@@ -366,21 +450,29 @@ def _run_batch(model: TpPartBaseModel, mode: str, batch: int, prompt_len: int, w
 
 
 @torch.inference_mode()
-def check_same_model(model: TpPartBaseModel, hf_model) -> None:
-    """The peer computes what we compute: one short prompt's last logits agree (to the dtype's
-    rounding), so the two hold the same weights and the table compares like with like."""
+def last_logits(model: TpPartBaseModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """A short random prompt and our logits of its last token: what the peer must reproduce."""
     n = min(16, model.max_seq_len)
     ids = torch.randint(model.vocab_size, (n,), device=model.device)
     row = model.req_manager.alloc_req()
     try:
-        ours = model.forward(ids, [row], [0], [n])[0].float()
+        return ids, model.forward(ids, [row], [0], [n])[0].float()
     finally:
         model.req_manager.free_req(row)
+
+
+@torch.inference_mode()
+def check_same_model(reference: tuple[torch.Tensor, torch.Tensor], hf_model, dtype: torch.dtype,
+                     experts: bool = False) -> None:
+    """The peer computes what we compute: one short prompt's last logits agree (to the dtype's
+    rounding), so the two hold the same weights and the table compares like with like."""
+    ids, ours = reference
     theirs = hf_model(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()
     err = float((ours - theirs).norm() / theirs.norm())
     # float32 agrees to rounding; in half precision 32 random layers drift apart by several
-    # percent (as in tests/parity_utils.py), while different weights would differ by ~100%
-    if err > (1e-3 if model.data_type == torch.float32 else 0.1):
+    # percent (as in tests/parity_utils.py), while different weights would differ by ~100%; with
+    # experts, that drift also flips near-tied routing choices (a different expert for a token)
+    if err > (1e-3 if dtype == torch.float32 else 0.3 if experts else 0.1):
         raise RuntimeError(f"the peer's logits differ from ours by {err:.3f} (relative): not the same model")
     print(f"peer check: last-token logits agree to {err:.1e} (relative)", file=sys.stderr)
 
@@ -424,9 +516,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before them")
     p.add_argument("--model-size", choices=sorted(CONFIGS), default="8b",
-                   help="8b: Llama-3-8B shapes; qwen3-8b: Qwen3-8B's; gemma2-9b: Gemma-2-9B's; smollm2: SmolLM2-135M's "
-                        "(the embedded model; for CPU comparisons); tiny, qwen3-tiny, gemma2-tiny: 2 small layers, "
-                        "for CPU smoke tests")
+                   help="8b: Llama-3-8B shapes; qwen3-8b: Qwen3-8B's; gemma2-9b: Gemma-2-9B's; qwen3-30b-a3b, "
+                        "mixtral-8x7b: those MoE models' (Mixtral-8x7B needs two GPUs: see make_random_model.py); "
+                        "smollm2: SmolLM2-135M's (the embedded model; for CPU comparisons); tiny, qwen3-tiny, "
+                        "gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: 2 small layers, for CPU smoke tests")
     p.add_argument("--modes", default="eager,graphs",
                    help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
                         "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")
@@ -474,27 +567,39 @@ def main() -> int:
           f"{model.max_total_token_num} tokens ({model.max_total_token_num * kv_bytes_per_token(model) / 1e9:.2f} GB)",
           file=sys.stderr)
     warm_up_kernels(model, args.prompt_len, max(batch_sizes))
-    peer = None
-    if args.peer != "none":
-        # the same weights: the same generator, seed and order as the model's
-        peer = HFPeer(build_hf_model(cfg, device, dtype, peer_weights or random_llama_weights(cfg, device, dtype)),
-                      args.peer)
-        peer_read = hf_weight_bytes(peer.model)
-        check_same_model(model, peer.model)
+    reference = last_logits(model) if args.peer != "none" else None
 
     results: list[BatchResult] = []
     for batch in batch_sizes:
         for mode in modes:
             print(f"batch {batch}, {mode}: prefill {batch} x {args.prompt_len}, then {args.warmup_steps} + {args.steps} "
                   "decode steps", file=sys.stderr)
-            results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw, read))
-        if peer is not None:
+            results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw,
+                                     step_weight_bytes(model, read, batch)))
+    model_type, kv_per_token = model.model_type, kv_bytes_per_token(model)
+    untouched = {b: read - step_weight_bytes(model, read, b) for b in batch_sizes}  # experts no token routes to
+    if args.peer != "none":
+        # Ours is freed first: a model and its peer of Qwen3-30B-A3B's size do not both fit one H100.
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        # the same weights: the same generator, seed and order as the model's
+        peer = HFPeer(build_hf_model(cfg, device, dtype, peer_weights or random_llama_weights(cfg, device, dtype)),
+                      args.peer)
+        check_same_model(reference, peer.model, dtype, experts=any(untouched.values()))
+        for batch in batch_sizes:
             print(f"batch {batch}, {peer.mode}", file=sys.stderr)
-            prefill_s, step_ms = peer.run(batch, args.prompt_len, args.warmup_steps, args.steps)
+            try:
+                prefill_s, step_ms = peer.run(batch, args.prompt_len, args.warmup_steps, args.steps)
+            except Exception as e:  # e.g. torch.compile of a model it cannot capture: ours stay in the table
+                print(f"the {peer.mode} peer failed at batch {batch}: {type(e).__name__}: {e}", file=sys.stderr)
+                break
             results.append(summarize(peer.mode, batch, args.prompt_len, prefill_s, step_ms, args.warmup_steps,
-                                     copy_bw, peer_read, kv_bytes_per_token(model), device))
+                                     copy_bw, hf_weight_bytes(peer.model) - untouched[batch], kv_per_token, device))
+        results.sort(key=lambda r: r.batch)   # stable: each batch's rows ours first, then the peer's
 
-    print(f"\n### Decode step, {shapes} shapes ({model.model_type}), {dtype_name(dtype)}, "
+    print(f"\n### Decode step, {shapes} shapes ({model_type}), {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 
@@ -511,7 +616,7 @@ def main() -> int:
             "copy_bandwidth_bytes_per_s": copy_bw,
             "weight_bytes_held": held,
             "weight_bytes_read_per_step": read,
-            "kv_bytes_per_token": kv_bytes_per_token(model),
+            "kv_bytes_per_token": kv_per_token,
             "results": [asdict(r) for r in results],
         })
     return 0

@@ -26,6 +26,9 @@ MODEL_CLASSES: dict[str, str] = {
     "gemma2": "llmserve.models.gemma2.model:Gemma2TpPartModel",
     "gemma3_text": "llmserve.models.gemma3.model:Gemma3TpPartModel",
     "gemma3": "llmserve.models.gemma3.conditional:Gemma3ConditionalTpPartModel",   # its text decoder
+    "mixtral": "llmserve.models.mixtral.model:MixtralTpPartModel",
+    "qwen2_moe": "llmserve.models.qwen_moe.model:Qwen2MoeTpPartModel",
+    "qwen3_moe": "llmserve.models.qwen_moe.model:Qwen3MoeTpPartModel",
     "bloom": "llmserve.models.bloom.model:BloomTpPartModel",
     "llava": "llmserve.models.llava.model:LlavaTpPartModel",
 }

@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import BloomConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
+from transformers import (BloomConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig)
 
 from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, rel_err, tp2_logits
 
@@ -63,3 +64,18 @@ def test_gemma3_tp2_logits_match_hf_with_padded_vocab(tmp_path):
     _check(Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=32, vocab_size=511, sliding_window=4,
                             layer_types=["sliding_attention", "full_attention"]), tmp_path)
+MOE_TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=511)
+
+
+def test_moe_tp2_logits_match_hf(tmp_path):
+    # every expert's gate / up cut by columns and down by rows, the router whole on each rank;
+    # Mixtral, Qwen3-MoE with a dense layer, and Qwen2-MoE's shared expert and its sigmoid gate
+    for i, config in enumerate([
+        MixtralConfig(**MOE_TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+        Qwen3MoeConfig(**MOE_TINY, head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                       num_experts_per_tok=3, decoder_sparse_step=2),
+        Qwen2MoeConfig(**MOE_TINY, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       num_experts=4, num_experts_per_tok=2),
+    ]):
+        (tmp_path / str(i)).mkdir()
+        _check(config, tmp_path / str(i))

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from transformers import BloomConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
+from transformers import BloomConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 
 from llmserve.common.basemodel.cuda_graph import batch_size_buckets, verify_row_buckets
 from llmserve.kernels.decode_attention import decode_num_splits
@@ -43,6 +43,10 @@ CONFIGS = {
     "gemma3": lambda: Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
                                        sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # routing, align and grouped GEMMs inside the captured step, their buffers sized for the bucket
+    "qwen3_moe": lambda: Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        vocab_size=VOCAB, max_position_embeddings=256),
 }
 
 

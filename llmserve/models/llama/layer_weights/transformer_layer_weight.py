@@ -14,7 +14,8 @@ class LlamaTransformerLayerWeight(TransformerLayerWeight):
     def weight_specs(self) -> dict[str, WeightSpec]:
         cfg = self.network_config_
         p = f"model.layers.{self.layer_num_}."
-        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = (cfg.model_type == "qwen2" or bool(getattr(cfg, "qkv_bias", False))  # qkv_bias: Qwen2-MoE
+                    or bool(getattr(cfg, "attention_bias", False)))
         return {
             "att_norm": WeightSpec(p + "input_layernorm.weight"),
             "q": WeightSpec(p + "self_attn.q_proj.weight", "col"),
@@ -26,9 +27,16 @@ class LlamaTransformerLayerWeight(TransformerLayerWeight):
             "o": WeightSpec(p + "self_attn.o_proj.weight", "row"),
             "o_bias": WeightSpec(p + "self_attn.o_proj.bias", required=False),
             "ffn_norm": WeightSpec(p + "post_attention_layernorm.weight"),
-            "gate": WeightSpec(p + "mlp.gate_proj.weight", "col"),
-            "up": WeightSpec(p + "mlp.up_proj.weight", "col"),
-            "down": WeightSpec(p + "mlp.down_proj.weight", "row"),
+            **self.ffn_specs(),
+        }
+
+    def ffn_specs(self) -> dict[str, WeightSpec]:
+        """The MLP's tensors (a mixture-of-experts layer has others: see ``MoeLayerWeight``)."""
+        p = f"model.layers.{self.layer_num_}.mlp."
+        return {
+            "gate": WeightSpec(p + "gate_proj.weight", "col"),
+            "up": WeightSpec(p + "up_proj.weight", "col"),
+            "down": WeightSpec(p + "down_proj.weight", "row"),
         }
 
     def _build(self, w: dict[str, Weight]) -> None:
@@ -38,5 +46,8 @@ class LlamaTransformerLayerWeight(TransformerLayerWeight):
         self.o_weight_ = w["o"]
         self.o_bias_ = w.get("o_bias")
         self.ffn_norm_weight_ = w["ffn_norm"]
+        self._build_ffn(w)
+
+    def _build_ffn(self, w: dict[str, Weight]) -> None:
         self.gate_up_weight_ = stack_rows([w["gate"], w["up"]])
         self.down_weight_ = w["down"]
