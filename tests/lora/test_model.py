@@ -1,13 +1,13 @@
-"""LoRA adapters in our models against PEFT on the same weights: tiny random Llama, Qwen2 and
-Mistral, each with three random adapters of different ranks and targets (fp32 on the CPU:
-identical greedy tokens), a batch mixing the base model and all three, and prompts in chunks."""
+"""LoRA adapters in our models against PEFT on the same weights: tiny random Llama, Qwen2,
+Mistral and Gemma 2 (its own MLP activation), each with three random adapters of different
+ranks and targets (fp32 on the CPU: identical greedy tokens), a batch mixing the base model and all three, and prompts in chunks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from lora_utils import ALL_TARGETS, AdapterSpec, adapter_active, make_peft_adapter, peft_greedy, peft_model_of
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from llmserve.lora.adapter import read_adapter
 from parity_utils import BatchDriver, build_tiny_hf_model, compare_steps, load_ours, random_prompts
@@ -18,6 +18,7 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**SHAPE),
     "qwen2": lambda: Qwen2Config(**SHAPE),
     "mistral": lambda: MistralConfig(**SHAPE, sliding_window=None),
+    "gemma2": lambda: Gemma2Config(**SHAPE, head_dim=16),
 }
 ADAPTERS = {
     "attn-r4": AdapterSpec(r=4, targets=("q_proj", "v_proj"), alpha=8, seed=1),

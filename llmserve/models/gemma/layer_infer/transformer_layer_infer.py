@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels import gelu_and_mul_fwd, linear
-from llmserve.models.llama.infer_struct import LlamaInferStateInfo
+from llmserve.kernels import gelu_and_mul_fwd
 from llmserve.models.llama.layer_infer.transformer_layer_infer import LlamaTransformerLayerInfer
 
 
@@ -13,6 +12,5 @@ class GemmaTransformerLayerInfer(LlamaTransformerLayerInfer):
 
     norm_round_first = False
 
-    def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        act = gelu_and_mul_fwd(linear(x, layer_weight.gate_up_weight_))
-        return self._row_parallel_linear(act, layer_weight.down_weight_, None)
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_and_mul_fwd(gate_up)

@@ -40,4 +40,8 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
         gate_up = linear(x, layer_weight.gate_up_weight_)
         if infer_state.lora is not None:
             infer_state.lora.add(self.layer_num_, "gate_up", x, gate_up)
-        return self._row_parallel_linear(silu_and_mul_fwd(gate_up), layer_weight.down_weight_, None, infer_state, "down")
+        return self._row_parallel_linear(self._act_and_mul(gate_up), layer_weight.down_weight_, None, infer_state, "down")
+
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation of ``[gate | up]``: SwiGLU here."""
+        return silu_and_mul_fwd(gate_up)
