@@ -520,6 +520,9 @@ def parse_args() -> argparse.Namespace:
                         "mixtral-8x7b: those MoE models' (Mixtral-8x7B needs two GPUs: see make_random_model.py); "
                         "smollm2: SmolLM2-135M's (the embedded model; for CPU comparisons); tiny, qwen3-tiny, "
                         "gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: 2 small layers, for CPU smoke tests")
+    p.add_argument("--peer-batch-sizes", default=None,
+                   help="the batch sizes the peer runs, some of --batch-sizes (default: all of them; hf-compiled "
+                        "compiles once per batch size, which takes minutes for an 8B model)")
     p.add_argument("--modes", default="eager,graphs",
                    help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
                         "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")
@@ -532,6 +535,14 @@ def parse_args() -> argparse.Namespace:
                         "(as llmserve serve does), the HF peer the same weights dequantized to float32")
     add_device_arguments(p)
     return p.parse_args()
+
+
+def peer_batch_sizes(arg: str | None, batch_sizes: list[int]) -> list[int]:
+    """The batch sizes the peer runs: ``--peer-batch-sizes`` (some of ``--batch-sizes``), else all."""
+    chosen = [int(b) for b in arg.split(",") if b.strip()] if arg else batch_sizes
+    if not set(chosen) <= set(batch_sizes):
+        raise SystemExit(f"--peer-batch-sizes {arg!r} must be among --batch-sizes {batch_sizes}")
+    return chosen
 
 
 def main() -> int:
@@ -579,6 +590,9 @@ def main() -> int:
     model_type, kv_per_token = model.model_type, kv_bytes_per_token(model)
     untouched = {b: read - step_weight_bytes(model, read, b) for b in batch_sizes}  # experts no token routes to
     if args.peer != "none":
+        # Ours first, in case the peer does not finish (torch.compile of a large model at several
+        # batch sizes takes minutes).
+        print(results_table(results), file=sys.stderr, flush=True)
         # Ours is freed first: a model and its peer of Qwen3-30B-A3B's size do not both fit one H100.
         del model
         gc.collect()
@@ -588,7 +602,7 @@ def main() -> int:
         peer = HFPeer(build_hf_model(cfg, device, dtype, peer_weights or random_llama_weights(cfg, device, dtype)),
                       args.peer)
         check_same_model(reference, peer.model, dtype, experts=any(untouched.values()))
-        for batch in batch_sizes:
+        for batch in peer_batch_sizes(args.peer_batch_sizes, batch_sizes):
             print(f"batch {batch}, {peer.mode}", file=sys.stderr)
             try:
                 prefill_s, step_ms = peer.run(batch, args.prompt_len, args.warmup_steps, args.steps)
