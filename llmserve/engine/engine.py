@@ -60,7 +60,7 @@ class LLMEngine:
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
             dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
-            max_cpu_loras=config.max_cpu_loras or len(config.lora_modules),
+            max_cpu_loras=config.max_cpu_loras,
         ))
         self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
         self.limits = RequestLimits.of_model(self.info)

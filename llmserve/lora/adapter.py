@@ -131,11 +131,11 @@ def projection_shape(cfg, module: str) -> tuple[int, int]:
 
 class AdapterCache:
     """A worker's adapters read on the host: each known one is read (and so checked) once at
-    start-up, and the ``capacity`` most recently loaded stay read; the others are read again from
-    their directory when the engine loads them into a slot."""
+    start-up, and the ``capacity`` most recently loaded stay read (None: all); the others are read
+    again from their directory when the engine loads them into a slot."""
 
-    def __init__(self, adapters: dict[str, str], network_config, max_rank: int, capacity: int):
-        self.network_config, self.max_rank, self.capacity = network_config, max_rank, max(1, capacity)
+    def __init__(self, adapters: dict[str, str], network_config, max_rank: int, capacity: int | None):
+        self.network_config, self.max_rank, self.capacity = network_config, max_rank, capacity
         self._read: OrderedDict[str, LoraAdapter] = OrderedDict()
         for name, path in adapters.items():
             self.get(name, path)
@@ -146,6 +146,6 @@ class AdapterCache:
             adapter = read_adapter(name, path, self.network_config, self.max_rank)
             self._read[name] = adapter
         self._read.move_to_end(name)
-        while len(self._read) > self.capacity:
+        while self.capacity is not None and len(self._read) > max(1, self.capacity):
             self._read.popitem(last=False)
         return adapter

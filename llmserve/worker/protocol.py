@@ -63,11 +63,11 @@ class WorkerInitArgs:
     dequantize: bool = False         # GGUF on CPU: expand the quantized matrices at load (ModelInitParams)
     # LoRA: the adapters (name -> local directory; each is read and checked at start-up), the
     # device pool's slots and largest rank, and how many adapters stay read on the host (the
-    # others are read again from their directory when loaded). No adapters: no pool.
+    # others are read again from their directory when loaded; None: all). No slots: no pool.
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 0
     max_lora_rank: int = 64
-    max_cpu_loras: int = 0
+    max_cpu_loras: int | None = None
 
     @property
     def ranks_per_node(self) -> int:

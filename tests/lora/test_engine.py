@@ -34,7 +34,8 @@ def setup(request, tmp_path_factory, smollm2_tokenizer):
     smollm2_tokenizer.save_pretrained(path)
     dirs = {name: make_peft_adapter(hf, path / f"adapter-{name}", spec) for name, spec in ADAPTERS.items()}
     # Two slots for three adapters: the third loads on demand, evicting the least recently used.
-    llm = LLM(str(path), lora_modules=dirs, max_loras=2, max_lora_rank=8, max_total_token_num=2048,
+    # float32 on a GPU too: the tokens are held to PEFT's in float32
+    llm = LLM(str(path), dtype="float32", lora_modules=dirs, max_loras=2, max_lora_rank=8, max_total_token_num=2048,
               max_running_requests=8, **ENGINES[request.param])
     yield llm, peft_model_of(hf, dirs)
     llm.close()
