@@ -16,6 +16,7 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, lo
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
 from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
 from llmserve.common.mem_manager import MemoryManager, ReqManager
+from llmserve.quantization import Quantization, quantization_for
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class ModelInitParams:
     # A GGUF file's Q4_0 / Q4_1 / Q8_0 matrices run on the CPU in their blocks (kernels/quantized_linear);
     # True expands them to dense float32 at load, as on a GPU (same values, torch's GEMM).
     dequantize: bool = False
+    # The checkpoint's quantization (quantization_config) is read whatever this says; "fp8" also
+    # quantizes an unquantized checkpoint at load (llmserve.quantization; vLLM's --quantization).
+    quantization: str | None = None
 
 
 class TpPartBaseModel:
@@ -93,6 +97,7 @@ class TpPartBaseModel:
         else:
             raw = load_hf_config(p.model_path)
         self.network_config_: PretrainedConfig = hf_config_from_dict(raw)
+        self.quantization: Quantization | None = quantization_for(raw.get("quantization_config"), p.quantization)
 
     def _runs_quantized(self) -> bool:
         """Whether GGUF matrices stay in their blocks: on the CPU in float32, unless asked not to,
@@ -140,10 +145,17 @@ class TpPartBaseModel:
         ]
         self.extra_weights = self._init_extra_weights(*args)
         all_weights = [self.pre_post_weight, *self.trans_layers_weight, *self.extra_weights]
+        quant = self.quantization
+        for w in all_weights:
+            w.quantization_ = quant
         for weights in self._weight_source():
             weights = self._rename_hf_weights(weights)
+            if quant is not None:
+                weights = quant.collect(weights)
             for w in all_weights:
                 w.load_hf_weights(weights)
+        if quant is not None:
+            quant.finish()
         for w in all_weights:
             w.finalize()
         self._gguf_tensors = None
