@@ -59,7 +59,7 @@ class LLMEngine:
                 max_running_requests=config.max_running_requests, dist_init_method=init_method,
                 eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
                 speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
-                dequantize=config.dequantize,
+                dequantize=config.dequantize, quantization=config.quantization,
             )
             for rank in range(config.tp)
         ])
@@ -105,6 +105,9 @@ class LLMEngine:
         graphs = (f"CUDA graphs for decode batches up to {info.cuda_graph_max_bs}{verify} (captured in "
                   f"{info.cuda_graph_seconds:.1f} s, {info.cuda_graph_mib:.0f} MiB)" if info.cuda_graph_max_bs else "eager")
         weights = f"{info.num_params / 1e6:.0f}M params" + (f" in GGUF {info.quantized} blocks" if info.quantized else "")
+        if info.quantization:
+            weights += f" ({info.quantization})"
+        weights += f", weights {info.weight_bytes / 2**30:.2f} GiB"
         return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "
                 f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 

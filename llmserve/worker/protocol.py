@@ -53,6 +53,7 @@ class WorkerInitArgs:
     speculate: int = 0               # draft tokens per request (EngineConfig): sizes the verify steps' graphs
     speculate_max_batch: int = 0
     dequantize: bool = False         # GGUF on CPU: expand the quantized matrices at load (ModelInitParams)
+    quantization: str | None = None  # --quantization (ModelInitParams)
 
 
 @dataclass
@@ -72,6 +73,8 @@ class WorkerInfo:
     cuda_graph_seconds: float = 0.0  # capture time at start-up
     cuda_graph_mib: float = 0.0      # GPU memory the graphs took
     quantized: str = ""              # GGUF block formats the weights run in ("Q4_1/Q8_0"); "": dense
+    quantization: str = ""           # a quantized checkpoint's format or --quantization fp8 (its description); "": none
+    weight_bytes: int = 0            # bytes of the weights (and their scales) over all ranks
     # Image input (LLaVA): the placeholder token id, and how many of them one image fills; None
     # for a text-only model.
     image_token_id: int | None = None

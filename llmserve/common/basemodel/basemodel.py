@@ -16,7 +16,7 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, lo
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
 from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
 from llmserve.common.mem_manager import MemoryManager, ReqManager
-from llmserve.quantization import Quantization, quantization_for
+from llmserve.quantization.config import Quantization, quantization_for
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import torch
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.kernels import QuantizedWeight
 from llmserve.kernels.quantized_linear import BLOCK
-from llmserve.quantization import PackedWeight, Quantization
+from llmserve.quantization.config import Quantization
+from llmserve.quantization.weights import PackedWeight
 
 # A checkpoint tensor: dense, a GGUF weight kept in its quantized blocks (CPU; see load_gguf), or a
 # linear weight of a quantized checkpoint format (llmserve.quantization).
