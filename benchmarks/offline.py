@@ -75,6 +75,7 @@ from llmserve.kernels import QuantizedWeight  # noqa: E402
 from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
 from llmserve.common.basemodel import TpPartBaseModel  # noqa: E402
 from llmserve.models.registry import GGUF_ARCHS, get_model_class  # noqa: E402
+from llmserve.quantization.weights import PackedWeight  # noqa: E402
 
 LLAMA3_8B_CONFIG: dict = {
     "model_type": "llama",
@@ -183,18 +184,19 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
         }
 
 
-def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight]:
+def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight | PackedWeight]:
     """Every distinct weight the model's weight objects hold (a tied lm_head counts once)."""
-    weights: dict[int, torch.Tensor | QuantizedWeight] = {}
+    weights: dict[int, torch.Tensor | QuantizedWeight | PackedWeight] = {}
     for layer in (model.pre_post_weight, *model.trans_layers_weight):
         for value in vars(layer).values():
-            if isinstance(value, (torch.Tensor, QuantizedWeight)):
+            if isinstance(value, (torch.Tensor, QuantizedWeight, PackedWeight)):
                 weights.setdefault(id(value), value)
     return list(weights.values())
 
 
-def nbytes(w: torch.Tensor | QuantizedWeight) -> int:
-    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+def nbytes(w: torch.Tensor | QuantizedWeight | PackedWeight) -> int:
+    """Bytes of a weight, a quantized one's scales included (the floor's bytes)."""
+    return w.nbytes
 
 
 def weight_bytes(model: TpPartBaseModel) -> tuple[int, int]:
@@ -219,7 +221,8 @@ def kv_bytes_per_token(model: TpPartBaseModel) -> int:
 
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
-                graphs: bool = False, weights: Iterable[dict] | None = None) -> TpPartBaseModel:
+                graphs: bool = False, weights: Iterable[dict] | None = None,
+                quantization: str | None = None) -> TpPartBaseModel:
     """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`)."""
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
@@ -231,6 +234,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         max_seq_len=max_len,
         config=cfg,
         weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),
+        quantization=quantization,
     )
     return get_model_class(cfg["model_type"])(params)
 
@@ -399,6 +403,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer", choices=["none", *PEERS], default="none",
                    help="also time HF transformers on the same weights: hf (eager, dynamic cache, as generate "
                         "does) or hf-compiled (static cache + torch.compile reduce-overhead) (default: none)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="quantize the decoder's linear weights at load as `llmserve serve --quantization fp8` does "
+                        "(per-channel FP8 weights, dynamic per-token FP8 activations); the floor counts their bytes "
+                        "and scales")
     p.add_argument("--gguf", default=None, metavar="FILE|default",
                    help="the weights and shapes of a GGUF file instead of random ones ('default': the embedded "
                         "SmolLM2-135M-Instruct): on CPU ours runs its Q4_0/Q4_1/Q8_0 matrices in their blocks "
@@ -431,7 +439,8 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m.strip() and (m != "graphs" or device.type == "cuda")]
     if not set(modes) <= {"eager", "graphs"}:
         raise SystemExit(f"--modes: eager and/or graphs, got {args.modes!r}")
-    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights)
+    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights,
+                        quantization=args.quantization)
     if model.decode_graphs is not None:
         print(f"CUDA graphs for batch <= {model.decode_graphs.max_batch_size}: captured in "
               f"{model.decode_graphs.capture_seconds:.1f} s, {model.decode_graphs.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
@@ -460,7 +469,8 @@ def main() -> int:
             results.append(summarize(peer.mode, batch, args.prompt_len, prefill_s, step_ms, args.warmup_steps,
                                      copy_bw, peer_read, kv_bytes_per_token(model), device))
 
-    print(f"\n### Decode step, {shapes} shapes ({model.model_type}), {dtype_name(dtype)}, "
+    quant = f", {model.quantization.description}" if model.quantization else ""
+    print(f"\n### Decode step, {shapes} shapes ({model.model_type}), {dtype_name(dtype)}{quant}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 
