@@ -47,7 +47,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -75,6 +75,7 @@ from llmserve.kernels import QuantizedWeight  # noqa: E402
 from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
 from llmserve.common.basemodel import TpPartBaseModel  # noqa: E402
 from llmserve.models.registry import GGUF_ARCHS, get_model_class  # noqa: E402
+from llmserve.quantization.config import quantize_fp8_blocks, quantize_int4  # noqa: E402
 from llmserve.quantization.weights import PackedWeight  # noqa: E402
 
 LLAMA3_8B_CONFIG: dict = {
@@ -182,6 +183,19 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
             **({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)}
                if cfg.get("model_type") == "qwen3" else {}),
         }
+
+
+# Formats the benchmark quantizes the random weights to (a checkpoint's kernel and bytes, not its values).
+BENCH_QUANTIZERS: dict[str, Callable[[torch.Tensor], PackedWeight]] = {"fp8-block": quantize_fp8_blocks, "int4": quantize_int4}
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantized_linears(weights: Iterable[dict], quantize: Callable[[torch.Tensor], PackedWeight]) -> Iterator[dict]:
+    """``weights`` with each decoder linear weight replaced by ``quantize(weight)``, layer by layer
+    (so only one layer's dense weights are live)."""
+    for layer in weights:
+        yield {name: quantize(t) if name.endswith(".weight") and name.split(".")[-2] in _LINEARS else t
+               for name, t in layer.items()}
 
 
 def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight | PackedWeight]:
@@ -403,10 +417,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer", choices=["none", *PEERS], default="none",
                    help="also time HF transformers on the same weights: hf (eager, dynamic cache, as generate "
                         "does) or hf-compiled (static cache + torch.compile reduce-overhead) (default: none)")
-    p.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="quantize the decoder's linear weights at load as `llmserve serve --quantization fp8` does "
-                        "(per-channel FP8 weights, dynamic per-token FP8 activations); the floor counts their bytes "
-                        "and scales")
+    p.add_argument("--quantization", choices=["fp8", *BENCH_QUANTIZERS], default=None,
+                   help="quantize the decoder's linear weights at load: fp8 as `llmserve serve --quantization fp8` "
+                        "does (per-channel FP8 weights, dynamic per-token FP8 activations, _scaled_mm); fp8-block "
+                        "in 128 x 128 tiles and int4 in groups of 128 (asymmetric, as AWQ / GPTQ checkpoints hold "
+                        "them) by round-to-nearest, run by the dequantizing kernel; the floor counts their bytes, "
+                        "scales and zeros included")
     p.add_argument("--gguf", default=None, metavar="FILE|default",
                    help="the weights and shapes of a GGUF file instead of random ones ('default': the embedded "
                         "SmolLM2-135M-Instruct): on CPU ours runs its Q4_0/Q4_1/Q8_0 matrices in their blocks "
@@ -439,8 +455,10 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m.strip() and (m != "graphs" or device.type == "cuda")]
     if not set(modes) <= {"eager", "graphs"}:
         raise SystemExit(f"--modes: eager and/or graphs, got {args.modes!r}")
+    if args.quantization in BENCH_QUANTIZERS:
+        weights = quantized_linears(weights or random_llama_weights(cfg, device, dtype), BENCH_QUANTIZERS[args.quantization])
     model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights,
-                        quantization=args.quantization)
+                        quantization="fp8" if args.quantization == "fp8" else None)
     if model.decode_graphs is not None:
         print(f"CUDA graphs for batch <= {model.decode_graphs.max_batch_size}: captured in "
               f"{model.decode_graphs.capture_seconds:.1f} s, {model.decode_graphs.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
@@ -470,6 +488,8 @@ def main() -> int:
                                      copy_bw, peer_read, kv_bytes_per_token(model), device))
 
     quant = f", {model.quantization.description}" if model.quantization else ""
+    if args.quantization in BENCH_QUANTIZERS:
+        quant = f", {args.quantization} quantized at load (round-to-nearest)"
     print(f"\n### Decode step, {shapes} shapes ({model.model_type}), {dtype_name(dtype)}{quant}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))

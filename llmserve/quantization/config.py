@@ -8,14 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from llmserve.common.errors import ModelLoadError
 from llmserve.quantization import QUANTIZATION_CHOICES
 from llmserve.quantization.formats import Format, awq_format, block_fp8_format, fp8_format, gptq_format
-from llmserve.kernels.fp8_linear import quantize_fp8_rows
-from llmserve.quantization.weights import Fp8Weight, PackedWeight
+from llmserve.kernels.fp8_linear import FP8, FP8_MAX, quantize_fp8_rows
+from llmserve.quantization.weights import BlockFp8Weight, Fp8Weight, Int4Weight, PackedWeight, pack_int4
 
-__all__ = ["Quantization", "PackedWeight", "quantization_for", "quantize_fp8"]
+__all__ = ["Quantization", "PackedWeight", "quantization_for", "quantize_fp8", "quantize_fp8_blocks", "quantize_int4"]
 
 
 @dataclass
@@ -45,6 +46,29 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
     ``--quantization fp8`` on an unquantized checkpoint."""
     q, scale = quantize_fp8_rows(w, None)
     return Fp8Weight(q, scale.view(-1))
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> BlockFp8Weight:
+    """Block-wise FP8 by round-to-nearest (scale = tile amax / 448): the benchmarks' stand-in for a
+    DeepSeek / Qwen3-FP8 checkpoint (its kernel, its bytes)."""
+    n, k = w.shape
+    bn, bk = block
+    tiles = F.pad(w.float(), (0, -k % bk, 0, -n % bn)).view(-(-n // bn), bn, -(-k // bk), bk)
+    scale = (tiles.abs().amax((1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(tiles.shape[0] * bn, -1)[:n, :k]
+    return BlockFp8Weight(q.contiguous(), scale, block)
+
+
+def quantize_int4(w: torch.Tensor, group: int = 128) -> Int4Weight:
+    """Asymmetric 4-bit per group of ``group`` columns by round-to-nearest: the benchmarks' stand-in
+    for an AWQ / GPTQ checkpoint (the same kernel and bytes; calibration changes the values only)."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).view(n, k)
+    return Int4Weight(pack_int4(q), scale, zero.to(torch.uint8), group)
 
 
 def quantization_for(hf_config: dict | None, flag: str | None) -> Quantization | None:
