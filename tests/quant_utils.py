@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,16 +79,125 @@ def pack_rows(v: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- calibration: GPTQ ------------------------------------------------------------------------------
+@dataclass
+class Calibration:
+    """Per linear layer input (keyed by the first layer reading it: q_proj, o_proj, gate_proj,
+    down_proj), over the calibration tokens: ``hessian`` X^T X / n."""
+
+    hessian: dict[str, torch.Tensor]
+
+
+# The layers reading one input, under the name of the first.
+SHARED_INPUT = {"q_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                "gate_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def calibrate(src: str | Path, tokens: list[int]) -> Calibration:
+    """Statistics of each linear layer's input as the float32 model in ``src`` reads ``tokens``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    cal = Calibration({})
+
+    def hook(module, args, name):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        cal.hessian[name] = x.t() @ x / x.shape[0]
+
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] in SHARED_INPUT:
+            mod.register_forward_pre_hook(lambda m, args, name=name: hook(m, args, name))
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    return cal
+
+
+def _int4_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's asymmetric 4-bit grid of each row of ``w`` [N, group]: fp16 scale, zero point."""
+    lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).half().float()
+    return scale, (-lo / scale).round().clamp(0, 15)
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group: int, block: int = 128, damp: float = 0.01):
+    """GPTQ (Frantar et al. 2022, its reference implementation's order, ``desc_act`` false): the
+    columns quantized left to right, each one's error, weighted by the inverse Hessian's Cholesky
+    factor, pushed onto the columns not yet quantized (lazily, a block of ``block`` at a time); each
+    group's scale and zero taken from its columns as they stand when the group begins."""
+    # The column steps are small: split over threads, their synchronisation costs 25x their
+    # arithmetic (measured: 8.3 s vs 0.33 s for a 576 x 576 layer on a busy 2-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _gptq(w, h, group, block, damp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq(w: torch.Tensor, h: torch.Tensor, group: int, block: int, damp: float):
+    w = w.float().clone()
+    n, k = w.shape
+    h = h.double().clone()     # the factorisations in float64, the column steps in float32
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damp * h.diagonal().mean() * torch.eye(k, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    q = torch.zeros(n, k, dtype=torch.int32)
+    scales, zeros = torch.zeros(n, k // group), torch.zeros(n, k // group)
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        w1, err1, hinv1 = w[:, b0:b1], torch.zeros(n, b1 - b0, dtype=w.dtype), hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            c = b0 + i
+            if c % group == 0:
+                s, z = _int4_params(w[:, c:c + group])
+                scales[:, c // group], zeros[:, c // group] = s, z
+            col = w1[:, i]
+            qc = (col / s + z).round().clamp(0, 15)
+            q[:, c] = qc.int()
+            err = (col - (qc - z) * s) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, b1:] -= err1 @ hinv[b0:b1, b1:]
+    return q, zeros.to(torch.int32), scales.half()
+
+
+def _layer_groups(state: dict[str, torch.Tensor]):
+    """(prefix "model.layers.i.self_attn." or "....mlp.", first layer's name, the names reading its input)."""
+    for name in state:
+        module = name.removesuffix(".weight").split(".")
+        if name.endswith(".weight") and module[-1] in SHARED_INPUT:
+            prefix = ".".join(module[:-1]) + "."
+            yield prefix, ".".join(module), [prefix + m + ".weight" for m in SHARED_INPUT[module[-1]]]
+
+
+def gptq_checkpoint(state: dict[str, torch.Tensor], cal: Calibration, group: int) -> dict:
+    """{weight name: (q, zeros, scales)} by `gptq_quantize`; the layers reading one input run as
+    one matrix (GPTQ treats rows independently, and they share the Hessian)."""
+    out = {}
+    for _, first, names in _layer_groups(state):
+        q, z, s = gptq_quantize(torch.cat([state[n] for n in names]), cal.hessian[first], group)
+        rows = [state[n].shape[0] for n in names]
+        for name, qi, zi, si in zip(names, q.split(rows), z.split(rows), s.split(rows)):
+            out[name] = (qi, zi, si)
+    return out
+
+
 # -- the writers -----------------------------------------------------------------------------------
 def write_quantized(src: str | Path, dst: str | Path, fmt: str, group: int = 128,
-                    block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
+                    block: tuple[int, int] = (128, 128), calibration: Calibration | None = None) -> dict[str, torch.Tensor]:
     """Write ``src`` in format ``fmt`` to ``dst``; returns ``{name: weight it stands for}`` of the
-    quantized linear weights."""
+    quantized linear weights. ``gptq`` with ``calibration``: GPTQ's algorithm on those statistics;
+    otherwise 4-bit is round-to-nearest."""
     src, dst = Path(src), Path(dst)
     if fmt.startswith("ct-"):
         return _write_compressed_tensors(src, dst, static=fmt == "ct-fp8-static")
     config = _copy_dir(src, dst)
     state = load_file(str(src / "model.safetensors"))
+    int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    if calibration is not None and fmt == "gptq":
+        int4 = gptq_checkpoint(state, calibration, group)
     out: dict[str, torch.Tensor] = {}
     ref: dict[str, torch.Tensor] = {}
     for name, w in state.items():
@@ -105,7 +215,7 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, group: int = 128
             out[name], out[module + ".weight_scale_inv"] = q, s
             ref[name] = q.float() * s_full
             continue
-        q, zero, scale = quantize_int4(w, group)
+        q, zero, scale = int4[name] if name in int4 else quantize_int4(w, group)
         ref[name] = dequantize_int4(q, zero, scale, group)
         if fmt == "awq":     # AutoAWQ's WQLinear_GEMM: [K, N / 8] words in AWQ_ORDER
             out[module + ".qweight"] = pack_columns(q.t().contiguous(), AWQ_ORDER)
