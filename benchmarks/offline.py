@@ -51,7 +51,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -79,6 +79,8 @@ from llmserve.kernels import QuantizedWeight  # noqa: E402
 from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
 from llmserve.common.basemodel import TpPartBaseModel  # noqa: E402
 from llmserve.models.registry import GGUF_ARCHS, get_model_class  # noqa: E402
+from llmserve.quantization.config import quantize_fp8_blocks, quantize_int4  # noqa: E402
+from llmserve.quantization.weights import PackedWeight  # noqa: E402
 
 LLAMA3_8B_CONFIG: dict = {
     "model_type": "llama",
@@ -278,21 +280,35 @@ def random_mlp_weights(cfg: dict, p: str, normal) -> dict[str, torch.Tensor]:
     return weights
 
 
-def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight]:
+# Formats the benchmark quantizes the random weights to (a checkpoint's kernel and bytes, not its values).
+BENCH_QUANTIZERS: dict[str, Callable[[torch.Tensor], PackedWeight]] = {"fp8-block": quantize_fp8_blocks, "int4": quantize_int4}
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantized_linears(weights: Iterable[dict], quantize: Callable[[torch.Tensor], PackedWeight]) -> Iterator[dict]:
+    """``weights`` with each decoder linear weight replaced by ``quantize(weight)``, layer by layer
+    (so only one layer's dense weights are live)."""
+    for layer in weights:
+        yield {name: quantize(t) if name.endswith(".weight") and name.split(".")[-2] in _LINEARS else t
+               for name, t in layer.items()}
+
+
+def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight | PackedWeight]:
     """Every distinct weight the model's weight objects hold (a tied lm_head counts once)."""
-    weights: dict[int, torch.Tensor | QuantizedWeight] = {}
+    weights: dict[int, torch.Tensor | QuantizedWeight | PackedWeight] = {}
     for layer in (model.pre_post_weight, *model.trans_layers_weight):
         values = list(vars(layer).values())
         if getattr(layer, "moe_", None) is not None:
             values += vars(layer.moe_).values()
         for value in values:
-            if isinstance(value, (torch.Tensor, QuantizedWeight)):
+            if isinstance(value, (torch.Tensor, QuantizedWeight, PackedWeight)):
                 weights.setdefault(id(value), value)
     return list(weights.values())
 
 
-def nbytes(w: torch.Tensor | QuantizedWeight) -> int:
-    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+def nbytes(w: torch.Tensor | QuantizedWeight | PackedWeight) -> int:
+    """Bytes of a weight, a quantized one's scales included (the floor's bytes)."""
+    return w.nbytes
 
 
 def weight_bytes(model: TpPartBaseModel) -> tuple[int, int]:
@@ -336,7 +352,8 @@ def kv_bytes_per_token(model: TpPartBaseModel) -> int:
 
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
-                graphs: bool = False, weights: Iterable[dict] | None = None) -> TpPartBaseModel:
+                graphs: bool = False, weights: Iterable[dict] | None = None,
+                quantization: str | None = None) -> TpPartBaseModel:
     """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`)."""
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
@@ -348,6 +365,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         max_seq_len=max_len,
         config=cfg,
         weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),
+        quantization=quantization,
     )
     return get_model_class(cfg["model_type"])(params)
 
@@ -529,6 +547,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer", choices=["none", *PEERS], default="none",
                    help="also time HF transformers on the same weights: hf (eager, dynamic cache, as generate "
                         "does) or hf-compiled (static cache + torch.compile reduce-overhead) (default: none)")
+    p.add_argument("--quantization", choices=["fp8", *BENCH_QUANTIZERS], default=None,
+                   help="quantize the decoder's linear weights at load: fp8 as `llmserve serve --quantization fp8` "
+                        "does (per-channel FP8 weights, dynamic per-token FP8 activations, _scaled_mm); fp8-block "
+                        "in 128 x 128 tiles and int4 in groups of 128 (asymmetric, as AWQ / GPTQ checkpoints hold "
+                        "them) by round-to-nearest, run by the dequantizing kernel; the floor counts their bytes, "
+                        "scales and zeros included")
     p.add_argument("--gguf", default=None, metavar="FILE|default",
                    help="the weights and shapes of a GGUF file instead of random ones ('default': the embedded "
                         "SmolLM2-135M-Instruct): on CPU ours runs its Q4_0/Q4_1/Q8_0 matrices in their blocks "
@@ -569,7 +593,10 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m.strip() and (m != "graphs" or device.type == "cuda")]
     if not set(modes) <= {"eager", "graphs"}:
         raise SystemExit(f"--modes: eager and/or graphs, got {args.modes!r}")
-    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights)
+    if args.quantization in BENCH_QUANTIZERS:
+        weights = quantized_linears(weights or random_llama_weights(cfg, device, dtype), BENCH_QUANTIZERS[args.quantization])
+    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights,
+                        quantization="fp8" if args.quantization == "fp8" else None)
     if model.decode_graphs is not None:
         print(f"CUDA graphs for batch <= {model.decode_graphs.max_batch_size}: captured in "
               f"{model.decode_graphs.capture_seconds:.1f} s, {model.decode_graphs.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
@@ -588,6 +615,9 @@ def main() -> int:
             results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw,
                                      step_weight_bytes(model, read, batch)))
     model_type, kv_per_token = model.model_type, kv_bytes_per_token(model)
+    quant = f", {model.quantization.description}" if model.quantization else ""
+    if args.quantization in BENCH_QUANTIZERS:
+        quant = f", {args.quantization} quantized at load (round-to-nearest)"
     untouched = {b: read - step_weight_bytes(model, read, b) for b in batch_sizes}  # experts no token routes to
     if args.peer != "none":
         # Ours first, in case the peer does not finish (torch.compile of a large model at several
@@ -613,7 +643,7 @@ def main() -> int:
                                      copy_bw, hf_weight_bytes(peer.model) - untouched[batch], kv_per_token, device))
         results.sort(key=lambda r: r.batch)   # stable: each batch's rows ours first, then the peer's
 
-    print(f"\n### Decode step, {shapes} shapes ({model_type}), {dtype_name(dtype)}, "
+    print(f"\n### Decode step, {shapes} shapes ({model_type}), {dtype_name(dtype)}{quant}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n")
     print(results_table(results))
 

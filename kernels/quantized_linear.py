@@ -144,16 +144,18 @@ class QuantizedWeight:
         return w.reshape(n, k)
 
 
-def stack_rows(weights: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
-    """torch.cat of dense weights; `QuantizedWeight.cat` of quantized ones of one type; a mix is
-    dequantized first."""
+def stack_rows(weights: list) -> torch.Tensor | QuantizedWeight:
+    """The rows of ``weights`` stacked (fusing q/k/v or gate/up into one matmul): torch.cat of dense
+    weights, the class's own ``cat`` for quantized ones of one format (GGUF blocks of one type, or
+    one `llmserve.quantization` weight class); a mix is dequantized first."""
     if all(isinstance(w, torch.Tensor) for w in weights):
         return torch.cat(weights)
-    if all(isinstance(w, QuantizedWeight) for w in weights) and len({w.qtype for w in weights}) == 1:
-        return QuantizedWeight.cat(weights)
+    kinds = {(type(w), getattr(w, "qtype", None)) for w in weights}
+    if len(kinds) == 1:
+        return type(weights[0]).cat(weights)
     dtypes = [w.dtype for w in weights if isinstance(w, torch.Tensor)]
     dtype = dtypes[0] if dtypes else torch.float32
-    return torch.cat([w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w for w in weights])
+    return torch.cat([w if isinstance(w, torch.Tensor) else w.dequantize().to(dtype) for w in weights])
 
 
 # -- the kernel ------------------------------------------------------------------------------
@@ -262,17 +264,19 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return quantized_linear_torch(x, w)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a dense or a quantized weight. On a GPU, half-precision decode steps of up to
     64 rows go to our kernels (`gemv` for one row, `skinny_gemm` for more), which read the weights
-    faster than cuBLAS does at those shapes (benchmarks/decode_linear.py)."""
+    faster than cuBLAS does at those shapes (benchmarks/decode_linear.py). A GGUF `QuantizedWeight`
+    runs the CPU block kernel; any other quantized weight (`llmserve.quantization.weights`) its
+    own ``apply``."""
     if isinstance(weight, torch.Tensor):
         if takes_gemv(x, weight):
             return gemv(x, weight, bias)
         if takes_skinny_gemm(x, weight):
             return skinny_gemm(x, weight, bias)
         return F.linear(x, weight, bias)
-    y = quantized_linear(x, weight)
+    y = quantized_linear(x, weight) if isinstance(weight, QuantizedWeight) else weight.apply(x)
     return y if bias is None else y + bias
 
 

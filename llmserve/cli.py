@@ -9,6 +9,7 @@ import sys
 
 from llmserve import __version__
 from llmserve.common.logs import LOG_FORMATS, LOG_LEVELS, configure_logging, report_error
+from llmserve.quantization import QUANTIZATION_CHOICES
 from llmserve.sampling_params import SamplingParams
 
 # Every canonical flag ``--some-flag`` may also come from ``LLMSERVE_SOME_FLAG`` (the command line
@@ -50,6 +51,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="on CPU, expand a GGUF model's Q4_0/Q4_1/Q8_0 matrices to float32 at load instead of "
                         "running them in their blocks with the quantized kernel (the same values; slower, "
                         "4-8x the memory; GPUs always dequantize)")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
+                   help="the weights' quantization (as vLLM's flag): a quantized checkpoint's format is read from "
+                        "its config.json, this only checks it; fp8 also quantizes a bf16/fp16 checkpoint at load "
+                        "(per-channel FP8 weights, dynamic per-token FP8 activations)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on GPUs, wait for each step's tokens before scheduling the next, instead of "
                         "scheduling it while the GPU runs (as SGLang's flag); same tokens, slower")
@@ -112,7 +117,7 @@ def _step_options(args: argparse.Namespace) -> dict:
     speculation, the deadline."""
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
                 overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize,
-                speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
+                quantization=args.quantization, speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
                 prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
                 step_timeout=args.step_timeout)
 

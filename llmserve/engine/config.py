@@ -38,6 +38,7 @@ class EngineConfig:
     # where it hides the host's work; True also on the CPU (tests: same tokens either way).
     overlap: bool | None = None
     dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
+    quantization: str | None = None     # --quantization: checks the checkpoint's; "fp8" quantizes a dense one at load
     # Prompt-lookup speculation (see scheduler.py): draft tokens per decoding request per step
     # (0: off), the largest decode batch that still drafts (None: the device's, from
     # SPECULATE_MAX_BATCH), and the n-gram sizes matched.

@@ -60,7 +60,7 @@ class LLMEngine:
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
             dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
-            max_cpu_loras=config.max_cpu_loras,
+            max_cpu_loras=config.max_cpu_loras, quantization=config.quantization,
         ))
         self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
         self.limits = RequestLimits.of_model(self.info)
@@ -106,6 +106,9 @@ class LLMEngine:
         graphs = (f"CUDA graphs for decode batches up to {info.cuda_graph_max_bs}{verify} (captured in "
                   f"{info.cuda_graph_seconds:.1f} s, {info.cuda_graph_mib:.0f} MiB)" if info.cuda_graph_max_bs else "eager")
         weights = f"{info.num_params / 1e6:.0f}M params" + (f" in GGUF {info.quantized} blocks" if info.quantized else "")
+        if info.quantization:
+            weights += f" ({info.quantization})"
+        weights += f", weights {info.weight_bytes / 2**30:.2f} GiB"
         return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "
                 f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 

@@ -67,6 +67,7 @@ class ModelWorker:
             cuda_graph_max_bs=args.cuda_graph_max_bs, speculate=args.speculate,
             speculate_max_batch=args.speculate_max_batch, dequantize=args.dequantize,
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            quantization=args.quantization,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
@@ -101,19 +102,22 @@ class ModelWorker:
 
     def info(self) -> WorkerInfo:
         from llmserve.kernels import QuantizedWeight
+        from llmserve.quantization.weights import PackedWeight
 
         m = self.model
         # by identity: a tied lm_head is the embedding tensor itself
         tensors = {id(t): t for w in [m.pre_post_weight, *m.trans_layers_weight] for t in vars(w).values()
-                   if isinstance(t, QuantizedWeight) or isinstance(t, torch.Tensor) and t.is_floating_point()}
+                   if isinstance(t, (QuantizedWeight, PackedWeight)) or isinstance(t, torch.Tensor) and t.is_floating_point()}
         n_params = sum(t.shape.numel() for t in tensors.values())
+        n_bytes = sum(t.nbytes for t in tensors.values())
         qtypes = sorted({t.qtype for t in tensors.values() if isinstance(t, QuantizedWeight)})
         return WorkerInfo(
             model_type=m.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_running_requests=self.args.max_running_requests,
             dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
-            quantized="/".join(qtypes), **_graph_info(m), **_image_info(m),
+            quantized="/".join(qtypes), quantization=m.quantization.description if m.quantization else "",
+            weight_bytes=n_bytes * self.args.world_size, **_graph_info(m), **_image_info(m),
         )
 
     def step(self, step: StepInput) -> list[StepOutput]:

@@ -68,6 +68,7 @@ class WorkerInitArgs:
     max_loras: int = 0
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    quantization: str | None = None  # --quantization (ModelInitParams)
 
     @property
     def ranks_per_node(self) -> int:
@@ -96,6 +97,8 @@ class WorkerInfo:
     cuda_graph_seconds: float = 0.0  # capture time at start-up
     cuda_graph_mib: float = 0.0      # GPU memory the graphs took
     quantized: str = ""              # GGUF block formats the weights run in ("Q4_1/Q8_0"); "": dense
+    quantization: str = ""           # a quantized checkpoint's format or --quantization fp8 (its description); "": none
+    weight_bytes: int = 0            # bytes of the weights (and their scales) over all ranks
     # Image input (LLaVA): the placeholder token id, and how many of them one image fills; None
     # for a text-only model.
     image_token_id: int | None = None

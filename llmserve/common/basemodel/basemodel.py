@@ -17,6 +17,7 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, lo
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
 from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
 from llmserve.common.mem_manager import MemoryManager, ReqManager
+from llmserve.quantization.config import Quantization, quantization_for
 
 if TYPE_CHECKING:
     from llmserve.lora.pool import LoraBatch, LoraPool
@@ -55,6 +56,9 @@ class ModelInitParams:
     # without LoRA) and the largest rank a slot holds (llmserve/lora/pool.py).
     max_loras: int = 0
     max_lora_rank: int = 64
+    # The checkpoint's quantization (quantization_config) is read whatever this says; "fp8" also
+    # quantizes an unquantized checkpoint at load (llmserve.quantization; vLLM's --quantization).
+    quantization: str | None = None
 
 
 class TpPartBaseModel:
@@ -104,6 +108,7 @@ class TpPartBaseModel:
         else:
             raw = load_hf_config(p.model_path)
         self.network_config_: PretrainedConfig = hf_config_from_dict(raw)
+        self.quantization: Quantization | None = quantization_for(raw.get("quantization_config"), p.quantization)
 
     def _runs_quantized(self) -> bool:
         """Whether GGUF matrices stay in their blocks: on the CPU in float32, unless asked not to,
@@ -151,10 +156,17 @@ class TpPartBaseModel:
         ]
         self.extra_weights = self._init_extra_weights(*args)
         all_weights = [self.pre_post_weight, *self.trans_layers_weight, *self.extra_weights]
+        quant = self.quantization
+        for w in all_weights:
+            w.quantization_ = quant
         for weights in self._weight_source():
             weights = self._rename_hf_weights(weights)
+            if quant is not None:
+                weights = quant.collect(weights)
             for w in all_weights:
                 w.load_hf_weights(weights)
+        if quant is not None:
+            quant.finish()
         for w in all_weights:
             w.finalize()
         self._gguf_tensors = None

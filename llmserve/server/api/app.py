@@ -100,6 +100,9 @@ def create_app(state: ServerState) -> FastAPI:
             "model_id": state.model_name, "model_path": state.model_path, "model_type": i.model_type,
             "model_dtype": i.dtype, "model_device_type": i.device.split(":")[0], "model_pipeline_tag": "text-generation",
             "num_parameters": i.num_params, "tp": state.engine.config.tp,
+            # the weights' format ("" for dense: see model_dtype) and bytes, scales included
+            "quantization": i.quantization or (f"gguf {i.quantized}" if i.quantized else ""),
+            "weight_bytes": i.weight_bytes,
             "max_concurrent_requests": lim.max_concurrent_requests, "max_best_of": lim.max_best_of,
             "max_stop_sequences": tgi.MAX_STOP_SEQUENCES, "max_input_tokens": lim.max_input_tokens,
             "max_total_tokens": lim.max_model_len, "max_top_n_tokens": lim.max_top_n_tokens,

@@ -10,9 +10,12 @@ import torch
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.kernels import QuantizedWeight
 from llmserve.kernels.quantized_linear import BLOCK
+from llmserve.quantization.config import Quantization
+from llmserve.quantization.weights import PackedWeight
 
-# A checkpoint tensor: dense, or a GGUF weight kept in its quantized blocks (CPU; see load_gguf).
-Weight = torch.Tensor | QuantizedWeight
+# A checkpoint tensor: dense, a GGUF weight kept in its quantized blocks (CPU; see load_gguf), or a
+# linear weight of a quantized checkpoint format (llmserve.quantization).
+Weight = torch.Tensor | QuantizedWeight | PackedWeight
 
 # How a checkpoint tensor is cut for tensor parallelism. HF stores linear weights as [out, in]:
 # "col" keeps this rank's rows (column-parallel: outputs split), "row" its columns (row-parallel:
@@ -40,6 +43,12 @@ class BaseLayerWeight:
         self.network_config_ = network_config
         self.device_ = device
         self._staged: dict[str, Weight] = {}
+        # Set by the model before loading: how linear weights are stored (None: dense).
+        self.quantization_: Quantization | None = None
+
+    # Whether this part's "col" / "row" matrices are linear layers that `--quantization fp8`
+    # quantizes at load (the decoder layers'; not the embedding, lm_head or vision tower).
+    quantizes_on_load = False
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         """Our short name -> where the tensor is in an HF checkpoint and how it is split."""
@@ -48,7 +57,14 @@ class BaseLayerWeight:
     def load_hf_weights(self, weights: dict[str, Weight]) -> None:
         for key, spec in self.weight_specs().items():
             if spec.hf_name in weights:
-                self._staged[key] = self._to_device(self._split(weights[spec.hf_name], spec.split))
+                t = self._to_device(self._split(weights[spec.hf_name], spec.split))
+                if self._quantizes(t, spec):
+                    t = self.quantization_.quantize(t)
+                self._staged[key] = t
+
+    def _quantizes(self, t: Weight, spec: WeightSpec) -> bool:
+        return (self.quantizes_on_load and self.quantization_ is not None and self.quantization_.on_load
+                and spec.split in ("col", "row") and isinstance(t, torch.Tensor) and t.dim() == 2)
 
     def finalize(self) -> None:
         """Check that every required tensor arrived, then build the runtime attributes."""
@@ -67,6 +83,8 @@ class BaseLayerWeight:
             return t
         if isinstance(t, QuantizedWeight) and (callable(split) or (split == "row" and not self._splits_blocks(t))):
             t = t.dequantize()      # a cut the blocks cannot follow
+        if isinstance(t, PackedWeight) and callable(split):
+            t = t.dequantize()      # a model-specific cut (BLOOM's fused qkv) of a dense tensor
         if callable(split):
             return split(t)
         if split == "col":
@@ -102,6 +120,8 @@ class BaseLayerWeight:
         return shard
 
     def _to_device(self, t: Weight) -> Weight:
+        if isinstance(t, PackedWeight):
+            return t.to(self.device_, self.data_type_)
         if isinstance(t, QuantizedWeight):
             # The quantized kernel runs on the CPU in float32 only; anywhere else, dense weights.
             if self.device_.type == "cpu" and self.data_type_ == torch.float32:

@@ -1,0 +1,127 @@
+"""dequant_linear (4-bit groups, FP8 blocks, FP8 channels) and fp8_linear: the Triton kernel and
+`_scaled_mm` against the torch twins, the twins against independent float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_test_utils import CUDA, DEVICE_DTYPES, randn, rng
+
+from llmserve.kernels import linear
+from llmserve.kernels.dequant_linear import dequant_linear_torch, dequant_linear_triton
+from llmserve.kernels.fp8_linear import FP8, fp8_linear, fp8_linear_torch
+from llmserve.quantization.weights import BlockFp8Weight, Fp8Weight, Int4Weight, pack_int4
+
+ROWS = [1, 3, 20, 70]
+
+
+def int4_weight(g, n: int, k: int, group: int, device: str) -> tuple[Int4Weight, torch.Tensor]:
+    """A random 4-bit weight and its float64 values, computed without the kernels' unpacking."""
+    q = torch.randint(0, 16, (n, k), generator=g)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 0.005
+    dense = (q - zeros.repeat_interleave(group, 1)).double() * scales.double().repeat_interleave(group, 1)
+    w = Int4Weight(pack_int4(q), scales, zeros.to(torch.uint8), group)
+    return w.to(torch.device(device), torch.float32), dense
+
+
+def block_fp8_weight(g, n: int, k: int, block: tuple[int, int], device: str) -> tuple[BlockFp8Weight, torch.Tensor]:
+    q = (torch.randn(n, k, generator=g) * 100).to(FP8)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 0.01 + 0.001
+    s_full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return BlockFp8Weight(q, scale, block).to(torch.device(device), torch.float32), q.double() * s_full.double()
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("N,K,group", [(48, 256, 128), (40, 96, 32), (8, 64, 64)])
+def test_int4_kernel_matches_twin_and_reference(device, dtype, M, N, K, group):
+    g = rng(M * N + K)
+    w, dense = int4_weight(g, N, K, group, device)
+    w = w.to(torch.device(device), dtype)
+    x = randn(g, M, K, dtype=dtype, device=device)
+    ref = (x.double().cpu() @ dense.t()).to(dtype)
+    twin = dequant_linear_torch(x, w.qweight, w.scales, w.zeros, (1, group))
+    got = dequant_linear_triton(x, w.qweight, w.scales, w.zeros, (1, group))
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(twin.cpu(), ref, **tol)
+    torch.testing.assert_close(got.cpu(), ref, **tol)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("N,K,block", [(200, 300, (128, 128)), (64, 64, (1, 32))])
+def test_block_fp8_kernel_matches_twin_and_reference(device, dtype, M, N, K, block):
+    g = rng(M * N + K)
+    w, dense = block_fp8_weight(g, N, K, block, device)
+    x = randn(g, M, K, dtype=dtype, device=device)
+    # Both multiply the weight in the activations' dtype (the module doc): rounding it to bf16
+    # moves each product by up to 2^-9 of itself, and over K = 300 products of ~N(0, 1) size the
+    # sum by ~0.03 whatever the sum's own size; an output near 0 then misses rtol. Round the
+    # reference's weight too, so the tolerance covers the accumulation and the output's rounding.
+    ref = (x.double().cpu() @ dense.to(dtype).double().t()).to(dtype)
+    got = linear(x, w)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(dequant_linear_torch(x, w.weight, w.scale, None, block).cpu(), ref, **tol)
+    torch.testing.assert_close(dequant_linear_triton(x, w.weight, w.scale, None, block).cpu(), ref, **tol)
+    assert got.shape == (M, N)
+
+
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, input_scale: float | None) -> torch.Tensor:
+    """The W8A8 product in float64: x rounded to FP8 per row (amax / 448) or by the static scale."""
+    xd = x.double().cpu()
+    s = xd.abs().amax(-1, keepdim=True) / 448 if input_scale is None else torch.full((x.shape[0], 1), input_scale, dtype=torch.float64)
+    xq = (xd / s).clamp(-448, 448).float().to(FP8).double()
+    return (xq @ q.double().cpu().t()) * s * w_scale.double().cpu()[None, :]
+
+
+@pytest.mark.parametrize("input_scale", [None, 0.01])
+@pytest.mark.parametrize("M", ROWS)
+def test_fp8_twin_is_the_w8a8_product(M, input_scale):
+    g = rng(M)
+    q = (torch.randn(48, 64, generator=g) * 50).to(FP8)
+    ws = torch.rand(48, generator=g) * 0.01 + 0.001
+    x = randn(g, M, 64, dtype=torch.float32, device="cpu")
+    static = None if input_scale is None else torch.tensor([input_scale])
+    torch.testing.assert_close(fp8_linear_torch(x, q, ws, static), w8a8_reference(x, q, ws, input_scale).float(),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="_scaled_mm and the compiled GEMV need a GPU")
+@pytest.mark.parametrize("input_scale", [None, 0.01])
+@pytest.mark.parametrize("M", ROWS + [512])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (48, 96), (40, 72)])
+def test_fp8_gpu_paths_match_the_twin(M, N, K, input_scale):
+    """Many rows: _scaled_mm's W8A8 (or, for dims not multiples of 16, the dequantizing kernel's
+    W8A16); one row: the GEMV (W8A16). Both within bf16 rounding plus an FP8 step of x of the twin."""
+    g = rng(M * N)
+    q = (torch.randn(N, K, generator=g) * 50).to(FP8).cuda()
+    ws = (torch.rand(N, generator=g) * 0.01 + 0.001).cuda()
+    x = randn(g, M, K, dtype=torch.bfloat16, device="cuda")
+    static = None if input_scale is None else torch.tensor([input_scale], device="cuda")
+    got = fp8_linear(x, q, ws, static)
+    want = fp8_linear_torch(x, q, ws, static)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 3e-2, err
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_fp8_one_row_gemv_matches_the_dequantized_product(device, dtype):
+    g = rng(7)
+    q = (torch.randn(40, 96, generator=g) * 50).to(FP8)
+    ws = torch.rand(40, generator=g) * 0.01 + 0.001
+    x = randn(g, 1, 96, dtype=dtype, device=device)
+    got = dequant_linear_triton(x, q.to(device), ws.to(device).view(-1, 1), None, (1, 96))
+    ref = (x.double().cpu() @ (q.double() * ws.double()[:, None]).t()).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.cpu(), ref, **tol)
+
+
+def test_linear_runs_each_weight_class_with_a_bias():
+    g = rng(3)
+    w, dense = int4_weight(g, 16, 64, 32, "cpu")
+    x, bias = torch.randn(2, 64, generator=g), torch.randn(16, generator=g)
+    torch.testing.assert_close(linear(x, w, bias), (x.double() @ dense.t() + bias.double()).float(), atol=1e-4, rtol=1e-4)
+    f = Fp8Weight((torch.randn(16, 64, generator=g) * 50).to(FP8), torch.full((16,), 0.01))
+    torch.testing.assert_close(linear(x, f, bias), fp8_linear_torch(x, f.weight, f.weight_scale, None) + bias)
