@@ -126,7 +126,10 @@ def main() -> int:
         pool.load(slot, adapter)
     model.lora_pool = pool
     if graphs:
-        model.decode_graphs = model._init_decode_graphs()     # captured again, with the adapters' kernels
+        # Captured again, with the adapters' kernels; the old graphs' padding row goes back first
+        # (the model has exactly one spare row for it).
+        model.req_manager.free_req(model.decode_graphs.pad_row)
+        model.decode_graphs = model._init_decode_graphs()
     print(f"pool: {args.num_adapters} slots of rank {args.rank}, {pool.nbytes / 2**20:.0f} MiB; adapter steps ...",
           file=sys.stderr)
     lora = {b: statistics.mean(decode_ms(model, b, *timing, [i % args.num_adapters for i in range(b)])) for b in batches}
