@@ -76,10 +76,10 @@ class CountingWorkers:
 
     worker: ModelWorker
     encoded = 0
+    dist_init_addr = ""      # one rank: no rendezvous
 
-    def init_model(self, args: list[WorkerInitArgs]):
-        [rank0] = args
-        self.worker = ModelWorker(rank0)
+    def init_model(self, args: WorkerInitArgs):
+        self.worker = ModelWorker(args)
         encode = self.worker.model.encode_images
 
         def counting(pixels):
@@ -95,8 +95,8 @@ class CountingWorkers:
     def step(self, step: StepInput) -> list[StepOutput]:
         return pickle.loads(pickle.dumps(self.worker.step(pickle.loads(pickle.dumps(step)))))
 
-    def alive(self) -> bool:
-        return True
+    def failure(self) -> str | None:
+        return None
 
 
 def test_features_are_encoded_once_across_chunks_and_preemption(tiny_llava, llava_llm, monkeypatch):

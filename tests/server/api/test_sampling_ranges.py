@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llmserve.chat_template import BaseTemplate
+from llmserve.engine.config import EngineConfig
 from llmserve.generation_config import SamplingDefaults
 from llmserve.sampling_params import SAMPLING_RULES, InvalidRequest, SamplingParams, SamplingRule
 from llmserve.server.api.app import create_app
@@ -30,12 +31,13 @@ class FailingEngine:
     def __init__(self, model_path: str, tokenizer):
         self.model_path = model_path
         self.tokenizer = tokenizer
+        self.config = EngineConfig(model=model_path)
         self.info = WorkerInfo(model_type="llama", vocab_size=len(tokenizer), max_total_token_num=512,
                                max_seq_len=512, max_running_requests=8, dtype="float32", device="cpu", num_layers=2,
                                num_params=0)
         self.received: list[SamplingParams] = []
 
-    def generate(self, prompt_token_ids, params, pixel_values=None, session_id=None):
+    def generate(self, prompt_token_ids, params, pixel_values=None, session_id=None, lora_name=None):
         self.received.append(params)
         raise EngineError("this test's engine runs nothing")
 
