@@ -102,16 +102,17 @@ class InProcessWorkers:
     """``ModelWorkerGroup``'s interface over one ``ModelWorker`` in this process; times its
     model's ``encode_images``."""
 
+    dist_init_addr = ""      # one rank: no rendezvous
+
     def __init__(self) -> None:
         self.worker = None
         self.vision_seconds = 0.0
         self.images_encoded = 0
 
-    def init_model(self, args: list):
+    def init_model(self, args):
         from llmserve.worker.model_worker import ModelWorker
 
-        [rank0] = args
-        self.worker = ModelWorker(rank0)
+        self.worker = ModelWorker(args)
         model = self.worker.model
         encode = model.encode_images
         cuda = model.device.type == "cuda"
@@ -133,8 +134,8 @@ class InProcessWorkers:
     def step(self, step):
         return self.worker.step(step)
 
-    def alive(self) -> bool:
-        return True
+    def failure(self) -> str | None:
+        return None
 
     def close(self) -> None:
         self.worker = None

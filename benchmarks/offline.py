@@ -234,7 +234,7 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(scale)
 
-    gemma = cfg["model_type"].startswith("gemma")
+    gemma = cfg.get("model_type", "llama").startswith("gemma")
 
     def ones(n: int) -> torch.Tensor:   # a norm that leaves its input's scale
         return (torch.zeros if gemma else torch.ones)(n, dtype=dtype, device=device)
@@ -264,9 +264,10 @@ def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
 def random_mlp_weights(cfg: dict, p: str, normal) -> dict[str, torch.Tensor]:
     """One layer's MLP: dense, or (every layer of these configs) Mixtral's / Qwen3-MoE's experts."""
     hidden = cfg["hidden_size"]
-    if cfg["model_type"] == "mixtral":
+    model_type = cfg.get("model_type", "llama")   # llava.py's text config names none
+    if model_type == "mixtral":
         p, names, inter, experts = p + "block_sparse_moe.", ("w1", "w3", "w2"), cfg["intermediate_size"], cfg["num_local_experts"]
-    elif cfg["model_type"] == "qwen3_moe":
+    elif model_type == "qwen3_moe":
         assert cfg["decoder_sparse_step"] == 1 and not cfg["mlp_only_layers"], "every layer has experts here"
         p, names, inter, experts = p + "mlp.", ("gate_proj", "up_proj", "down_proj"), cfg["moe_intermediate_size"], cfg["num_experts"]
     else:
