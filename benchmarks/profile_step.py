@@ -1,7 +1,11 @@
-"""Where one decode step's time goes: the GPU kernels of a few steps of the Llama-3-8B-shaped
-random-weight model, grouped by kernel, next to the step's wall time.
+"""Where one decode step's time goes: the GPU kernels of a few steps of a random-weight model
+(offline.py's shapes, Llama-3-8B by default), grouped by kernel, next to the step's wall time.
 
     python benchmarks/profile_step.py --batch 1 --prompt-len 512 [--graphs]
+        [--model-size gemma2-9b] [--quantization fp8|fp8-block|int4] [--lora 8]
+
+``--lora N`` loads N random rank-16 adapters on every projection (lora.py's) and gives request i
+adapter i mod N.
 
 If the kernels' summed time is well below the step time, the step is bound by host-side work
 (Python, launches, synchronisations), not by the GPU. The sum counts kernel rows only: the
@@ -12,13 +16,23 @@ counted every kernel twice.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import time
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from offline import LLAMA3_8B_CONFIG, build_model, prefill  # also takes this folder off sys.path (see common.py)
+from offline import BENCH_QUANTIZERS, CONFIGS, build_model, prefill, quantized_linears, random_llama_weights  # also takes this folder off sys.path (see common.py)
+
+
+def load_sibling(name: str):
+    """A script of this folder as a module (common.py takes the folder off sys.path)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -27,17 +41,39 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--graphs", action="store_true", help="replay the decode step's CUDA graph (as the server does)")
+    ap.add_argument("--model-size", choices=sorted(CONFIGS), default="8b")
+    ap.add_argument("--quantization", choices=["fp8", *BENCH_QUANTIZERS], default=None)
+    ap.add_argument("--lora", type=int, default=0, metavar="N", help="N random rank-16 adapters, request i on i mod N")
     args = ap.parse_args()
     device = torch.device("cuda")
-    model = build_model(LLAMA3_8B_CONFIG, device, torch.bfloat16, args.batch, args.prompt_len + args.steps + 16,
-                        graphs=args.graphs)
+    cfg = CONFIGS[args.model_size]
+    weights = None
+    if args.quantization in BENCH_QUANTIZERS:
+        weights = quantized_linears(random_llama_weights(cfg, device, torch.bfloat16), BENCH_QUANTIZERS[args.quantization])
+    model = build_model(cfg, device, torch.bfloat16, args.batch, args.prompt_len + args.steps + 16,
+                        graphs=args.graphs, weights=weights,
+                        quantization="fp8" if args.quantization == "fp8" else None)
+    slots = None
+    if args.lora:
+        from llmserve.lora.pool import LoraPool
+
+        random_adapter = load_sibling("lora").random_adapter
+
+        pool = LoraPool(model.network_config_, args.lora, 16, 0, 1, model.data_type, device)
+        for slot in range(args.lora):
+            pool.load(slot, random_adapter(model.network_config_, f"a{slot}", 16, seed=slot))
+        model.lora_pool = pool
+        if model.decode_graphs is not None:   # captured again with the pool in place (see lora.py)
+            model.req_manager.free_req(model.decode_graphs.pad_row)
+            model.decode_graphs = model._init_decode_graphs()
+        slots = [i % args.lora for i in range(args.batch)]
     rows = [model.req_manager.alloc_req() for _ in range(args.batch)]
     tokens = prefill(model, rows, args.prompt_len).argmax(-1)
     lens = [args.prompt_len] * args.batch
 
     def step() -> None:
         nonlocal tokens, lens
-        tokens = model.forward(tokens, rows, lens, [1] * args.batch).argmax(-1)
+        tokens = model.forward(tokens, rows, lens, [1] * args.batch, b_lora_slot=slots).argmax(-1)
         lens = [n + 1 for n in lens]
 
     for _ in range(3):
@@ -52,10 +88,11 @@ def main() -> None:
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
     launches = sum(e.count for e in kernels) / args.steps
-    print(f"batch {args.batch}{' (CUDA graph)' if args.graphs else ''}: wall {wall_ms:.2f} ms/step, "
+    what = " ".join(x for x in (args.model_size, args.quantization, f"lora x{args.lora}" if args.lora else "") if x)
+    print(f"{what}, batch {args.batch}{' (CUDA graph)' if args.graphs else ''}: wall {wall_ms:.2f} ms/step, "
           f"GPU kernels {gpu_ms:.2f} ms/step ({launches:.0f} kernels a step)")
     print(f"{'kernel':<80} {'ms/step':>8} {'calls/step':>10}")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]:
         print(f"{e.key[:80]:<80} {e.self_device_time_total / 1e3 / args.steps:8.3f} {e.count / args.steps:10.0f}")
 
 
