@@ -101,3 +101,66 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# HF model_type -> the llama.cpp architecture its converter writes.
+CONVERTER_ARCHS = {
+    "gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,
+}
+
+
+def write_converted_gguf(path: Path, config, hf_tensors: dict[str, np.ndarray], norm_shift: float = 0.0,
+                         extra_kv: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
+    """``hf_tensors`` (a checkpoint's names: one tensor per expert) as llama.cpp's converter writes
+    them for ``config.model_type``: named by gguf-py's own HF -> GGUF map (the converter's), each
+    projection's experts stacked in one ``[experts, out, in]`` tensor, norm weights plus
+    ``norm_shift`` (Gemma's 1), q/k permuted for ``llama``; the metadata its model needs."""
+    import re
+
+    arch = CONVERTER_ARCHS[config.model_type]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in hf_tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.*)", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = value
+        else:
+            tensors[name] = value + np.float32(norm_shift) if name.endswith("norm.weight") else value
+    tensors |= {name: np.stack([per[e] for e in sorted(per)]) for name, per in experts.items()}
+
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rope = config.rope_parameters
+    w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))     # Gemma 3: the global layers' base
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if extra_kv:
+        extra_kv(w)
+    for name, value in tensors.items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        if arch == gguf.MODEL_ARCH.LLAMA and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            heads = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
+            value = llama_cpp_permute(value, heads)
+        w.add_tensor(gguf_name, np.ascontiguousarray(value, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """The tensors of a saved HF checkpoint as stored (transformers 5 saves experts one by one)."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(directory / "model.safetensors"))

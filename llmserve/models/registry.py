@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING
 
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, gguf_config
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, load_hf_config
+from llmserve.models.gemma import gguf as gemma_gguf
 from llmserve.models.llama import gguf as llama_gguf
 from llmserve.models.phi3 import gguf as phi3_gguf
 from llmserve.models.qwen3 import gguf as qwen3_gguf
+from llmserve.models.qwen_moe import gguf as qwen_moe_gguf
 
 if TYPE_CHECKING:
     from llmserve.common.basemodel import TpPartBaseModel
@@ -35,7 +37,8 @@ MODEL_CLASSES: dict[str, str] = {
 
 # GGUF general.architecture -> how its files map onto HF names: each family's table, from its
 # folder (the model class reads its own family's the same way: TpPartBaseModel.gguf_archs).
-GGUF_ARCHS: dict[str, GGUFArch] = {**llama_gguf.GGUF_ARCHS, **qwen3_gguf.GGUF_ARCHS, **phi3_gguf.GGUF_ARCHS}
+GGUF_ARCHS: dict[str, GGUFArch] = {**llama_gguf.GGUF_ARCHS, **qwen3_gguf.GGUF_ARCHS, **phi3_gguf.GGUF_ARCHS,
+                                   **gemma_gguf.GGUF_ARCHS, **qwen_moe_gguf.GGUF_ARCHS}
 
 
 def check_model_type(model_type: str | None) -> None:

@@ -84,7 +84,8 @@ def build_moe_weights(layout: MoeLayout, w: dict[str, Weight]) -> MoeWeights:
     )
     if layout.shared_expert:
         moe.shared_gate_up = stack_rows([w["shared.gate"], w["shared.up"]])
-        moe.shared_down, moe.shared_gate = w["shared.down"], w["shared.router"]
+        moe.shared_down = w["shared.down"]
+        moe.shared_gate = w["shared.router"].reshape(1, -1)    # a GGUF file may store it as a vector
     return moe
 
 

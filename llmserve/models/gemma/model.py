@@ -4,6 +4,7 @@ from llmserve.models.gemma.layer_infer.post_layer_infer import GemmaPostLayerInf
 from llmserve.models.gemma.layer_infer.pre_layer_infer import GemmaPreLayerInfer
 from llmserve.models.gemma.layer_infer.transformer_layer_infer import GemmaTransformerLayerInfer
 from llmserve.models.gemma.layer_weights.pre_and_post_layer_weight import GemmaPreAndPostLayerWeight
+from llmserve.models.gemma.gguf import GGUF_ARCHS
 from llmserve.models.gemma.layer_weights.transformer_layer_weight import GemmaTransformerLayerWeight
 from llmserve.models.llama.model import LlamaTpPartModel
 
@@ -21,7 +22,7 @@ class GemmaTpPartModel(LlamaTpPartModel):
     pre_layer_infer_class = GemmaPreLayerInfer
     post_layer_infer_class = GemmaPostLayerInfer
     transformer_layer_infer_class = GemmaTransformerLayerInfer
-    gguf_archs = {}
+    gguf_archs = GGUF_ARCHS
 
     def _verify_params(self) -> None:
         cfg = self.network_config_

@@ -26,4 +26,4 @@ class MixtralTpPartModel(LlamaTpPartModel):
 
     transformer_weight_class = MixtralTransformerLayerWeight
     transformer_layer_infer_class = MixtralTransformerLayerInfer
-    gguf_archs = {}
+    # Mixtral GGUF files are llama.cpp's ``llama`` architecture with experts (Llama's table reads them).

@@ -18,7 +18,7 @@ from llmserve.models.llama.gguf import BLOCK_TENSORS, GLOBAL_TENSORS
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _phi3_config(tensor_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+def _phi3_config(tensor_shapes: Mapping[str, tuple[int, ...]], meta: Mapping[str, Any]) -> dict[str, Any]:
     if any(name in tensor_shapes for name in ROPE_FACTORS):
         raise ModelLoadError("phi3 GGUF files with LongRoPE factors (rope_factors_long / rope_factors_short) are not "
                              "supported yet; serve the Hugging Face checkpoint instead")

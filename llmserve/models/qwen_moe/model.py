@@ -7,6 +7,7 @@ from llmserve.models.llama.model import LlamaTpPartModel
 from llmserve.models.qwen3.layer_infer.transformer_layer_infer import Qwen3TransformerLayerInfer
 from llmserve.models.qwen3.layer_weights.transformer_layer_weight import Qwen3TransformerLayerWeight
 from llmserve.models.qwen3.model import Qwen3TpPartModel
+from llmserve.models.qwen_moe.gguf import GGUF_ARCHS
 
 
 class QwenMoeLayerWeight(MoeLayerWeight):
@@ -48,7 +49,7 @@ class Qwen2MoeTpPartModel(LlamaTpPartModel):
 
     transformer_weight_class = Qwen2MoeTransformerLayerWeight
     transformer_layer_infer_class = Qwen2MoeTransformerLayerInfer
-    gguf_archs = {}
+    gguf_archs = GGUF_ARCHS
 
 
 class Qwen3MoeTpPartModel(Qwen3TpPartModel):
@@ -56,4 +57,4 @@ class Qwen3MoeTpPartModel(Qwen3TpPartModel):
 
     transformer_weight_class = Qwen3MoeTransformerLayerWeight
     transformer_layer_infer_class = Qwen3MoeTransformerLayerInfer
-    gguf_archs = {}
+    gguf_archs = GGUF_ARCHS

@@ -42,10 +42,16 @@ class GGUFArch:
     hf_class: str
     permuted_qk: bool                   # llama.cpp's converter permutes q/k rows for its rope layout
     global_tensors: Mapping[str, str]   # GGUF stem -> HF name (``output_norm`` -> ``model.norm``)
-    block_tensors: Mapping[str, str]    # stem in ``blk.N`` -> HF name in ``model.layers.N``
+    # stem in ``blk.N`` -> HF name in ``model.layers.N``. A name with ``{expert}`` is a stack of
+    # experts (``ffn_gate_exps``, ``[experts, out, in]``): one HF tensor per expert.
+    block_tensors: Mapping[str, str]
     # What the HF config says that the GGUF metadata leaves to the architecture, from the file's
-    # tensor shapes (GGUF name -> shape).
-    extra_config: Callable[[Mapping[str, tuple[int, ...]]], dict[str, Any]] | None = None
+    # tensor shapes (GGUF name -> shape) and its metadata under ``{architecture}.`` (the prefix
+    # dropped: ``attention.sliding_window``).
+    extra_config: Callable[[Mapping[str, tuple[int, ...]], Mapping[str, Any]], dict[str, Any]] | None = None
+    # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the
+    # weight, HF's Gemma norm by 1 + weight): subtracted from every ``*norm.weight`` here.
+    norm_offset: float = 0.0
 
 
 _TOKEN_ID_KEYS: dict[str, str] = {
@@ -241,7 +247,8 @@ def _build_config(
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
     }
     if spec.extra_config is not None:
-        config.update(spec.extra_config(tensor_shapes))
+        arch_meta = {k[len(arch) + 1:]: v for k, v in meta.items() if k.startswith(arch + ".")}
+        config.update(spec.extra_config(tensor_shapes, arch_meta))
     for gguf_key, hf_key in _TOKEN_ID_KEYS.items():
         if f"tokenizer.ggml.{gguf_key}" in meta:
             config[hf_key] = int(meta[f"tokenizer.ggml.{gguf_key}"])
@@ -256,7 +263,8 @@ def _build_config(
 
 
 def _hf_name(gguf_name: str, spec: GGUFArch) -> str | None:
-    """The HF name of a GGUF tensor (``blk.3.attn_q.bias`` -> ``model.layers.3.self_attn.q_proj.bias``)."""
+    """The HF name of a GGUF tensor (``blk.3.attn_q.bias`` -> ``model.layers.3.self_attn.q_proj.bias``;
+    a stack of experts keeps ``{expert}`` in it)."""
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
@@ -355,7 +363,12 @@ def load_gguf(path: str, archs: Mapping[str, GGUFArch], progress: bool = True, q
             kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
             if spec.permuted_qk and kind in n_heads:
                 w = _unpermute_qk(w, n_heads[kind])
-            if keep:
+            if spec.norm_offset and hf_name.endswith("norm.weight"):
+                w = w - np.float32(spec.norm_offset)
+            if "{expert}" in hf_name:     # [experts, out, in] (dequantized: 3-D tensors never stay in blocks)
+                for e in range(w.shape[0]):
+                    tensors[hf_name.format(expert=e)] = torch.from_numpy(np.ascontiguousarray(w[e]))
+            elif keep:
                 shape = tuple(int(d) for d in reversed(list(t.shape)))
                 tensors[hf_name] = QuantizedWeight.from_gguf(_type_name(t.tensor_type), w, shape)
             else:
