@@ -65,7 +65,7 @@ def algorithm_for(nbytes: int, dtype: torch.dtype, world_size: int, one_shot_max
     return "nccl"
 
 
-def _size(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
@@ -138,8 +138,8 @@ class CustomAllReduce:
         return t
 
     def describe(self) -> str:
-        two_shot = f", two-shot up to {_size(self.two_shot_max)}" if self.two_shot_max > self.one_shot_max else ""
-        return f"custom (symmetric memory, bf16/fp32: one-shot up to {_size(self.one_shot_max)}{two_shot}, NCCL above)"
+        two_shot = f", two-shot up to {human_bytes(self.two_shot_max)}" if self.two_shot_max > self.one_shot_max else ""
+        return f"custom (symmetric memory, bf16/fp32: one-shot up to {human_bytes(self.one_shot_max)}{two_shot}, NCCL above)"
 
     def _check(self) -> str | None:
         """Sum small integers, whose bf16 sum is exact, with each kernel; what went wrong, or None."""
