@@ -101,7 +101,10 @@ class CustomAllReduce:
         """Every rank of ``group``: the custom all-reduce, or None, on every rank alike, where a rank
         cannot set it up (no peer-to-peer access, a torch without the ops, a failed rendezvous) or
         its first sums are wrong; the rank that failed says why in one log line."""
-        reason = _unusable(device, group.size())
+        try:
+            reason = _unusable(device, group.size())
+        except Exception as e:   # whatever this rank cannot ask, it must still answer the agreement below
+            reason = f"{type(e).__name__}: {e}".splitlines()[0]
         ours = None
         # Agreed before the rendezvous, which every rank must enter (a rank whose allocation fails
         # after that leaves the others waiting in it: not seen, but not guarded against either).
