@@ -82,10 +82,9 @@ class CustomAllReduce:
         self.rank, self.world_size = group.rank(), group.size()
         self.one_shot_max = one_shot_max
         self.two_shot_max = two_shot_max if self.world_size in TWO_SHOT_WORLD_SIZES else 0
-        self.ops = torch.ops.symm_mem
         # The two ops looked up now, so that a torch without them fails here, not in the first step.
-        self._one_shot = self.ops.one_shot_all_reduce_copy_out
-        self._two_shot = self.ops.two_shot_all_reduce_out
+        self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+        self._two_shot = torch.ops.symm_mem.two_shot_all_reduce_out
         if hasattr(symm_mem, "set_backend"):
             symm_mem.set_backend("CUDA")   # peer-to-peer mappings of CUDA's virtual memory (not NVSHMEM's)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
