@@ -40,6 +40,9 @@ if [ -d "$tok" ]; then
     tests/test_model_errors.py tests/test_cli.py tests/chat_template \
     tests/engine/test_speculation.py tests/engine/test_speculation_sampling.py tests/engine/test_prefix_cache.py \
     -k "not paris and not transformers and not stop_ and not missing_model_is and not hf_greedy and not grounded and not stops_and_lengths"
+  # the custom all-reduce against NCCL, eagerly and in graphs, and a tp=2 model's tokens with it (2 GPUs)
+  run custom-all-reduce env LLMSERVE_TEST_TOKENIZER_DIR="$tok" python3 -m pytest -q -p no:cacheprovider \
+    tests/common/test_custom_all_reduce.py
   # the HTTP server on the GPU, driven by the three clients (the embedded model stays on the CPU);
   # a fixed KV cache, because several test servers share the GPU
   run api env LLMSERVE_TEST_TOKENIZER_DIR="$tok" LLMSERVE_TEST_SERVER_ARGS="--dtype float32 --max-total-token-num 16384" python3 -m pytest -q \
@@ -48,8 +51,12 @@ else
   status+=("engine: skipped (no tokenizer copy at $tok)")
 fi
 run bench-kernels python3 benchmarks/kernels.py --device cuda --json "$out/kernels.json"
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  run bench-all-reduce python3 benchmarks/all_reduce.py --gpus 2 --json "$out/all_reduce.json"
+fi
 run bench-offline python3 benchmarks/offline.py --device cuda --batch-sizes 1,32,128 --prompt-len 512 --modes eager,graphs --peer hf-compiled --json "$out/offline.json"
 
 echo; echo "=== kernels"; sed -n '/^|/p' "$out/bench-kernels.log"
+[ -f "$out/bench-all-reduce.log" ] && { echo; echo "=== all-reduce"; sed -n '/^|/p' "$out/bench-all-reduce.log"; }
 echo; echo "=== offline"; sed -n '/^|/p' "$out/bench-offline.log"
 echo; printf '%s\n' "${status[@]}"

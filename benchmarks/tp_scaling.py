@@ -9,11 +9,16 @@ What is measured, for each --tp value
   serving   ``llmserve serve --tp N`` started as a process, then ``serving.py`` at
             --max-concurrency 128 (4 x 128 requests, same lengths), its output tok/s.
 
+At tp > 1 each runs once per --all-reduce mode: ``custom`` (the default: small all-reduces over
+peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (``--disable-custom-all-reduce``).
 Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
 <= 0.62x at C=32, tp=4 <= 0.36x; C=128 throughput at tp=2 >= 1.7x).
 
 Run (GPUs):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
              python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1,2,4 --json benchmarks/results/tp_scaling.json
+Decode steps only, custom against NCCL (a few minutes):
+             python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1,2 --concurrency 1,32 \
+                 --output-len 64 --no-serving --cuda-graph-max-bs 32
 Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
              python benchmarks/tp_scaling.py --model /tmp/tiny --tp 1,2 --input-len 16 --output-len 8 --concurrency 1,2,4 --no-serving
 """
@@ -48,12 +53,19 @@ GOALS = {(2, "tpot C=1"): ("<=", 0.6), (2, "tpot C=32"): ("<=", 0.62), (4, "tpot
 @dataclass
 class TpResult:
     tp: int
+    all_reduce: str                  # custom | nccl ("" at tp=1)
     numbers: dict[str, float] = field(default_factory=dict)   # metric -> value
 
+    @property
+    def label(self) -> str:
+        return f"{self.tp} ({self.all_reduce})" if self.all_reduce else str(self.tp)
 
-def offline(args: argparse.Namespace, tp: int, levels: list[int]) -> dict[str, float]:
+
+def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int]) -> dict[str, float]:
+    graphs = {} if args.cuda_graph_max_bs is None else {"cuda_graph_max_bs": args.cuda_graph_max_bs}
     config = EngineConfig(model=args.model, tp=tp, dtype=args.dtype, max_running_requests=max(levels),
-                          max_total_token_num=args.max_total_token_num)
+                          max_total_token_num=args.max_total_token_num, custom_all_reduce=all_reduce != "nccl",
+                          **graphs)
     engine = LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
     prompts = random_prompts(engine.info.vocab_size, args.input_len)
     print(engine.summary(), file=sys.stderr)
@@ -64,18 +76,22 @@ def offline(args: argparse.Namespace, tp: int, levels: list[int]) -> dict[str, f
             r = run_requests(engine, prompts(4 * c), args.output_len, c)
             numbers[f"tpot C={c}"] = r.tpot_ms
             numbers[f"offline tok/s C={c}"] = r.out_tok_per_s
-            print(f"tp={tp} C={c}: TPOT {r.tpot_ms:.2f} ms, {r.out_tok_per_s:.0f} tok/s", file=sys.stderr)
+            print(f"tp={tp} {all_reduce} C={c}: TPOT {r.tpot_ms:.2f} ms, {r.out_tok_per_s:.0f} tok/s", file=sys.stderr)
     finally:
         engine.shutdown()
     return numbers
 
 
-def serving(args: argparse.Namespace, tp: int, concurrency: int) -> float:
+def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int) -> float:
     port = 18000 + tp
     cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", args.model, "--tp", str(tp), "--port", str(port),
            "--max-concurrent-requests", str(4 * concurrency)]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if all_reduce == "nccl":
+        cmd += ["--disable-custom-all-reduce"]
+    if args.cuda_graph_max_bs is not None:
+        cmd += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     server = subprocess.Popen(cmd)
     try:
         deadline = time.monotonic() + 1800
@@ -112,6 +128,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-total-token-num", type=int, default=None)
+    p.add_argument("--all-reduce", default="custom,nccl",
+                   help="at tp > 1, run once per mode: custom (peer-to-peer kernels for small messages), nccl "
+                        "(--disable-custom-all-reduce) (default: custom,nccl)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="decode graphs up to this batch (default: the engine's); smaller starts faster")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -120,12 +141,17 @@ def main() -> int:
     args = parse_args()
     tps = [int(t) for t in args.tp.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
+    modes = args.all_reduce.split(",")
+    if not set(modes) <= {"custom", "nccl"}:
+        raise SystemExit(f"--all-reduce takes custom and nccl, got {args.all_reduce!r}")
     results = []
     for tp in tps:
-        result = TpResult(tp, offline(args, tp, levels))
-        if not args.no_serving:
-            result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(args, tp, args.serving_concurrency)
-        results.append(result)
+        for all_reduce in modes if tp > 1 else [""]:
+            result = TpResult(tp, all_reduce, offline(args, tp, all_reduce, levels))
+            if not args.no_serving:
+                result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(
+                    args, tp, all_reduce, args.serving_concurrency)
+            results.append(result)
     base = results[0].numbers
     metrics = list(base)
     rows = []
@@ -135,7 +161,7 @@ def main() -> int:
             goal = GOALS.get((r.tp, m))
             verdict = "" if goal is None else f"{goal[0]} {goal[1]}: " + (
                 "met" if (ratio <= goal[1] if goal[0] == "<=" else ratio >= goal[1]) else "MISSED")
-            rows.append([r.tp, m, f"{r.numbers[m]:.2f}", f"{ratio:.3f}", verdict])
+            rows.append([r.label, m, f"{r.numbers[m]:.2f}", f"{ratio:.3f}", verdict])
     print(f"\n### Tensor-parallel scaling, in {args.input_len} / out {args.output_len}\n")
     print(markdown_table(["tp", "metric", "value", f"/ tp={tps[0]}", "goal"], rows))
     if args.json:

@@ -20,16 +20,35 @@ import time
 import torch
 import torch.distributed as dist
 
+from llmserve.common.custom_all_reduce import CustomAllReduce
+
+# This process's custom all-reduce (GPUs of one node, see custom_all_reduce.py), or None: NCCL's
+# or gloo's. Set once by init_distributed, before the model's first forward; read by every
+# all_reduce after that, on the one thread that runs the model.
+_custom_all_reduce: CustomAllReduce | None = None
+_all_reduce_description = ""
+
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` across ranks in place (row-parallel matmul outputs, vocab-parallel embeddings)."""
+    """Sum `t` across ranks in place (row-parallel matmul outputs, vocab-parallel embeddings):
+    with the custom all-reduce where it takes the message (a decode step's, on GPUs of one node),
+    else the process group's own (NCCL, gloo)."""
     if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        custom = _custom_all_reduce
+        if custom is not None and (algorithm := custom.algorithm(t)) != "nccl":
+            custom.all_reduce(t, algorithm)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_reduce_description() -> str:
+    """Which all-reduce the ranks use, for the start-up line ("" at world size 1)."""
+    return _all_reduce_description
 
 
 def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
@@ -42,13 +61,29 @@ def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def init_distributed(store: dist.Store | None, rank: int, world: int, device: torch.device) -> None:
+def init_distributed(store: dist.Store | None, rank: int, world: int, device: torch.device,
+                     custom_all_reduce: bool = False) -> None:
     """Join the process group through the rendezvous' store: NCCL between GPUs, gloo between CPU
-    processes."""
+    processes. ``custom_all_reduce``: the GPUs are all on this node, and the small all-reduces
+    may run over their peer-to-peer buffers instead of NCCL (every rank must pass the same)."""
     if world == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore("model/", store), rank=rank, world_size=world)
+    if custom_all_reduce and backend == "nccl":
+        custom = CustomAllReduce.setup(dist.group.WORLD, device)
+        set_custom_all_reduce(custom, None if custom else "NCCL (the custom all-reduce failed to start: see the log)")
+    else:
+        set_custom_all_reduce(None, backend.upper())
+
+
+def set_custom_all_reduce(custom: CustomAllReduce | None, description: str | None = None) -> None:
+    """Use ``custom`` for the all-reduces it takes from now on (None: the process group's own), and
+    say so in ``description`` (default: custom's own); init_distributed's choice, which the
+    all-reduce benchmark and the tests also toggle."""
+    global _custom_all_reduce, _all_reduce_description
+    _custom_all_reduce = custom
+    _all_reduce_description = description or (custom.describe() if custom is not None else "NCCL")
 
 
 def split_addr(addr: str) -> tuple[str, int]:

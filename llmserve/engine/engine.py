@@ -61,6 +61,7 @@ class LLMEngine:
             dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras, quantization=config.quantization,
+            custom_all_reduce=config.custom_all_reduce,
         ))
         self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
         self.limits = RequestLimits.of_model(self.info)
@@ -109,8 +110,9 @@ class LLMEngine:
         if info.quantization:
             weights += f" ({info.quantization})"
         weights += f", weights {info.weight_bytes / 2**30:.2f} GiB"
+        tp = f"tp={self.config.tp}" + (f" (all-reduce: {info.all_reduce})" if info.all_reduce else "")
         return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "
-                f"tp={self.config.tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
+                f"{tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     pixel_values: list[np.ndarray] | None = None, session_id: str | None = None,

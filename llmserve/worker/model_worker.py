@@ -57,7 +57,9 @@ class ModelWorker:
             # a node's ranks share its cores; each one taking all of them would oversubscribe
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks_per_node))
         self.rendezvous = rendezvous
-        init_distributed(rendezvous.store if rendezvous else None, args.tp_rank, args.world_size, device)
+        # The custom all-reduce maps the peers' GPU memory: the ranks must share one node.
+        init_distributed(rendezvous.store if rendezvous else None, args.tp_rank, args.world_size, device,
+                         custom_all_reduce=args.custom_all_reduce and args.nnodes == 1)
         # Rank 0 hands each step to the other ranks (see ModelRpcServer.exposed_step, follow).
         self.channel = StepChannel() if args.world_size > 1 else None
         params = ModelInitParams(
@@ -101,6 +103,7 @@ class ModelWorker:
         self._unverified: set[int] = set()
 
     def info(self) -> WorkerInfo:
+        from llmserve.common.distributed import all_reduce_description
         from llmserve.kernels import QuantizedWeight
         from llmserve.quantization.weights import PackedWeight
 
@@ -117,7 +120,8 @@ class ModelWorker:
             dtype=str(m.data_type).removeprefix("torch."),
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
             quantized="/".join(qtypes), quantization=m.quantization.description if m.quantization else "",
-            weight_bytes=n_bytes * self.args.world_size, **_graph_info(m), **_image_info(m),
+            weight_bytes=n_bytes * self.args.world_size, all_reduce=all_reduce_description(),
+            **_graph_info(m), **_image_info(m),
         )
 
     def step(self, step: StepInput) -> list[StepOutput]:

@@ -69,6 +69,9 @@ class WorkerInitArgs:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
     quantization: str | None = None  # --quantization (ModelInitParams)
+    # On GPUs of one node, small all-reduces over peer-to-peer buffers instead of NCCL
+    # (common/custom_all_reduce.py); off: --disable-custom-all-reduce.
+    custom_all_reduce: bool = True
 
     @property
     def ranks_per_node(self) -> int:
@@ -99,6 +102,7 @@ class WorkerInfo:
     quantized: str = ""              # GGUF block formats the weights run in ("Q4_1/Q8_0"); "": dense
     quantization: str = ""           # a quantized checkpoint's format or --quantization fp8 (its description); "": none
     weight_bytes: int = 0            # bytes of the weights (and their scales) over all ranks
+    all_reduce: str = ""             # which all-reduce the ranks use ("" at tp=1; see common/distributed.py)
     # Image input (LLaVA): the placeholder token id, and how many of them one image fills; None
     # for a text-only model.
     image_token_id: int | None = None

@@ -1,0 +1,147 @@
+"""The custom all-reduce (common/custom_all_reduce.py) and how ``distributed.all_reduce`` picks it.
+
+On the CPU: which all-reduce a message gets (the gloo path itself is held exact by the tensor-
+parallel tests, which it leaves untouched). With two CUDA devices: both kernels give NCCL's sum
+bit for bit (at world size 2 both add a + b once, in bf16 or fp32), eagerly and replayed from a
+CUDA graph, and a tp=2 model decodes with them exactly the tokens it decodes with NCCL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.common import distributed
+from llmserve.common.custom_all_reduce import (
+    ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for,
+)
+
+BF16 = torch.bfloat16
+
+
+def test_small_messages_go_one_shot_medium_two_shot_and_large_to_nccl():
+    decode_row = 4096 * BF16.itemsize   # a Llama-3-8B decode step at batch 1: 8 KiB
+    assert algorithm_for(decode_row, BF16, 2) == "one_shot"
+    assert algorithm_for(ONE_SHOT_MAX_BYTES, BF16, 2) == "one_shot"
+    assert algorithm_for(ONE_SHOT_MAX_BYTES + 16, BF16, 4) == "two_shot"
+    assert algorithm_for(TWO_SHOT_MAX_BYTES, torch.float32, 8) == "two_shot"
+    assert algorithm_for(TWO_SHOT_MAX_BYTES + 16, BF16, 2) == "nccl"
+    # two-shot is compiled for 2, 4 and 8 ranks only
+    assert algorithm_for(ONE_SHOT_MAX_BYTES + 16, BF16, 3) == "nccl"
+    # dtypes the kernels do not take, sizes they cannot vectorise
+    assert algorithm_for(decode_row, torch.float16, 2) == "nccl"
+    assert algorithm_for(decode_row + 2, BF16, 2) == "nccl"
+    assert algorithm_for(0, BF16, 2) == "nccl"
+
+
+def test_all_reduce_sends_each_message_where_the_custom_all_reduce_says(monkeypatch):
+    used = []
+    custom = CustomAllReduce.__new__(CustomAllReduce)   # its choice only: no buffer, no peers
+    custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
+    monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op: used.append("nccl"))
+    distributed.set_custom_all_reduce(custom)
+    try:
+        for t in [torch.zeros(1, 4096, dtype=BF16),                 # a decode step's
+                  torch.zeros(256, 4096, dtype=BF16),               # 2 MiB
+                  torch.zeros(4096, 4096, dtype=BF16),              # 32 MiB: a long prefill's
+                  torch.zeros(1, 4096, dtype=torch.float16),
+                  torch.zeros(4, 4096, dtype=BF16)[:, :2048],       # not contiguous
+                  torch.zeros(4096 + 1, dtype=BF16)[1:]]:           # starts 2 bytes into its storage
+            distributed.all_reduce(t)
+    finally:
+        distributed.set_custom_all_reduce(None)
+    assert used == ["one_shot", "two_shot", "nccl", "nccl", "nccl", "nccl"]
+
+
+# -- two GPUs ---------------------------------------------------------------------------------
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA devices")
+# Bytes: a decode row of a tiny model, one of Llama-3-8B, a batch of 32 and of 256 of them, and
+# the largest message the buffer takes; each with an odd number of 16-byte vectors somewhere.
+SIZES = [16, 4096 * 2, 32 * 4096 * 2 + 16, 256 * 4096 * 2, TWO_SHOT_MAX_BYTES]
+
+
+def _graph_of(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm up outside the capture, as DecodeGraphs does
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _rank_main(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=device)
+    try:
+        custom = CustomAllReduce.setup(dist.group.WORLD, device)
+        assert custom is not None, "the custom all-reduce did not start (its reason is in the log above)"
+        gen = torch.Generator(device).manual_seed(rank)
+        for dtype in (BF16, torch.float32):
+            for nbytes in SIZES:
+                inputs = [torch.randn(nbytes // dtype.itemsize, generator=gen, device=device, dtype=dtype)
+                          for _ in range(2)]
+                sums = [x.clone() for x in inputs]
+                for s in sums:
+                    dist.all_reduce(s)
+                for algorithm in ("one_shot", "two_shot"):
+                    what = f"{algorithm}, {nbytes} bytes of {dtype}"
+                    assert torch.equal(custom.all_reduce(inputs[0].clone(), algorithm), sums[0]), what
+                    static = torch.empty_like(inputs[0])
+                    graph = _graph_of(lambda: custom.all_reduce(static, algorithm))
+                    for x, expected in zip(inputs, sums):   # one capture, new inputs each replay
+                        static.copy_(x)
+                        graph.replay()
+                        assert torch.equal(static, expected), f"{what}, in a CUDA graph"
+        # As the model calls it, one graph holding all three paths (one-shot, two-shot, NCCL).
+        distributed.set_custom_all_reduce(custom)
+        statics = [torch.empty(n // 2, dtype=BF16, device=device) for n in (8 << 10, 2 << 20, 32 << 20)]
+        graph = _graph_of(lambda: [distributed.all_reduce(s) for s in statics])
+        inputs = [torch.randn(s.shape, generator=gen, device=device, dtype=BF16) for s in statics]
+        for s, x in zip(statics, inputs):
+            s.copy_(x)
+        graph.replay()
+        for s, x in zip(statics, inputs):
+            dist.all_reduce(x)
+            assert torch.equal(s, x), f"{s.numel() * 2} bytes through distributed.all_reduce in a graph"
+    finally:
+        distributed.set_custom_all_reduce(None)
+        dist.destroy_process_group()
+
+
+@two_gpus
+def test_equals_nccl_eagerly_and_in_cuda_graphs():
+    import torch.multiprocessing as mp
+
+    from llmserve.engine.worker_client import free_tcp_port
+
+    mp.start_processes(_rank_main, args=(2, free_tcp_port()), nprocs=2, start_method="spawn")
+
+
+@two_gpus
+def test_tp2_decodes_the_tokens_of_nccl_and_of_tp1(tiny_llama_dir):
+    from llmserve import LLM, SamplingParams
+
+    prompts = [[5, 17, 300, 2, 9], [44] * 3, list(range(100, 131))]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def tokens(tp: int, dtype: str, **options) -> tuple[list[list[int]], str]:
+        with LLM(tiny_llama_dir, tp=tp, dtype=dtype, **options) as llm:
+            assert llm.engine.info.cuda_graph_max_bs > 0   # decode steps replay graphs
+            return [out.token_ids for out in llm.generate(prompts, params)], llm.engine.info.all_reduce
+
+    custom, used = tokens(2, "bfloat16")
+    assert used.startswith("custom"), used
+    nccl, used = tokens(2, "bfloat16", custom_all_reduce=False)
+    assert used == "NCCL", used
+    assert custom == nccl   # the same sums, bit for bit, so the same logits
+    # fp32: tp=1 and tp=2 differ only in how the matmuls' sums are split
+    assert tokens(2, "float32")[0] == tokens(1, "float32")[0]
