@@ -43,6 +43,7 @@ from .backend import dot_precision, launcher, next_pow2, use_triton
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
 # tiles for segments longer than DECODE_ROWS (prompts), which re-read A less often.
 BLOCK_M_DECODE, BLOCK_M_PREFILL, DECODE_ROWS = 16, 64, 256
+_SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
 
 
 @triton.jit
@@ -131,8 +132,12 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
     block_m = BLOCK_M_DECODE if max_len <= DECODE_ROWS else BLOCK_M_PREFILL
     block_r = max(16, next_pow2(r_sub))
-    # The shrink's tiles (x and A, pipelined over a few stages) stay well within shared memory.
-    block_k = max(16, min(512, next_pow2(k), 16384 // (block_m + block_r)))
+    # The shrink's loads are what a program waits on (its latency is about one SM's share of
+    # bandwidth: A's R x K bytes over the bytes in flight), so it pipelines wide tiles over 3 or 4
+    # stages within 128 KiB of shared memory (a stage: x's and A's tiles, (BLOCK_M + BLOCK_R) x BLOCK_K).
+    stage_rows = (block_m + block_r) * x.element_size()
+    block_k = max(16, min(512, next_pow2(k), next_pow2(_SHRINK_SMEM // (3 * stage_rows) + 1) // 2))
+    num_stages = max(2, min(4, _SHRINK_SMEM // (stage_rows * block_k)))
     block_n = min(128, max(16, next_pow2(min(splits))))
     # Tiles that can hold tokens: the rows' tiles, plus one per segment boundary.
     busy = min(num_slots, n) + triton.cdiv(n, block_m) - 1
@@ -143,6 +148,7 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
         x, a, b, y, scaling, slot_rank, seg_start, rows, chunks, k, r_sub,
         x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(y.dtype),
+        num_stages=num_stages,
     )
 
 
