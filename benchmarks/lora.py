@@ -13,8 +13,9 @@ What is measured
      ``--num-adapters``: a batch of 32 spreads over 8 adapters. (The prompts' KV is prefilled
      by the base model; only the decode steps are timed, and their cost does not depend on it.)
   3. load: putting one more adapter into a slot on demand, median of ``--load-repeats``: from
-     host memory (the worker's cache of read adapters: ``--max-cpu-loras``), and from its PEFT
-     directory on disk (read and checked, then put in the slot), with the device synchronised.
+     host memory (the worker's cache of read adapters, ``--max-cpu-loras``, which keeps them
+     packed in the pool's layout: ``LoraPool.pack``), and from its PEFT directory on disk (read
+     and checked, packed, then put in the slot), with the device synchronised.
 
 Columns
   ms/step, tok/s    as offline.py
@@ -135,10 +136,11 @@ def main() -> int:
     lora = {b: statistics.mean(decode_ms(model, b, *timing, [i % args.num_adapters for i in range(b)])) for b in batches}
 
     spare = adapters[-1]
-    from_host = wall_median_ms(lambda: pool.load(0, spare), device, args.load_repeats)
+    packed = pool.pack(spare)      # as the worker's cache holds it
+    from_host = wall_median_ms(lambda: pool.load(0, packed), device, args.load_repeats)
     with tempfile.TemporaryDirectory() as d:
         save_peft_dir(spare, d)
-        from_disk = wall_median_ms(lambda: pool.load(0, read_adapter("spare", d, cfg, args.rank)), device,
+        from_disk = wall_median_ms(lambda: pool.load(0, pool.pack(read_adapter("spare", d, cfg, args.rank))), device,
                                    args.load_repeats)
 
     rows = []

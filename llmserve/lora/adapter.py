@@ -13,7 +13,9 @@ import math
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,20 +134,23 @@ def projection_shape(cfg, module: str) -> tuple[int, int]:
 class AdapterCache:
     """A worker's adapters read on the host: each known one is read (and so checked) once at
     start-up, and the ``capacity`` most recently loaded stay read (None: all); the others are read
-    again from their directory when the engine loads them into a slot."""
+    again from their directory when the engine loads them into a slot. With ``pack`` (the device
+    pool's ``LoraPool.pack``) each is kept as ``pack`` makes it, ready for the pool to copy."""
 
-    def __init__(self, adapters: dict[str, str], network_config, max_rank: int, capacity: int | None):
-        self.network_config, self.max_rank, self.capacity = network_config, max_rank, capacity
-        self._read: OrderedDict[str, LoraAdapter] = OrderedDict()
+    def __init__(self, adapters: dict[str, str], network_config, max_rank: int, capacity: int | None,
+                 pack: Callable[[LoraAdapter], Any] | None = None):
+        self.network_config, self.max_rank, self.capacity, self.pack = network_config, max_rank, capacity, pack
+        self._read: OrderedDict[str, tuple[str, Any]] = OrderedDict()    # name -> (path, adapter)
         for name, path in adapters.items():
             self.get(name, path)
 
-    def get(self, name: str, path: str) -> LoraAdapter:
-        adapter = self._read.get(name)
-        if adapter is None or adapter.path != path:
+    def get(self, name: str, path: str) -> Any:
+        """Adapter ``name`` at ``path``: a ``LoraAdapter``, or what ``pack`` makes of it."""
+        entry = self._read.get(name)
+        if entry is None or entry[0] != path:
             adapter = read_adapter(name, path, self.network_config, self.max_rank)
-            self._read[name] = adapter
+            entry = self._read[name] = (path, self.pack(adapter) if self.pack is not None else adapter)
         self._read.move_to_end(name)
         while self.capacity is not None and len(self._read) > max(1, self.capacity):
             self._read.popitem(last=False)
-        return adapter
+        return entry[1]

@@ -1,11 +1,13 @@
 """A model worker's LoRA weights: a device pool of ``max_loras`` adapter slots, sized at start-up,
 and the per-forward view the layers add the adapters' products with (``LoraBatch``).
 
-Per layer and projection group the pool holds A ``[slots, m * R, in]`` (the m projections of a
-fused group stacked, so one shrink serves q, k and v) and B ``[slots, out, R]`` (their B stacked
-as the fused output's columns, so one expand serves them), R = ``max_lora_rank``, an adapter of a
-lower rank padded with zeros. A slot is filled
-by ``load`` (the engine core decides which adapter goes where: ``llmserve.lora.manager``).
+Per projection group the pool holds A ``[slots, layers, m * R, in]`` (the m projections of a
+fused group stacked, so one kernel serves q, k and v) and B ``[slots, layers, out, R]`` (their B
+stacked as the fused output's columns), R = ``max_lora_rank``, an adapter of a lower rank padded
+with zeros. A slot's share of a tensor is contiguous, so putting an adapter in a slot (``load``)
+is one host-to-device copy per tensor, from the adapter packed on the host in the pool's layout
+(``pack``: pinned memory for a CUDA pool; the worker keeps its read adapters packed). The engine
+core decides which adapter goes where (``llmserve.lora.manager``).
 
 Tensor parallelism cuts an adapter as the weight it wraps: for a column-parallel projection (q,
 k, v, gate, up) B's rows (A whole), for a row-parallel one (o, down) A's columns (B whole). The
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.lora import lora_expand, lora_shrink
+from llmserve.kernels.lora import lora_add
 from llmserve.lora.adapter import LoraAdapter, projection_shape
 
 # The layer's projection groups, in the fused output's column order (the layer weights' fusing).
@@ -29,9 +31,21 @@ ROW_PARALLEL = {"o", "down"}
 
 @dataclass
 class _GroupWeights:
-    a: torch.Tensor                 # [slots, m * R, in / (tp if row-parallel)]
-    b: torch.Tensor                 # [slots, sum of the outs / (tp if column-parallel), R]
+    a: torch.Tensor                 # [slots, layers, m * R, in / (tp if row-parallel)]
+    b: torch.Tensor                 # [slots, layers, sum of the outs / (tp if column-parallel), R]
     splits: tuple[int, ...]         # each projection's output columns (on this rank), in order
+
+
+@dataclass
+class PackedAdapter:
+    """One adapter's share for one rank, on the host in the pool's layout and dtype at its own
+    rank r: per group A ``[layers, m, r, in]`` and B ``[layers, out, r]`` (zero where it wraps no
+    projection)."""
+
+    name: str
+    rank: int
+    scaling: float
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoraPool:
@@ -40,21 +54,23 @@ class LoraPool:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.tp_rank, self.world_size = tp_rank, world_size
         self.config = network_config
-        self.device = device
+        self.dtype, self.device = dtype, torch.device(device)
         self.rank = torch.zeros(max_loras, dtype=torch.int32, device=device)        # 0: an empty slot
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.names: list[str | None] = [None] * max_loras
-        self.layers: list[dict[str, _GroupWeights]] = []
-        for _ in range(network_config.num_hidden_layers):
-            groups = {}
-            for group, modules in GROUPS.items():
-                in_dim = self._local(projection_shape(network_config, modules[0])[0], group in ROW_PARALLEL)
-                a = torch.zeros(max_loras, len(modules) * max_rank, in_dim, dtype=dtype, device=device)
-                splits = tuple(self._local(projection_shape(network_config, m)[1], group not in ROW_PARALLEL)
-                               for m in modules)
-                b = torch.zeros(max_loras, sum(splits), max_rank, dtype=dtype, device=device)
-                groups[group] = _GroupWeights(a, b, splits)
-            self.layers.append(groups)
+        self.groups: dict[str, _GroupWeights] = {}
+        num_layers = network_config.num_hidden_layers
+        for group, modules in GROUPS.items():
+            in_dim = self._local(projection_shape(network_config, modules[0])[0], group in ROW_PARALLEL)
+            splits = tuple(self._local(projection_shape(network_config, m)[1], group not in ROW_PARALLEL)
+                           for m in modules)
+            self.groups[group] = _GroupWeights(
+                torch.zeros(max_loras, num_layers, len(modules) * max_rank, in_dim, dtype=dtype, device=device),
+                torch.zeros(max_loras, num_layers, sum(splits), max_rank, dtype=dtype, device=device), splits)
+        # What a layer's kernels read: per layer and group, A [slots, m * R, in] and B [slots, out, R]
+        # (views, made once: a forward asks for them 4 times a layer).
+        self.layers = [{group: (w.a[:, i], w.b[:, i], w.splits) for group, w in self.groups.items()}
+                       for i in range(num_layers)]
 
     def _local(self, n: int, split: bool) -> int:
         return n // self.world_size if split else n
@@ -65,49 +81,91 @@ class LoraPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for g in layer.values() for t in (g.a, g.b))
+        return sum(t.nbytes for g in self.groups.values() for t in (g.a, g.b))
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put ``adapter`` in ``slot`` (whatever was there goes): this rank's share of its A and B,
-        zero where it wraps no projection or its rank is below the pool's."""
-        r = adapter.rank
-        for layer_num, groups in enumerate(self.layers):
-            for group, modules in GROUPS.items():
-                weights = groups[group]
-                weights.a[slot].zero_()
-                weights.b[slot].zero_()
-                for j, module in enumerate(modules):
-                    col, n = sum(weights.splits[:j]), weights.splits[j]     # its columns of the fused output
-                    ab = adapter.weights.get((layer_num, module))
+    def pack(self, adapter: LoraAdapter) -> PackedAdapter:
+        """``adapter``'s share for this rank in the pool's layout, on the host (pinned for a CUDA
+        pool, so that `load` copies it asynchronously at full speed)."""
+        r, pin = adapter.rank, self.device.type == "cuda"
+        tensors = {}
+        for group, modules in GROUPS.items():
+            weights = self.groups[group]
+            _, layers, _, in_dim = weights.a.shape
+            a_host = torch.empty(layers, len(modules), r, in_dim, dtype=self.dtype, pin_memory=pin)
+            b_host = torch.empty(layers, weights.b.shape[2], r, dtype=self.dtype, pin_memory=pin)
+            for j, module in enumerate(modules):
+                col, n = sum(weights.splits[:j]), weights.splits[j]     # its columns of the fused output
+                for layer in range(layers):
+                    ab = adapter.weights.get((layer, module))
                     if ab is None:
+                        a_host[layer, j].zero_()
+                        b_host[layer, col : col + n].zero_()
                         continue
                     a, b = ab
                     if group in ROW_PARALLEL:
                         a = self._cut(a, 1)
                     else:
                         b = self._cut(b, 0)
-                    weights.a[slot, j * self.max_rank : j * self.max_rank + r].copy_(a)
-                    weights.b[slot, col : col + n, :r].copy_(b)
+                    a_host[layer, j].copy_(a)
+                    b_host[layer, col : col + n].copy_(b)
+            tensors[group] = (a_host, b_host)
+        return PackedAdapter(adapter.name, r, adapter.scaling, tensors)
+
+    def load(self, slot: int, adapter: PackedAdapter | LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` (whatever was there goes): one copy per pool tensor (after
+        zeroing the slot where the adapter's rank is below the pool's). Asynchronous on a CUDA pool:
+        the forwards after it run on the same stream."""
+        if isinstance(adapter, LoraAdapter):
+            adapter = self.pack(adapter)
+        r = adapter.rank
+        if not 1 <= r <= self.max_rank:
+            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {r}, the pool's slots hold up to {self.max_rank}")
+        for group, (a_host, b_host) in adapter.tensors.items():
+            weights = self.groups[group]
+            a, b = weights.a[slot], weights.b[slot]
+            layers, m, _, in_dim = a_host.shape
+            if r < self.max_rank:     # the padding rows of A and columns of B are zero
+                a.zero_()
+                b.zero_()
+            a.view(layers, m, self.max_rank, in_dim)[:, :, :r].copy_(a_host, non_blocking=True)
+            b[:, :, :r].copy_(b_host, non_blocking=True)
         self.rank[slot] = r
         self.scaling[slot] = adapter.scaling
         self.names[slot] = adapter.name
 
 
+def lora_segments(b_slot: list[int], b_q_len: list[int], num_slots: int) -> tuple[list[int], list[int], int]:
+    """A batch's token rows grouped by adapter slot, as the LoRA kernel reads them: ``seg_start``
+    (``num_slots + 1`` offsets into ``rows``), ``rows`` (slot s's token rows, in order, at
+    ``rows[seg_start[s] : seg_start[s + 1]]``; the base model's, slot -1, in none) and the longest
+    segment. Request i's tokens are the batch's next ``b_q_len[i]`` rows."""
+    by_slot: list[list[int]] = [[] for _ in range(num_slots)]
+    start = 0
+    for slot, n in zip(b_slot, b_q_len):
+        if slot >= 0:
+            by_slot[slot].extend(range(start, start + n))
+        start += n
+    seg_start, rows = [0], []
+    for slot_rows in by_slot:
+        rows += slot_rows
+        seg_start.append(len(rows))
+    return seg_start, rows, max(map(len, by_slot), default=0)
+
+
 @dataclass
 class LoraBatch:
-    """The adapters of one forward's requests: request i's segment of new tokens (``b_start``,
-    ``b_len``: the batch's packing) uses slot ``b_slot[i]`` of the pool (-1: the base model)."""
+    """The adapters of one forward's tokens: slot s's are rows ``rows[seg_start[s] :
+    seg_start[s + 1]]`` of the batch (``lora_segments``), at most ``max_len`` of them (bounds the
+    kernel's grid); rows in no segment are the base model's."""
 
     pool: LoraPool
-    b_slot: torch.Tensor        # [bs] int32 on the device
-    b_start: torch.Tensor       # [bs] int32
-    b_len: torch.Tensor         # [bs] int32
-    max_len: int                # the longest segment (bounds the kernels' grid)
+    seg_start: torch.Tensor     # [slots + 1] int32 on the device
+    rows: torch.Tensor          # int32
+    max_len: int
 
     def add(self, layer_num: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out += `` each request's adapter's product for projection group ``group`` (``out`` is
-        the group's fused output, ``x`` its input): one shrink, one expand."""
-        pool, weights = self.pool, self.pool.layers[layer_num][group]
-        s = lora_shrink(x, weights.a, self.b_start, self.b_len, self.b_slot, pool.rank, self.max_len, pool.max_rank)
-        lora_expand(out, s, weights.b, pool.scaling, self.b_start, self.b_len, self.b_slot, pool.rank, self.max_len,
-                    weights.splits)
+        """``out += `` each token's adapter's product for projection group ``group`` (``out`` is
+        the group's fused output, ``x`` its input): one kernel."""
+        pool = self.pool
+        a, b, splits = pool.layers[layer_num][group]
+        lora_add(out, x, a, b, pool.scaling, pool.rank, self.seg_start, self.rows, self.max_len, splits, pool.max_rank)

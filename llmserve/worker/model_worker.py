@@ -74,8 +74,9 @@ class ModelWorker:
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
         self.device = device
+        pool = self.model.lora_pool
         self.adapters = AdapterCache(args.lora_modules, self.model.network_config_, args.max_lora_rank,
-                                     args.max_cpu_loras)
+                                     args.max_cpu_loras, pack=pool.pack if pool is not None else None)
         if device.type == "cuda":
             self.model.warm_up()   # Triton's compiles now, not inside the first requests' steps
             # Once the weights are loaded (conversions on the CPU may use every core), the host

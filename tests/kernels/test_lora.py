@@ -1,6 +1,7 @@
-"""lora_shrink / lora_expand: the twins against a per-request fp64 reference, Triton against the
-twins (segments of several lengths, the base model's segments, adapters below the pool's rank,
-two projections stacked in A and B, an expand into a column slice of a wider output)."""
+"""lora_add: the twin against a per-token fp64 reference, Triton against the twin (tokens of an
+adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
+below the pool's rank, stacked projections, an output that is a column slice of a wider one,
+column chunks of several blocks, decode and prompt-sized tiles); lora_segments' grouping."""
 
 from __future__ import annotations
 
@@ -8,59 +9,65 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE_DTYPES, i32, randn, rng, tol
 
-from llmserve.kernels.lora import lora_expand_torch, lora_expand_triton, lora_shrink_torch, lora_shrink_triton
+from llmserve.kernels import lora as lora_kernels
+from llmserve.kernels.lora import lora_add_torch, lora_add_triton
+from llmserve.lora.pool import lora_segments
 
-SLOTS, R_SUB = 3, 16                 # pool slots, rank block
-RANKS = [16, 4, 8]                   # each slot's adapter rank
-CASES = {                            # (segment lengths, their slots)
+SLOTS, R_SUB = 4, 16                 # pool slots (slot 3 holds an adapter no token uses), rank block
+RANKS = [16, 4, 8, 16]               # each slot's adapter rank
+CASES = {                            # (requests' new tokens, their slots)
     "decode": ([1, 1, 1, 1, 1], [0, -1, 2, 0, 1]),
     "mixed": ([7, 1, 19, 3, 0], [1, 0, -1, 2, 1]),
 }
 
 
 def _inputs(case: str, K: int, splits: tuple[int, ...], dtype, device: str):
-    lens, slots = CASES[case]
+    q_lens, slots = CASES[case]
     g = rng(K + sum(splits))
-    n, m = sum(lens), len(splits)
+    n, m = sum(q_lens), len(splits)
     a = randn(g, SLOTS, m * R_SUB, K, dtype=dtype, device=device, scale=0.3)
     b = randn(g, SLOTS, sum(splits), R_SUB, dtype=dtype, device=device, scale=0.3)
     for slot, r in enumerate(RANKS):     # the pool keeps the padding of a lower rank at zero
         a.view(SLOTS, m, R_SUB, K)[slot, :, r:] = 0
         b[slot, :, r:] = 0
-    starts = [sum(lens[:i]) for i in range(len(lens))]
+    seg_start, rows, max_len = lora_segments(slots, q_lens, SLOTS)
     return dict(
-        x=randn(g, n, K, dtype=dtype, device=device), a=a, b=b, splits=splits,
+        x=randn(g, n, K, dtype=dtype, device=device), a=a, b=b, splits=splits, slots=slots, q_lens=q_lens,
         y=randn(g, n, sum(splits) + 5, dtype=dtype, device=device),
-        scaling=torch.tensor([0.5, 2.0, 1.25], device=device), b_start=i32(starts, device), b_len=i32(lens, device),
-        b_slot=i32(slots, device), slot_rank=i32(RANKS, device), max_len=max(lens),
+        scaling=torch.tensor([0.5, 2.0, 1.25, 3.0], device=device), slot_rank=i32(RANKS, device),
+        seg_start=i32(seg_start, device), rows=i32(rows, device), max_len=max_len,
     )
 
 
-def _run(shrink, expand, t: dict) -> torch.Tensor:
+def _run(add, t: dict) -> torch.Tensor:
     """y with the stacked projections' products added to its columns from 2 on (a slice of a wider output)."""
-    seg = (t["b_start"], t["b_len"], t["b_slot"], t["slot_rank"], t["max_len"])
-    s = shrink(t["x"], t["a"], *seg, R_SUB)
     y = t["y"].clone()
-    expand(y[:, 2 : 2 + sum(t["splits"])], s, t["b"], t["scaling"], *seg, t["splits"])
+    add(y[:, 2 : 2 + sum(t["splits"])], t["x"], t["a"], t["b"], t["scaling"], t["slot_rank"], t["seg_start"],
+        t["rows"], t["max_len"], t["splits"], R_SUB)
     return y
 
 
+def test_segments_group_each_adapters_tokens():
+    seg_start, rows, max_len = lora_segments([1, 0, -1, 1, 2], [2, 1, 3, 2, 0], 4)
+    assert seg_start == [0, 1, 5, 5, 5] and rows == [2, 0, 1, 6, 7] and max_len == 4
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_twins_match_reference(case):
+def test_twin_matches_reference(case):
     t = _inputs(case, 24, (20, 13), torch.float32, "cpu")
     want = t["y"].double().clone()
-    for start, n, slot in zip(t["b_start"].tolist(), t["b_len"].tolist(), t["b_slot"].tolist()):
+    token_slots = [slot for slot, n in zip(t["slots"], t["q_lens"]) for _ in range(n)]
+    for row, slot in enumerate(token_slots):
         if slot < 0:
             continue
-        x = t["x"][start : start + n].double()
+        x = t["x"][row].double()
         col = 2
         for j, width in enumerate(t["splits"]):
             a = t["a"][slot, j * R_SUB : (j + 1) * R_SUB].double()
             b = t["b"][slot, col - 2 : col - 2 + width].double()
-            want[start : start + n, col : col + width] += x @ a.t() @ b.t() * float(t["scaling"][slot])
+            want[row, col : col + width] += x @ a.t() @ b.t() * float(t["scaling"][slot])
             col += width
-    got = _run(lora_shrink_torch, lora_expand_torch, t)
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_run(lora_add_torch, t).double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
@@ -68,6 +75,12 @@ def test_twins_match_reference(case):
 @pytest.mark.parametrize("K,splits", [(24, (20, 13)), (130, (70,)), (64, (96, 32, 32))])
 def test_triton_matches_twin(device, dtype, case, K, splits):
     t = _inputs(case, K, splits, dtype, device)
-    want = _run(lora_shrink_torch, lora_expand_torch, t)
-    got = _run(lora_shrink_triton, lora_expand_triton, t)
-    torch.testing.assert_close(got, want, **tol(dtype))
+    torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_prompt_tiles_match_twin(device, dtype, monkeypatch):
+    """Segments past DECODE_ROWS take the prompts' wider row tiles."""
+    monkeypatch.setattr(lora_kernels, "DECODE_ROWS", 4)
+    t = _inputs("mixed", 64, (96, 32, 32), dtype, device)
+    torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))

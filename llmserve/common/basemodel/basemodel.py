@@ -323,17 +323,20 @@ class TpPartBaseModel:
         state = self._build_infer_state(b_req_idx, b_cached_len, b_q_len, mem_index, all_logits, is_decode)
         state.input_embeds = input_embeds
         if b_lora_slot is not None and any(slot >= 0 for slot in b_lora_slot):
-            state.lora = self.lora_batch(torch.tensor(b_lora_slot, dtype=torch.int32).to(self.device, non_blocking=True),
-                                         state.b_q_start, state.b_q_len, state.max_q_len)
+            state.lora = self.lora_batch(b_lora_slot, b_q_len)
         input_ids = torch.as_tensor(input_ids).to(self.device, torch.int64, non_blocking=True)
         return self.forward_layers(input_ids, state)
 
-    def lora_batch(self, b_slot: torch.Tensor, b_start: torch.Tensor, b_len: torch.Tensor, max_len: int) -> LoraBatch:
-        from llmserve.lora.pool import LoraBatch
+    def lora_batch(self, b_lora_slot: list[int], b_q_len: list[int]) -> LoraBatch:
+        """The layers' view of a batch's adapters: its tokens grouped by adapter slot, on the host,
+        then one copy to the device."""
+        from llmserve.lora.pool import LoraBatch, lora_segments
 
         if self.lora_pool is None:
             raise ValueError("a request names a LoRA adapter, and this model serves none")
-        return LoraBatch(self.lora_pool, b_slot, b_start, b_len, max_len)
+        seg_start, rows, max_len = lora_segments(b_lora_slot, b_q_len, self.lora_pool.max_loras)
+        block = torch.tensor(seg_start + rows, dtype=torch.int32).to(self.device, non_blocking=True)
+        return LoraBatch(self.lora_pool, block[: len(seg_start)], block[len(seg_start) :], max_len)
 
     def forward_layers(self, input_ids: torch.Tensor, state: InferStateInfo) -> torch.Tensor:
         """The layers over a batch whose slots and state are ready (``input_ids`` on the device)."""

@@ -9,10 +9,10 @@ bucket, and launches one graph.
 What makes one capture valid for every later step of its bucket:
 
 - The inputs live in static device buffers, written before each replay: token ids, req->token
-  table rows, sequence lengths, positions, LoRA adapter slots (one int64 block, one host-to-device
-  copy) and the new tokens' KV slots. With a LoRA pool the graphs always run the adapters'
-  kernels (a request of the base model is slot -1, whose programs exit at once); without one
-  they hold no LoRA work at all.
+  table rows, sequence lengths, positions, the tokens grouped by LoRA adapter (one int64 block,
+  one host-to-device copy) and the new tokens' KV slots. With a LoRA pool the graphs always run
+  the adapters' kernels (the base model's tokens are in no adapter's segment, and the programs of
+  a segment without tokens exit at once); without one they hold no LoRA work at all.
 - The padding rows are a request of their own: a table row and a KV slot reserved at start-up
   (the model's pools are built one larger for them), one token long, so they read and write
   that slot only, and their logits are dropped.
@@ -37,6 +37,8 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+
+from llmserve.lora.pool import LoraBatch, lora_segments
 
 if TYPE_CHECKING:
     from llmserve.common.basemodel.basemodel import TpPartBaseModel
@@ -74,6 +76,27 @@ class _StepGraphs:
 
     def _write_padding(self, bucket: int) -> None:
         raise NotImplementedError
+
+    # -- LoRA: the tail of a step's input block --------------------------------------------
+    def _lora_size(self, num_rows: int) -> int:
+        """The int64s the tail takes: ``num_rows`` token rows and the segment starts (none without a pool)."""
+        pool = self.model.lora_pool
+        return 0 if pool is None else num_rows + pool.max_loras + 1
+
+    def _lora_inputs(self, b_lora_slot: list[int] | None, b_q_len: list[int], num_rows: int) -> list[int]:
+        """The tail's values: the step's token rows grouped by adapter (``lora_segments``), padded
+        to ``num_rows``, then the segments' starts."""
+        pool = self.model.lora_pool
+        if pool is None:
+            return []
+        slots = b_lora_slot if b_lora_slot is not None else [-1] * len(b_q_len)
+        seg_start, rows, _ = lora_segments(slots, b_q_len, pool.max_loras)
+        return [*rows, *[0] * (num_rows - len(rows)), *seg_start]
+
+    def _lora_batch(self, tail: torch.Tensor, num_rows: int, max_len: int) -> LoraBatch | None:
+        """The layers' view of the tail (None without a pool): segments of at most ``max_len`` rows."""
+        pool = self.model.lora_pool
+        return None if pool is None else LoraBatch(pool, tail[num_rows:], tail[:num_rows], max_len)
 
     def _step(self, bucket: int) -> torch.Tensor:
         raise NotImplementedError
@@ -116,8 +139,11 @@ class DecodeGraphs(_StepGraphs):
         self.pad_row = model.req_manager.alloc_req()
         self.pad_slot = int(model.req_manager.append_tokens(self.pad_row, 1)[0])
         n = self.max_batch_size
-        # Rows: token id, table row, sequence length (with the new token), position, LoRA slot.
-        self._inputs = torch.zeros((5, n), dtype=torch.int64, device=device)
+        # One int64 block, one host-to-device copy a step: rows token id, table row, sequence
+        # length (with the new token), position; then the LoRA tail (see _lora_inputs).
+        self._block = torch.zeros(4 * n + self._lora_size(n), dtype=torch.int64, device=device)
+        self._inputs = self._block[: 4 * n].view(4, n)
+        self._lora = self._block[4 * n :]
         self._slots = torch.full((n,), self.pad_slot, dtype=torch.int32, device=device)
         self._q_start = torch.arange(n, dtype=torch.int32, device=device)
         self._q_len = torch.ones(n, dtype=torch.int32, device=device)
@@ -143,18 +169,19 @@ class DecodeGraphs(_StepGraphs):
 
     def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int],
                       b_lora_slot: list[int] | None = None) -> None:
-        """Rows, lengths, positions and adapters of the requests, then of the padding request up
-        to ``bucket``; token ids 0 and the padding slot everywhere (the caller writes the
-        requests' own ids and slots over theirs)."""
-        pad = bucket - len(b_req_idx)
+        """Rows, lengths and positions of the requests, then of the padding request up to
+        ``bucket`` (zeros past it), and the requests' adapters; token ids 0 and the padding slot
+        everywhere (the caller writes the requests' own ids and slots over theirs)."""
+        n, pad = self.max_batch_size, bucket - len(b_req_idx)
+        rest = [0] * (n - bucket)
         host = torch.tensor([
-            [0] * bucket,
-            list(b_req_idx) + [self.pad_row] * pad,
-            [n + 1 for n in b_cached_len] + [1] * pad,
-            list(b_cached_len) + [0] * pad,
-            (list(b_lora_slot) if b_lora_slot is not None else [-1] * len(b_req_idx)) + [-1] * pad,
+            *[0] * n,
+            *b_req_idx, *[self.pad_row] * pad, *rest,
+            *[c + 1 for c in b_cached_len], *[1] * pad, *rest,
+            *b_cached_len, *[0] * pad, *rest,
+            *self._lora_inputs(b_lora_slot, [1] * len(b_req_idx), n),
         ], dtype=torch.int64)
-        self._inputs[:, :bucket].copy_(host, non_blocking=True)   # a blocking copy would wait for the step before
+        self._block.copy_(host, non_blocking=True)   # a blocking copy would wait for the step before
         self._slots[:bucket].fill_(self.pad_slot)
 
     def _write_padding(self, bucket: int) -> None:
@@ -172,8 +199,7 @@ class DecodeGraphs(_StepGraphs):
             position_ids=inputs[3], mem_index=self._slots[:bucket],
             mem_manager=model.mem_manager, req_manager=model.req_manager, logit_rows=None,
         )
-        if model.lora_pool is not None:
-            state.lora = model.lora_batch(inputs[4].int(), state.b_q_start, state.b_q_len, 1)
+        state.lora = self._lora_batch(self._lora, self.max_batch_size, bucket)
         state.init_some_extra_state(model)
         return model.forward_layers(inputs[0], state)
 
@@ -237,10 +263,11 @@ class VerifyGraphs(_StepGraphs):
         self.pad_row, self.pad_slot = pad_row, pad_slot
         device, n, rows = model.device, max_batch_size, self.buckets[-1]
         # One int64 block, one host-to-device copy a step: per request (table row, first row, new
-        # tokens, cached tokens, sequence length, LoRA slot), then per row the positions.
-        self._block = torch.zeros(6 * n + rows, dtype=torch.int64, device=device)
-        self._columns = self._block[: 6 * n].view(6, n)
-        self._positions = self._block[6 * n :]
+        # tokens, cached tokens, sequence length), then per row the positions, then the LoRA tail.
+        self._block = torch.zeros(5 * n + rows + self._lora_size(rows), dtype=torch.int64, device=device)
+        self._columns = self._block[: 5 * n].view(5, n)
+        self._positions = self._block[5 * n : 5 * n + rows]
+        self._lora = self._block[5 * n + rows :]
         self._input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self._slots = torch.full((rows,), pad_slot, dtype=torch.int32, device=device)
         if capture:
@@ -268,8 +295,8 @@ class VerifyGraphs(_StepGraphs):
     def _write_inputs(self, bucket: int, b_req_idx: list[int], b_cached_len: list[int], b_q_len: list[int],
                       b_lora_slot: list[int] | None = None) -> None:
         """The requests' columns, then padding requests (no new tokens) up to the largest batch;
-        the rows' positions, then padding rows (position 0) up to ``bucket``; every row's KV slot
-        the padding slot (the caller writes the requests' own over theirs)."""
+        the rows' positions, then padding rows (position 0); the rows' adapters; every row's KV
+        slot the padding slot (the caller writes the requests' own over theirs)."""
         pad = self.max_batch_size - len(b_req_idx)
         num_rows = sum(b_q_len)
         q_start = [0]
@@ -282,9 +309,9 @@ class VerifyGraphs(_StepGraphs):
              *b_q_len, *[0] * pad,
              *b_cached_len, *[0] * pad,
              *[c + n for c, n in zip(b_cached_len, b_q_len)], *[0] * pad,
-             *(b_lora_slot if b_lora_slot is not None else [-1] * len(b_req_idx)), *[-1] * pad,
-             *positions, *[0] * (bucket - num_rows)], dtype=torch.int64)
-        self._block[: host.numel()].copy_(host, non_blocking=True)   # non-blocking: see DecodeGraphs
+             *positions, *[0] * (self.buckets[-1] - num_rows),
+             *self._lora_inputs(b_lora_slot, b_q_len, self.buckets[-1])], dtype=torch.int64)
+        self._block.copy_(host, non_blocking=True)   # non-blocking: see DecodeGraphs
         self._slots[:bucket].fill_(self.pad_slot)
 
     def _write_padding(self, bucket: int) -> None:
@@ -301,8 +328,7 @@ class VerifyGraphs(_StepGraphs):
             position_ids=self._positions[:bucket], mem_index=self._slots[:bucket],
             mem_manager=model.mem_manager, req_manager=model.req_manager, logit_rows=None,
         )
-        if model.lora_pool is not None:
-            state.lora = model.lora_batch(columns[5], columns[1], columns[2], self.tokens_per_request)
+        state.lora = self._lora_batch(self._lora, self.buckets[-1], bucket)
         state.init_some_extra_state(model)
         return model.forward_layers(self._input_ids[:bucket], state)
 
