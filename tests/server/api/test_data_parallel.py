@@ -36,18 +36,23 @@ def greedy_ids(url: str, prompt: str, **parameters) -> list[int]:
     return [t["id"] for t in r.json()["details"]["tokens"]]
 
 
-async def side_by_side(url: str, bodies: list[dict], during=None) -> list[list[dict]]:
+async def side_by_side(url: str, bodies: list[dict], during=None) -> list[list[dict]] | None:
     """One TGI stream per body, each opened once the one before has its first token (so each finds
-    the ones before it in flight); ``during()`` runs once all have one. Every stream's events."""
+    the ones before it in flight). Then ``during()``, if given, runs and every client hangs up;
+    else every stream's events."""
     async with httpx.AsyncClient(timeout=60) as client:
         tasks = []
         for body in bodies:
             started = asyncio.Event()
             tasks.append(asyncio.ensure_future(tgi_stream_events(client, url, body, on_event=started.set)))
             await asyncio.wait_for(started.wait(), 60)
-        if during is not None:
-            await asyncio.get_running_loop().run_in_executor(None, during)
-        return await asyncio.gather(*tasks)
+        if during is None:
+            return await asyncio.gather(*tasks)
+        await asyncio.get_running_loop().run_in_executor(None, during)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return None
 
 
 def test_two_replicas_give_one_replicas_greedy_tokens(dp2, tiny_server):
@@ -63,13 +68,15 @@ def test_requests_in_flight_spread_over_both_replicas(dp2):
     one after another alternate; each one's abort (the client leaving) reaches its replica."""
     before = [r["requests"] for r in replicas(dp2)]
     seen = []
-    bodies = [{"inputs": f"Story number {i}:", "parameters": {"max_new_tokens": 200, "ignore_eos": True}}
+    bodies = [{"inputs": f"Story number {i}:", "parameters": {"max_new_tokens": 400, "ignore_eos": True}}
               for i in range(4)]
     asyncio.run(side_by_side(dp2.url, bodies, during=lambda: seen.append(replicas(dp2))))
     assert [r["requests_in_flight"] for r in seen[0]] == [2, 2]
     assert [r["requests"] - b for r, b in zip(seen[0], before)] == [2, 2]
     metrics = dp2.metrics()
     assert all(metrics[f'llmserve_replica_requests_total{{replica="{r}"}}'] >= 2 for r in (0, 1))
+    wait_until(lambda: all(r["requests_in_flight"] == r["running"] == r["waiting"] == 0 for r in replicas(dp2)),
+               30, "every replica ends its aborted requests")
 
 
 def test_a_shared_prefix_goes_to_the_replica_holding_it(dp2):
