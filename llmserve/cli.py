@@ -203,7 +203,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dp", "--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+    p.add_argument("--dp", "--data-parallel-size", "-dp", "--dp-size", type=int, default=1, metavar="N",
                    help="data-parallel replicas: N engine cores of --tp workers each behind the one HTTP process, "
                         "replica r on GPUs r*tp .. r*tp+tp-1; each request goes to the replica whose prefix cache "
                         "likely holds most of its prompt, else to the least busy (default: 1)")
