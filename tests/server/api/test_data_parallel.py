@@ -101,7 +101,7 @@ def test_a_lora_adapter_loaded_at_run_time_reaches_every_replica(dp2, tiny_llama
     r = httpx.post(dp2.url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapter}, timeout=120)
     assert r.status_code == 200, r.text
     # long enough that the first is still running when the second arrives
-    parameters = {"max_new_tokens": 100, "ignore_eos": True}
+    parameters = {"max_new_tokens": 64, "ignore_eos": True}
     body = {"inputs": "The capital of France is", "parameters": {**parameters, "adapter_id": "late"}}
     before = [r["requests"] for r in replicas(dp2)]
     one, other = asyncio.run(side_by_side(dp2.url, [body, body]))
