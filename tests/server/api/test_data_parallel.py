@@ -11,11 +11,14 @@ import signal
 
 import httpx
 import pytest
+import torch
 from lora_utils import AdapterSpec, make_peft_adapter
 
 from serving_utils import ServerProcess, child_pids, engine_processes_of, pid_alive, tgi_stream_events, wait_until
 
 EXIT_TIMEOUT_S = 15.0
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                reason="--dp 2 on CUDA needs two GPUs (on the CPU it runs anywhere)")
 
 
 @pytest.fixture(scope="module")
