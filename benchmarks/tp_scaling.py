@@ -26,26 +26,19 @@ Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
 from common import markdown_table, remove_script_dir_from_sys_path, write_json
+from server_process import llmserve_server, serving_load
 from engine import random_prompts, run_requests  # last: importing it takes this folder off sys.path
 
 remove_script_dir_from_sys_path()
-
-import httpx  # noqa: E402
 
 from llmserve.engine.config import EngineConfig, inspect_model, resolve_model_path  # noqa: E402
 from llmserve.engine.engine import LLMEngine  # noqa: E402
 from llmserve.tokenizer import load_tokenizer  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 GOALS = {(2, "tpot C=1"): ("<=", 0.6), (2, "tpot C=32"): ("<=", 0.62), (4, "tpot C=1"): ("<=", 0.36),
          (4, "tpot C=32"): ("<=", 0.36), (2, "offline tok/s C=128"): (">=", 1.7), (2, "serving tok/s C=128"): (">=", 1.7)}
 
@@ -83,38 +76,14 @@ def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int
 
 
 def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int) -> float:
-    port = 18000 + tp
-    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", args.model, "--tp", str(tp), "--port", str(port),
-           "--max-concurrent-requests", str(4 * concurrency)]
-    if args.dtype:
-        cmd += ["--dtype", args.dtype]
+    flags = ["--tp", str(tp), "--max-concurrent-requests", str(4 * concurrency)] + (["--dtype", args.dtype] if args.dtype else [])
     if all_reduce == "nccl":
-        cmd += ["--disable-custom-all-reduce"]
+        flags += ["--disable-custom-all-reduce"]
     if args.cuda_graph_max_bs is not None:
-        cmd += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
-    server = subprocess.Popen(cmd)
-    try:
-        deadline = time.monotonic() + 1800
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"llmserve serve --tp {tp} exited with {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llmserve serve --tp {tp} did not become healthy")
-            time.sleep(1)
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            subprocess.run([sys.executable, os.path.join(HERE, "serving.py"), "--base-url", f"http://127.0.0.1:{port}",
-                            "--max-concurrency", str(concurrency), "--num-prompts", str(4 * concurrency),
-                            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                            "--tokenizer", args.model, "--result-file", out.name], check=True)
-            return json.load(open(out.name))["summary"]["output_throughput"]
-    finally:
-        server.terminate()
-        server.wait()
+        flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
+    with llmserve_server(args.model, 18000 + tp, flags) as url:
+        summary = serving_load(url, args.model, concurrency, 4 * concurrency, args.input_len, args.output_len)
+    return summary["output_throughput"]
 
 
 def parse_args() -> argparse.Namespace:

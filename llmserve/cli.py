@@ -207,6 +207,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dp", "--data-parallel-size", "-dp", "--dp-size", type=int, default=1, metavar="N",
+                   help="data-parallel replicas: N engine cores of --tp workers each behind the one HTTP process, "
+                        "replica r on GPUs r*tp .. r*tp+tp-1; each request goes to the replica whose prefix cache "
+                        "likely holds most of its prompt, else to the least busy (default: 1)")
     p.add_argument("--nnodes", type=int, default=1, metavar="N",
                    help="spread the --tp ranks over N machines, tp/N each; run the same command on every machine "
                         "with its --node-rank, and --headless on all but the head (default: 1)")
@@ -347,7 +351,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
-        prefix_cache=args.prefix_cache, nnodes=args.nnodes, dist_init_addr=args.dist_init_addr,
+        prefix_cache=args.prefix_cache, nnodes=args.nnodes, dp=args.dp, dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout, **_step_options(args), **_lora_options(args),
     )
     check_nodes(engine_config)

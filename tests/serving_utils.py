@@ -123,7 +123,9 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llmserve-test-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self._wait_until_healthy()
-        [self.core_pid] = child_pids(self.proc.pid)
+        # one engine core (with --dp N, one a replica, started in order) and its model workers
+        self.core_pids = sorted(child_pids(self.proc.pid))
+        self.core_pid = self.core_pids[0]
         self.worker_pids = child_pids(self.core_pid)
 
     def _wait_until_healthy(self) -> None:

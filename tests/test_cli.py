@@ -75,6 +75,9 @@ ALIASES = [   # (their flag, its value, our dest, what we store)
     (["--tensor-parallel-size", "2"], "tp", 2),                  # vLLM
     (["-tp", "2"], "tp", 2),                                     # vLLM's short form
     (["--num-shard", "2"], "tp", 2),                             # TGI
+    (["--data-parallel-size", "2"], "dp", 2),                    # vLLM
+    (["-dp", "2"], "dp", 2),                                     # vLLM's short form
+    (["--dp-size", "2"], "dp", 2),                               # SGLang
     (["--hostname", "0.0.0.0"], "host", "0.0.0.0"),              # TGI
     (["--max-model-len", "4096"], "max_total_tokens", 4096),     # vLLM
     (["--max-input-length", "1000"], "max_input_tokens", 1000),  # TGI (older name)
@@ -193,3 +196,13 @@ def _clear_llmserve_env(monkeypatch) -> None:
 
     for var in [v for v in os.environ if v.startswith("LLMSERVE_")]:
         monkeypatch.delenv(var)
+
+
+def test_dp_runs_on_one_machine(tiny_llama_dir, capsys, monkeypatch):
+    """--dp with --nnodes is refused in a line, before anything starts."""
+    _clear_llmserve_env(monkeypatch)
+    argv = ["serve", "--model", tiny_llama_dir, "--port", "0", "--dp", "2", "--tp", "2", "--nnodes", "2",
+            "--dist-init-addr", "127.0.0.1:1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llmserve: error: dp > 1 runs its replicas on one machine") and "\n" not in err

@@ -24,6 +24,9 @@ class EngineConfig:
     # at dist_init_addr (HOST:PORT of the head; None: a free local port, one node only) and
     # must join within dist_timeout seconds.
     nnodes: int = 1
+    # Data-parallel replicas (`llmserve serve --dp N`, server/data_parallel.py): N engine cores of
+    # tp workers each behind the HTTP process, on GPUs r*tp .. r*tp+tp-1. Each core runs as if alone.
+    dp: int = 1
     dist_init_addr: str | None = None
     dist_timeout: float = 120.0
     dtype: str | None = None            # float32 | float16 | bfloat16; None: fp32 on CPU, checkpoint's on GPU
@@ -112,14 +115,21 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
                         config.tp)
     check_nodes(config)
     device, gpus = _resolve_device(config.device)
-    if device == "cuda" and config.tp // config.nnodes > gpus:
+    if device == "cuda" and config.dp * config.tp // config.nnodes > gpus:
         per = "" if config.nnodes == 1 else f" on each of {config.nnodes} nodes"
-        raise ValueError(f"tp={config.tp} needs {config.tp // config.nnodes} GPUs{per}, found {gpus}")
+        shape = f"tp={config.tp}" if config.dp == 1 else f"dp={config.dp} x tp={config.tp}"
+        raise ValueError(f"{shape} needs {config.dp * config.tp // config.nnodes} GPUs{per}, found {gpus}")
     return ModelSpec(path, raw["model_type"], device, frozenset(eos_token_ids(path, tokenizer)))
 
 
 def check_nodes(config: EngineConfig) -> None:
-    """The ranks must split evenly over the nodes, which need an address to meet at."""
+    """The ranks must split evenly over the nodes, which need an address to meet at; replicas
+    are of one node."""
+    if config.dp < 1:
+        raise ValueError(f"dp must be >= 1, got {config.dp}")
+    if config.dp > 1 and config.nnodes > 1:
+        raise ValueError("dp > 1 runs its replicas on one machine: for replicas of several nodes each, run one "
+                         "server per group behind a load balancer (README, \"Deployment shapes\")")
     if config.nnodes < 1 or config.tp % config.nnodes:
         raise ValueError(f"tp={config.tp} does not split over nnodes={config.nnodes} (tp must be a multiple of it)")
     if config.nnodes > 1 and not config.dist_init_addr:

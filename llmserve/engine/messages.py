@@ -17,6 +17,8 @@ same program (one source tree), so pickle is safe here and needs no schema.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -120,6 +122,19 @@ class EngineStats:
     num_cache_queried_tokens: int = 0
     num_cache_hit_tokens: int = 0
     num_loras_resident: int = 0       # LoRA adapters in the workers' device pool
+
+    @classmethod
+    def total(cls, snapshots: list[EngineStats]) -> EngineStats:
+        """Several engines' snapshots (data-parallel replicas) as one: every count added up."""
+        total = cls()
+        for s in snapshots:
+            for f in dataclasses.fields(cls):
+                mine, theirs = getattr(total, f.name), getattr(s, f.name)
+                if isinstance(mine, tuple):     # counts per length: added length by length
+                    setattr(total, f.name, tuple(a + b for a, b in itertools.zip_longest(mine, theirs, fillvalue=0)))
+                else:
+                    setattr(total, f.name, mine + theirs)
+        return total
 
 
 @dataclass

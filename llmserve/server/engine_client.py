@@ -125,7 +125,9 @@ class EngineCoreProcess:
     ``start_model``); ``wait_ready`` connects and waits until the model is loaded (its workers are
     its children)."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "warning"):
+    def __init__(self, config: EngineConfig, log_level: str = "warning", env: dict[str, str] | None = None):
+        """``env``: variables to set in the core's environment (and so its workers': a data-parallel
+        replica's ``CUDA_VISIBLE_DEVICES``)."""
         # The HTTP process's PID in the name tells whose core this is (ss -xlp; tests look for it).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
         prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
@@ -133,7 +135,7 @@ class EngineCoreProcess:
         # A fresh interpreter, as for the workers: the parent's __main__ is never re-imported.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmserve.engine.core_main", self._address, str(os.getpid()), log_level],
-            stdin=subprocess.PIPE)
+            stdin=subprocess.PIPE, env=None if env is None else {**os.environ, **env})
         self._send_on_stdin(StartEngine(config))
         self.sock: socket.socket | None = None
 
@@ -223,12 +225,15 @@ class EngineCoreProcess:
 
 class EngineClient:
     """The engine as the API sees it. ``sock`` is connected to an engine core that has sent
-    ``ready``; ``proc`` is its process (None: a core on a thread of this process, in tests)."""
+    ``ready``; ``proc`` is its process (None: a core on a thread of this process, in tests).
+    With ``--dp N`` there is one a replica, behind a ``DataParallelEngineClient``
+    (``server/data_parallel.py``)."""
 
     def __init__(self, sock: socket.socket, ready: EngineReady, tokenizer, metrics: ServerMetrics | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None,
-                 log_stats_interval: float = 0.0):
-        """``log_stats_interval``: seconds between the status lines of a busy engine (0: none)."""
+                 log_stats_interval: float = 0.0, replica: int = 0):
+        """``log_stats_interval``: seconds between the status lines of a busy engine (0: none);
+        ``replica``: its index among data-parallel replicas (its metrics' label)."""
         self.info: WorkerInfo = ready.info
         self.config: EngineConfig = ready.config
         self.model_path: str = ready.model.path
@@ -239,6 +244,8 @@ class EngineClient:
         self.error: BaseException | None = None
         self.stats = EngineStats()              # the core's latest snapshot, for /metrics
         self.num_generated_tokens = 0           # handed to the requests since start
+        self.num_requests = 0                   # generations queued since start
+        self.replica = replica
         self.log_stats_interval = log_stats_interval
         self._sock = sock
         self._proc = proc
@@ -252,12 +259,15 @@ class EngineClient:
         self._lora_calls: dict[int, asyncio.Future[LoraUpdated]] = {}   # UpdateLora calls awaiting the core
         self._lora_call_ids = itertools.count()
         if metrics is not None:
-            metrics.track_engine(lambda: self.stats.num_waiting, lambda: self.stats.num_running,
-                                 lambda: self.stats.num_used_slots, lambda: self.stats.num_cached_slots,
-                                 self.info.max_total_token_num)
+            metrics.track_engine(replica, lambda: self.stats, self.info.max_total_token_num)
             metrics.healthy.set(1)
 
     # -- handler side ------------------------------------------------------------------
+    def route(self, prompt_token_ids: list[int], session_id: str | None = None,
+              lora_name: str | None = None) -> EngineClient:
+        """The engine that runs a request with this prompt: with one replica, this one."""
+        return self
+
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  pixel_values: list[np.ndarray] | None = None, session_id: str | None = None,
                  lora_name: str | None = None) -> RequestStream:
@@ -271,7 +281,9 @@ class EngineClient:
         self._streams[stream.req_id] = stream
         self._send(AddRequest(stream.req_id, stream.request.prompt_token_ids, params, pixel_values, session_id, lora_name))
         stream.lora_name = lora_name
+        self.num_requests += 1
         if self.metrics is not None:
+            self.metrics.observe_routed(self.replica)
             self.metrics.prompt_tokens.inc(stream.request.num_prompt_tokens)
             if lora_name is not None:
                 self.metrics.observe_lora_started(lora_name, stream.request.num_prompt_tokens)
@@ -287,6 +299,18 @@ class EngineClient:
         """The interactive session is over: the core unpins the tokens its last turn left cached."""
         if self.error is None:
             self._send(EndSession(session_id))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Generations queued and not yet ended (the router's measure of load)."""
+        return len(self._streams)
+
+    def replica_states(self) -> list[dict]:
+        """What /info says of each data-parallel replica: here the one."""
+        return [{"replica": self.replica, "requests": self.num_requests, "requests_in_flight": self.num_in_flight,
+                 "running": self.stats.num_running, "waiting": self.stats.num_waiting,
+                 "prefix_cache_queried_tokens": self.stats.num_cache_queried_tokens,
+                 "prefix_cache_hit_tokens": self.stats.num_cache_hit_tokens}]
 
     @property
     def is_healthy(self) -> bool:
@@ -321,15 +345,9 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._read(reader), name="llmserve-engine-client")
         if self.log_stats_interval > 0:
-            self._stats_task = loop.create_task(self._log_stats(), name="llmserve-stats-log")
-
-    async def _log_stats(self) -> None:
-        log = StatsLog(self.info.max_total_token_num, time.monotonic())
-        while True:
-            await asyncio.sleep(self.log_stats_interval)
-            line = log.line(self.stats, self.num_generated_tokens, time.monotonic())
-            if line is not None:
-                status_logger().info(line.message, extra=line.fields)
+            self._stats_task = loop.create_task(
+                log_stats(self.log_stats_interval, self.info.max_total_token_num, lambda: self.stats,
+                          lambda: self.num_generated_tokens), name="llmserve-stats-log")
 
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown): each stream gets ``EngineError``."""
@@ -414,7 +432,7 @@ class EngineClient:
     def _publish(self, outputs: EngineOutputs) -> None:
         self.stats = outputs.stats
         if self.metrics is not None:
-            self.metrics.observe_engine(outputs)
+            self.metrics.observe_engine(outputs, self.replica)
         now = time.monotonic()
         for delta in outputs.deltas:
             stream = self._streams.get(delta.req_id)
@@ -490,3 +508,14 @@ class EngineClient:
                                       decode_time)
         if stream.lora_name is not None:
             self.metrics.observe_lora_finished(stream.lora_name, req.num_output_tokens)
+
+
+async def log_stats(interval: float, kv_total: int, stats: Callable[[], EngineStats],
+                    num_generated_tokens: Callable[[], int]) -> None:
+    """Log the status line of a busy engine every ``interval`` seconds (``StatsLog``), for ever."""
+    log = StatsLog(kv_total, time.monotonic())
+    while True:
+        await asyncio.sleep(interval)
+        line = log.line(stats(), num_generated_tokens(), time.monotonic())
+        if line is not None:
+            status_logger().info(line.message, extra=line.fields)

@@ -147,33 +147,52 @@ class ServerMetrics:
             for per_adapter in (self._lora_requests, self._lora_prompt_tokens, self._lora_generated_tokens):
                 per_adapter.labels(name, lora)
         self.loras_resident = gauge("llmserve_lora_adapters_resident", "LoRA adapters in the device pool now.")
-        # The engine's counts are totals since it started: each counter's total as last observed
-        # (``_count_growth``), and the accepted-length histogram's counts per length.
-        self._totals: dict[Counter, int] = {}
-        self._accepted_length_counts: tuple[int, ...] = ()
+        # -- data-parallel replicas (--dp) -------------------------------------------------------
+        self._replica_requests = Counter("llmserve_replica_requests", "Generations routed to each data-parallel "
+                                         "replica (one replica: all of them to replica 0).", [*m, "replica"], registry=r)
+        self._replica_cache_hits = Counter("llmserve_replica_prefix_cache_hit_tokens", "Tokens of admitted requests "
+                                           "found in each replica's prefix cache.", [*m, "replica"], registry=r)
+        # Each engine's counts are totals since it started: per (counter, replica) the total as last
+        # observed (``_count_growth``), and per replica the accepted-length histogram's counts per length.
+        self._totals: dict[tuple[Counter, int], int] = {}
+        self._accepted_length_counts: dict[int, tuple[int, ...]] = {}
+        self._engines: dict[int, tuple[Callable[[], EngineStats], int]] = {}   # track_engine's
 
-    def track_engine(self, num_waiting: Callable[[], int], num_running: Callable[[], int],
-                     kv_used: Callable[[], int], kv_cached: Callable[[], int], kv_total: int) -> None:
-        """Read the engine's live state at scrape time, so a gauge is never stale."""
-        self.queue_size.set_function(num_waiting)
-        self.batch_size.set_function(num_running)
-        self.kv_slots_used.set_function(kv_used)
-        self.kv_slots_cached.set_function(kv_cached)
-        self.kv_slots_total.set(kv_total)
-        self.kv_usage.set_function(lambda: kv_used() / kv_total if kv_total else 0.0)
+    def track_engine(self, replica: int, stats: Callable[[], EngineStats], kv_total: int) -> None:
+        """Read an engine's live state (its latest ``EngineStats``) at scrape time, so a gauge is
+        never stale. With data-parallel replicas each engine is tracked, and the gauges add up."""
+        self._engines[replica] = (stats, kv_total)
+        total = sum(kv for _, kv in self._engines.values())
 
-    def observe_engine(self, outputs: EngineOutputs) -> None:
-        """What one message of the engine core says beyond its requests' tokens."""
+        def live(field: str) -> Callable[[], int]:
+            return lambda: sum(getattr(read(), field) for read, _ in self._engines.values())
+
+        self.queue_size.set_function(live("num_waiting"))
+        self.batch_size.set_function(live("num_running"))
+        self.kv_slots_used.set_function(used := live("num_used_slots"))
+        self.kv_slots_cached.set_function(live("num_cached_slots"))
+        self.loras_resident.set_function(live("num_loras_resident"))
+        self.kv_slots_total.set(total)
+        self.kv_usage.set_function(lambda: used() / total if total else 0.0)
+
+    def observe_engine(self, outputs: EngineOutputs, replica: int = 0) -> None:
+        """What one message of an engine core (data-parallel ``replica``) says beyond its requests'
+        tokens."""
         if outputs.num_step_tokens:
             self.iteration_tokens.observe(outputs.num_step_tokens)
         stats = outputs.stats
-        self._count_growth(self.preemptions, stats.num_preemptions)
-        self._count_growth(self.prefix_cache_queried, stats.num_cache_queried_tokens)
-        self._count_growth(self.prefix_cache_hits, stats.num_cache_hit_tokens)
-        self._count_growth(self.spec_draft_tokens, stats.num_draft_tokens)
-        self._count_growth(self.spec_accepted_tokens, stats.num_accepted_tokens)
-        self._observe_accepted_lengths(stats)
-        self.loras_resident.set(stats.num_loras_resident)
+        self._count_growth(self.preemptions, replica, stats.num_preemptions)
+        self._count_growth(self.prefix_cache_queried, replica, stats.num_cache_queried_tokens)
+        self._count_growth(self.prefix_cache_hits, replica, stats.num_cache_hit_tokens)
+        self._count_growth(self.spec_draft_tokens, replica, stats.num_draft_tokens)
+        self._count_growth(self.spec_accepted_tokens, replica, stats.num_accepted_tokens)
+        self._count_growth(self._replica_cache_hits.labels(self.model_name, str(replica)), replica,
+                           stats.num_cache_hit_tokens)
+        self._observe_accepted_lengths(replica, stats)
+
+    def observe_routed(self, replica: int) -> None:
+        """A generation went to data-parallel ``replica``."""
+        self._replica_requests.labels(self.model_name, str(replica)).inc()
 
     def observe_lora_started(self, lora_name: str, num_prompt_tokens: int) -> None:
         self._lora_requests.labels(self.model_name, lora_name).inc()
@@ -182,21 +201,21 @@ class ServerMetrics:
     def observe_lora_finished(self, lora_name: str, num_output_tokens: int) -> None:
         self._lora_generated_tokens.labels(self.model_name, lora_name).inc(num_output_tokens)
 
-    def _count_growth(self, counter: Counter, total: int) -> None:
-        """Add to ``counter`` what the engine's ``total`` (a count since it started) grew by since
-        the last message."""
-        last = self._totals.get(counter, 0)
+    def _count_growth(self, counter: Counter, replica: int, total: int) -> None:
+        """Add to ``counter`` what an engine's ``total`` (a count since it started) grew by since
+        its last message."""
+        last = self._totals.get((counter, replica), 0)
         if total > last:
             counter.inc(total - last)
-            self._totals[counter] = total
+            self._totals[counter, replica] = total
 
-    def _observe_accepted_lengths(self, stats: EngineStats) -> None:
-        """The verifies since the last message, by draft tokens accepted, into the histogram."""
-        before = self._accepted_length_counts
+    def _observe_accepted_lengths(self, replica: int, stats: EngineStats) -> None:
+        """The verifies since the engine's last message, by draft tokens accepted, into the histogram."""
+        before = self._accepted_length_counts.get(replica, ())
         for length, count in enumerate(stats.accepted_length_counts):
             for _ in range(count - (before[length] if length < len(before) else 0)):
                 self.spec_accepted_length.observe(length)
-        self._accepted_length_counts = stats.accepted_length_counts
+        self._accepted_length_counts[replica] = stats.accepted_length_counts
 
     def observe_first_token(self, queue_time: float | None, prefill_time: float | None) -> None:
         if queue_time is not None:

@@ -1,9 +1,9 @@
-"""``llmserve serve``: start the engine-core process (which loads the model in its workers),
-then serve HTTP until told to stop.
+"""``llmserve serve``: start the engine-core process (which loads the model in its workers; with
+``--dp N``, one core a replica: server/data_parallel.py), then serve HTTP until told to stop.
 
 Shutdown order on SIGINT / SIGTERM: every open request ends with an error event (so streams
 close cleanly instead of being cut), uvicorn stops accepting and drains, then the engine core
-is told to stop, and it stops its workers. If a worker or the engine core dies, a worker's
+is told to stop, and it stops its workers. If a worker or an engine core dies, a worker's
 device fails, or a step hangs past --step-timeout, /health turns 503, open requests fail, and the
 process exits non-zero rather than serving errors (or nothing) forever.
 """
@@ -22,6 +22,7 @@ from llmserve.generation_config import load_sampling_defaults
 from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState, default_model_name
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.data_parallel import DataParallelEngineClient, replica_env
 from llmserve.server.engine_client import EngineClient, EngineCoreProcess
 from llmserve.engine.config import EngineConfig, inspect_model, resolve_model_path
 from llmserve.tokenizer import load_tokenizer
@@ -36,7 +37,7 @@ GRACEFUL_SHUTDOWN_S = 5
 class _Server(uvicorn.Server):
     """uvicorn, plus: fail open requests when a signal arrives, and say where we listen."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, banner: str):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient | DataParallelEngineClient, banner: str):
         super().__init__(config)
         self.engine = engine
         self.banner = banner
@@ -92,14 +93,18 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     chat_template = load_chat_template(config.chat_template) if config.chat_template else None
     model_path = resolve_model_path(engine_config.model)
     sampling_defaults = load_sampling_defaults(config.generation_config, model_path)
-    core = EngineCoreProcess(engine_config, log_level)   # its workers start (importing torch) meanwhile
+    # Each data-parallel replica's core starts its workers (importing torch) meanwhile.
+    dp, tp = engine_config.dp, engine_config.tp
+    cores = [EngineCoreProcess(engine_config, log_level, env=replica_env(r, tp) if dp > 1 else None) for r in range(dp)]
     try:
         tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
         adopt_library_logging()                     # loading it may have imported transformers
-        core.start_model(inspect_model(engine_config, tokenizer))
-        ready = core.wait_ready()
+        model = inspect_model(engine_config, tokenizer)
+        for core in cores:
+            core.start_model(model)
+        readies = [core.wait_ready() for core in cores]    # they load the model side by side
         metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),
-                                max_total_token_num=ready.info.max_total_token_num,
+                                max_total_token_num=readies[0].info.max_total_token_num,
                                 lora_names=list(engine_config.lora_modules))
         server: _Server | None = None
 
@@ -107,8 +112,13 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
             if server is not None:
                 server.stop_with_error(error)
 
-        engine = EngineClient(core.sock, ready, tokenizer, metrics, on_fatal=on_fatal, proc=core.proc,
-                              log_stats_interval=log_stats_interval)
+        if dp == 1:
+            engine = EngineClient(cores[0].sock, readies[0], tokenizer, metrics, on_fatal=on_fatal, proc=cores[0].proc,
+                                  log_stats_interval=log_stats_interval)
+        else:
+            engine = DataParallelEngineClient([(core.sock, ready, core.proc) for core, ready in zip(cores, readies)],
+                                              tokenizer, metrics, on_fatal=on_fatal,
+                                              log_stats_interval=log_stats_interval)
         state = ServerState(config, engine, metrics, chat_template, sampling_defaults)
         status_logger().info("%s, max %d tokens per request, chat template: %s, sampling defaults: %s", engine.summary,
                              state.limits.max_model_len, describe_template(state), sampling_defaults.summary())
@@ -126,4 +136,5 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
             report_error(str(engine.error))
         return server.exit_code
     finally:
-        core.stop()
+        for core in cores:
+            core.stop()

@@ -149,3 +149,26 @@ def test_the_engines_totals_become_counter_increases():
     assert value("llmserve_spec_accepted_length_count") == 4
     assert value("llmserve_spec_accepted_length_sum") == 0 + 1 + 2 + 3
     assert value("llmserve_spec_accepted_length_bucket", le="1.0") == 2
+
+
+def test_data_parallel_replicas_add_up():
+    """With --dp, each replica sends its own totals: the counters add each one's growth, the gauges
+    read every replica's latest snapshot, and the per-replica series keep them apart."""
+    metrics = ServerMetrics("m")
+    snapshots = [EngineStats(num_running=2, num_used_slots=30), EngineStats(num_running=1, num_used_slots=10)]
+    for replica, stats in enumerate(snapshots):
+        metrics.track_engine(replica, lambda stats=stats: stats, 100)
+    for replica, hits in [(0, 40), (1, 5), (0, 50), (1, 5)]:
+        metrics.observe_engine(EngineOutputs(stats=EngineStats(num_cache_hit_tokens=hits)), replica)
+    metrics.observe_routed(1)
+
+    def value(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("llmserve_prefix_cache_hit_tokens_total") == 55
+    assert value("llmserve_replica_prefix_cache_hit_tokens_total", replica="0") == 50
+    assert value("llmserve_replica_prefix_cache_hit_tokens_total", replica="1") == 5
+    assert value("llmserve_replica_requests_total", replica="1") == 1
+    assert value("llmserve_running_batch_size") == 3
+    assert value("llmserve_kv_cache_slots_total") == 200
+    assert value("llmserve_kv_cache_usage_ratio") == 0.2

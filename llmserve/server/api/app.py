@@ -99,7 +99,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {
             "model_id": state.model_name, "model_path": state.model_path, "model_type": i.model_type,
             "model_dtype": i.dtype, "model_device_type": i.device.split(":")[0], "model_pipeline_tag": "text-generation",
-            "num_parameters": i.num_params, "tp": state.engine.config.tp,
+            "num_parameters": i.num_params, "tp": state.engine.config.tp, "dp": state.engine.config.dp,
             # the weights' format ("" for dense: see model_dtype) and bytes, scales included
             "quantization": i.quantization or (f"gguf {i.quantized}" if i.quantized else ""),
             "weight_bytes": i.weight_bytes,
@@ -125,6 +125,9 @@ def create_app(state: ServerState) -> FastAPI:
             # the sampling defaults a request's unset fields take (--generation-config)
             "generation_config": state.sampling_defaults.describe(),
             "grammar_backend": GRAMMAR_BACKEND,   # structured output (response_format, grammar)
+            # per data-parallel replica (--dp): generations routed there, in flight, running, waiting, and
+            # its prefix cache's looked-up and found prompt tokens
+            "replicas": state.engine.replica_states(),
             "router": "llmserve", "version": __version__,
         }
 

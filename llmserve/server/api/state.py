@@ -31,6 +31,7 @@ from llmserve.server.api.media import MediaConfig, load_image_bytes
 from llmserve.server.api.schema import MAX_INPUT_CHARS
 from llmserve.server.metrics import RequestOutcome, ServerMetrics
 from llmserve.server.sessions import SessionStore
+from llmserve.server.data_parallel import DataParallelEngineClient
 from llmserve.server.engine_client import EngineClient, EngineError, RequestStream, TokenEvent
 from llmserve.tool_parsers import ToolParser, parser_for_template_source, tool_parser
 
@@ -91,7 +92,7 @@ class Limits:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, engine: EngineClient, metrics: ServerMetrics,
+    def __init__(self, config: ServerConfig, engine: EngineClient | DataParallelEngineClient, metrics: ServerMetrics,
                  chat_template: ChosenTemplate | None = None, sampling_defaults: SamplingDefaults | None = None):
         self.config = config
         self.engine = engine
@@ -290,25 +291,26 @@ class ServerState:
             except InvalidRequest as e:
                 raise fields.error(e) from None
         slot = self.admit(len(jobs))
-        streams: list[RequestStream] = []
         try:
-            for prompt, params in jobs:
-                streams.append(self._start(prompt, params, pixel_values, session_id, lora_name))
+            return self._start(jobs, pixel_values, session_id, lora_name), slot
         except APIError:
-            for s in streams:
-                s.abort()
             slot.release()
             raise
-        return streams, slot
 
-    def _start(self, prompt_token_ids: list[int], params: SamplingParams,
-               pixel_values: list[np.ndarray] | None, session_id: str | None = None,
-               lora_name: str | None = None) -> RequestStream:
-        """Queue an admitted generation; a dead engine is a 424."""
+    def _start(self, jobs: list[tuple[list[int], SamplingParams]], pixel_values: list[np.ndarray] | None,
+               session_id: str | None, lora_name: str | None) -> list[RequestStream]:
+        """Queue a request's admitted generations, all on one data-parallel replica (the router's
+        choice for its first prompt: n choices share their prompt's cache); a dead engine is a 424."""
+        streams: list[RequestStream] = []
         try:
-            return self.engine.generate(prompt_token_ids, params, pixel_values, session_id, lora_name)
+            engine = self.engine.route(jobs[0][0], session_id, lora_name)
+            for prompt, params in jobs:
+                streams.append(engine.generate(prompt, params, pixel_values, session_id, lora_name))
         except EngineError as e:
+            for s in streams:
+                s.abort()
             raise generation_error(str(e)) from None
+        return streams
 
     async def complete(self, jobs: list[tuple[list[int], SamplingParams]], fields: APIFields,
                        http_request: HTTPRequest, pixel_values: list[np.ndarray] | None = None,

@@ -37,6 +37,9 @@ class FailingEngine:
                                num_params=0)
         self.received: list[SamplingParams] = []
 
+    def route(self, prompt_token_ids, session_id=None, lora_name=None):
+        return self
+
     def generate(self, prompt_token_ids, params, pixel_values=None, session_id=None, lora_name=None):
         self.received.append(params)
         raise EngineError("this test's engine runs nothing")

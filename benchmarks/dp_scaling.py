@@ -1,0 +1,89 @@
+"""Data-parallel scaling (issue 34): ``llmserve serve --dp N`` against --dp 1, serving only.
+
+For each --dp value the server is started as a process (--tp fixed, so dp=2 takes twice the
+GPUs), then ``serving.py`` runs two loads at --max-concurrency C:
+  random         4 x C requests of random prompts (--input-len / --output-len): output tok/s
+  shared-prefix  4 x C requests of one common --shared-prefix-len-token prefix and a question
+                 each: output tok/s and the prefix cache's hit rate over the run
+and /info says how many generations each replica ran. Each number against dp=1's, and the
+issue's goal: dp=2's random-prompt throughput >= 1.8x dp=1's, and the shared-prefix hit rate
+kept (>= 0.98x dp=1's: each replica computes the prefix once).
+
+Run (2 GPUs):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
+               python benchmarks/dp_scaling.py --model /tmp/llama3-8b-random --dp 1,2 --json benchmarks/results/dp_scaling.json
+Smoke (CPU):   python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
+               python benchmarks/dp_scaling.py --model /tmp/tiny --dp 1,2 --concurrency 4 --input-len 16 --output-len 8 --shared-prefix-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import httpx
+from common import markdown_table, remove_script_dir_from_sys_path, write_json
+from server_process import llmserve_server, serving_load
+
+remove_script_dir_from_sys_path()
+
+GOALS = {"random tok/s": 1.8, "shared-prefix hit rate": 0.98}     # dp=2 against dp=1, at least
+
+
+def measure(args: argparse.Namespace, dp: int) -> dict[str, float | list[int]]:
+    c = args.concurrency
+    flags = ["--dp", str(dp), "--tp", str(args.tp), "--max-concurrent-requests", str(4 * c)]
+    flags += ["--dtype", args.dtype] if args.dtype else []
+    with llmserve_server(args.model, 18100 + dp, flags) as url:
+        lengths = (args.model, c, 4 * c, args.input_len, args.output_len)
+        random = serving_load(url, *lengths)
+        shared = serving_load(url, *lengths, "--workload", "shared-prefix", "--shared-prefix-len",
+                              str(args.shared_prefix_len), "--seed", "1")
+        routed = [r["requests"] for r in httpx.get(url + "/info", timeout=10).json()["replicas"]]
+    numbers = {"random tok/s": random["output_throughput"], "shared-prefix tok/s": shared["output_throughput"],
+               "shared-prefix hit rate": shared["prefix_cache"]["hit_rate"], "requests per replica": routed}
+    print(f"dp={dp}: {numbers}", file=sys.stderr)
+    return numbers
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF directory (benchmarks/make_random_model.py writes one)")
+    p.add_argument("--dp", default="1,2", help="replica counts, the first the baseline (default: 1,2)")
+    p.add_argument("--tp", type=int, default=1, help="ranks a replica (default: 1)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--concurrency", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--shared-prefix-len", type=int, default=2000)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    dps = [int(d) for d in args.dp.split(",")]
+    results = {dp: measure(args, dp) for dp in dps}
+    base = results[dps[0]]
+    rows = []
+    for dp, numbers in results.items():
+        for metric, value in numbers.items():
+            if isinstance(value, list):
+                rows.append([dp, metric, " / ".join(map(str, value)), "", ""])
+                continue
+            ratio = value / base[metric] if base[metric] else float("nan")
+            goal = GOALS.get(metric) if dp == 2 else None
+            verdict = "" if goal is None else f">= {goal}: " + ("met" if ratio >= goal else "MISSED")
+            rows.append([dp, metric, f"{value:.3f}", f"{ratio:.3f}", verdict])
+    print(f"\n### Data-parallel scaling, tp={args.tp}, C={args.concurrency}, in {args.input_len} / out "
+          f"{args.output_len}, shared prefix {args.shared_prefix_len}\n")
+    print(markdown_table(["dp", "metric", "value", f"/ dp={dps[0]}", "goal"], rows))
+    if args.json:
+        write_json(args.json, {"benchmark": "dp_scaling", "model": args.model, "tp": args.tp,
+                               "concurrency": args.concurrency, "input_len": args.input_len,
+                               "output_len": args.output_len, "shared_prefix_len": args.shared_prefix_len,
+                               "results": {str(dp): numbers for dp, numbers in results.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
