@@ -17,3 +17,7 @@ the choices from it.
 """
 
 QUANTIZATION_CHOICES = ("fp8", "compressed-tensors", "awq", "gptq")
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""``--kv-cache-dtype`` (vLLM's flag): auto, the model's dtype; fp8 (= fp8_e4m3), float8 e4m3 with a
+per-tensor scale for each layer's K and V (`kv_cache`)."""

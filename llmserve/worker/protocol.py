@@ -69,6 +69,7 @@ class WorkerInitArgs:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
     quantization: str | None = None  # --quantization (ModelInitParams)
+    kv_cache_dtype: str = "auto"     # --kv-cache-dtype (ModelInitParams)
 
     @property
     def ranks_per_node(self) -> int:
@@ -99,6 +100,7 @@ class WorkerInfo:
     quantized: str = ""              # GGUF block formats the weights run in ("Q4_1/Q8_0"); "": dense
     quantization: str = ""           # a quantized checkpoint's format or --quantization fp8 (its description); "": none
     weight_bytes: int = 0            # bytes of the weights (and their scales) over all ranks
+    kv_cache_dtype: str = ""         # what the KV cache holds ("bfloat16", "fp8_e4m3 (its scales)")
     # Image input (LLaVA): the placeholder token id, and how many of them one image fills; None
     # for a text-only model.
     image_token_id: int | None = None
