@@ -12,7 +12,8 @@ Supported (names as vLLM's ``--quantization`` and the configs' ``quant_method`` 
 - ``awq``: 4-bit, GEMM layout, zero points; ``gptq``: 4-bit, ``desc_act`` false.
 
 Modules: `config` (which format a model is in), `formats` (a format's checkpoint tensors -> a
-weight), `weights` (the weight classes). This file imports nothing heavy: the command line reads
+weight), `weights` (the weight classes), `kv_cache` (``--kv-cache-dtype fp8``: a float8 KV cache's
+dtype and scales). This file imports nothing heavy: the command line reads
 the choices from it.
 """
 
