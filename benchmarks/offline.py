@@ -26,7 +26,8 @@ Columns
                    less, in a mixture-of-experts model, the experts no token of the step routes to
                    (expected_experts_hit: at batch 1 Qwen3-30B-A3B reads 8 of each layer's 128)
   KV GB/step       batch * kv_len * layers * 2 (K and V) * Hkv * head_dim * bytes, kv_len being
-                   the tokens each query attends to, averaged over the timed steps
+                   the tokens each query attends to, averaged over the timed steps (bytes: the
+                   cache's dtype's, 1 with --kv-cache-dtype fp8)
   floor ms         (weights GB + KV GB/step) / measured device-to-device copy bandwidth (bytes
                    read + written, 1 GiB copy): the step time if the GPU did nothing but stream
                    those bytes once at the bandwidth a plain copy achieves. Activations, logits
@@ -41,6 +42,7 @@ Run (GPU):   python benchmarks/offline.py --json benchmarks/results/offline.json
 Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 32 --steps 4
              (qwen3-tiny, gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: the same for those model classes)
 MoE (GPU):   python benchmarks/offline.py --model-size qwen3-30b-a3b --batch-sizes 1,64 --peer hf-compiled
+FP8 KV (GPU): python benchmarks/offline.py --batch-sizes 1,128 --modes graphs --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from llmserve.kernels import QuantizedWeight  # noqa: E402
 from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
 from llmserve.common.basemodel import TpPartBaseModel  # noqa: E402
 from llmserve.models.registry import GGUF_ARCHS, get_model_class  # noqa: E402
+from llmserve.quantization import KV_CACHE_DTYPES  # noqa: E402
 from llmserve.quantization.config import quantize_fp8_blocks, quantize_int4  # noqa: E402
 from llmserve.quantization.weights import PackedWeight  # noqa: E402
 
@@ -354,7 +357,7 @@ def kv_bytes_per_token(model: TpPartBaseModel) -> int:
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
                 graphs: bool = False, weights: Iterable[dict] | None = None,
-                quantization: str | None = None) -> TpPartBaseModel:
+                quantization: str | None = None, kv_cache_dtype: str = "auto") -> TpPartBaseModel:
     """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`)."""
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
@@ -367,6 +370,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         config=cfg,
         weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return get_model_class(cfg["model_type"])(params)
 
@@ -554,6 +558,9 @@ def parse_args() -> argparse.Namespace:
                         "in 128 x 128 tiles and int4 in groups of 128 (asymmetric, as AWQ / GPTQ checkpoints hold "
                         "them) by round-to-nearest, run by the dequantizing kernel; the floor counts their bytes, "
                         "scales and zeros included")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV cache's dtype, as `llmserve serve --kv-cache-dtype`: fp8 stores K and V in float8 "
+                        "(scales 1.0); the floor counts its bytes (default: auto, the model's)")
     p.add_argument("--gguf", default=None, metavar="FILE|default",
                    help="the weights and shapes of a GGUF file instead of random ones ('default': the embedded "
                         "SmolLM2-135M-Instruct): on CPU ours runs its Q4_0/Q4_1/Q8_0 matrices in their blocks "
@@ -597,7 +604,7 @@ def main() -> int:
     if args.quantization in BENCH_QUANTIZERS:
         weights = quantized_linears(weights or random_llama_weights(cfg, device, dtype), BENCH_QUANTIZERS[args.quantization])
     model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights,
-                        quantization="fp8" if args.quantization == "fp8" else None)
+                        quantization="fp8" if args.quantization == "fp8" else None, kv_cache_dtype=args.kv_cache_dtype)
     if model.decode_graphs is not None:
         print(f"CUDA graphs for batch <= {model.decode_graphs.max_batch_size}: captured in "
               f"{model.decode_graphs.capture_seconds:.1f} s, {model.decode_graphs.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
@@ -619,6 +626,10 @@ def main() -> int:
     quant = f", {model.quantization.description}" if model.quantization else ""
     if args.quantization in BENCH_QUANTIZERS:
         quant = f", {args.quantization} quantized at load (round-to-nearest)"
+    if model.kv_cache_dtype_ is not None:
+        quant += f", KV cache {model.kv_cache_description}"
+    # HF's cache is in the model's dtype whatever ours is
+    peer_kv_per_token = kv_per_token * dtype.itemsize // model.mem_manager.dtype.itemsize
     untouched = {b: read - step_weight_bytes(model, read, b) for b in batch_sizes}  # experts no token routes to
     if args.peer != "none":
         # Ours first, in case the peer does not finish (torch.compile of a large model at several
@@ -641,7 +652,7 @@ def main() -> int:
                 print(f"the {peer.mode} peer failed at batch {batch}: {type(e).__name__}: {e}", file=sys.stderr)
                 break
             results.append(summarize(peer.mode, batch, args.prompt_len, prefill_s, step_ms, args.warmup_steps,
-                                     copy_bw, hf_weight_bytes(peer.model) - untouched[batch], kv_per_token, device))
+                                     copy_bw, hf_weight_bytes(peer.model) - untouched[batch], peer_kv_per_token, device))
         results.sort(key=lambda r: r.batch)   # stable: each batch's rows ours first, then the peer's
 
     print(f"\n### Decode step, {shapes} shapes ({model_type}), {dtype_name(dtype)}{quant}, "
@@ -662,6 +673,7 @@ def main() -> int:
             "weight_bytes_held": held,
             "weight_bytes_read_per_step": read,
             "kv_bytes_per_token": kv_per_token,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "results": [asdict(r) for r in results],
         })
     return 0

@@ -33,6 +33,8 @@ The Triton kernel, FlashAttention-2 style (against the first version, H100, bf16
     instead of GROUP times (speculative verification / chunks are memory-bound), and
     BLOCK_M = 16..64 rows are filled by GROUP x few queries.
   * Default tiles from an H100 sweep (`_default_tiles`), smaller ones for fp32.
+  * A float8 cache (``--kv-cache-dtype fp8``) is gathered as stored and each tile cast to q's
+    dtype in registers (exact); K's scale is folded into qk_scale, V's into the output.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .backend import (
-    LOG2E, dot_precision, gather_padded_kv, launcher, masked_attention, next_pow2, sdpa_attention, softmax_scale, use_triton,
+    LOG2E, dot_precision, gather_kv, gather_padded_kv, launcher, masked_attention, next_pow2, sdpa_attention, softmax_scale, use_triton,
 )
 from .triton_math import softcap as _softcap
 
@@ -96,7 +98,7 @@ def _attn_inner(
         slots_next = tl.load(Req_row + offs_next * stride_r_pos, mask=offs_next < end, other=0)
         k = _load_kv_tile(K_head, slots, stride_k_t, stride_k_d, offs_n, end, offs_d, D, MASKED, EVEN_D)
         if HALF_MMA:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
         else:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
         if MASKED or HAS_ALIBI or HAS_SOFTCAP:
@@ -130,7 +132,7 @@ def _attn_inner(
         acc = acc * alpha[:, None]
         v = _load_kv_tile(V_head, slots, stride_v_t, stride_v_d, offs_n, end, offs_d, D, MASKED, EVEN_D)
         if HALF_MMA:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
         else:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -140,7 +142,8 @@ def _attn_inner(
 @triton.jit
 def _context_attention_kernel(
     Q, K, V, O, ReqToToken, BReqIdx, BQStart, BQLen, BCachedLen, Slopes,
-    qk_scale,  # |sm_scale| * log2(e): the softmax runs on exp2
+    qk_scale,  # |sm_scale| * log2(e) * k_scale: the softmax runs on exp2
+    v_scale,   # the cache's V scale (1 unless float8)
     window,    # HAS_WINDOW: query at p sees keys (p - window, p]
     cap,       # HAS_SOFTCAP: logit_softcap * log2(e)
     stride_q_t, stride_q_h, stride_q_d,
@@ -198,8 +201,9 @@ def _context_attention_kernel(
     if NEGATE_Q:
         q = -q  # exact: qk_scale is |sm_scale| * log2(e)
     if HALF_MMA:
-        # compiled fp16/bf16: half-precision MMA operands, fp32 accumulation and softmax statistics
-        q = q.to(K.dtype.element_ty)
+        # compiled fp16/bf16: half-precision MMA operands (K and V tiles cast to q's dtype: a float8
+        # cache's), fp32 accumulation and softmax statistics
+        q = q.to(Q.dtype.element_ty)
     else:
         q = q.to(tl.float32)
 
@@ -252,7 +256,7 @@ def _context_attention_kernel(
         DOT_PRECISION=DOT_PRECISION, HALF_MMA=HALF_MMA, EVEN_D=EVEN_D, OFF32=OFF32, BLOCK_N=BLOCK_N,
     )
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     o_ptrs = (O + (q_start + offs_m.to(tl.int64))[:, None] * stride_o_t + offs_h[:, None] * stride_o_h
               + offs_d[None, :] * stride_o_d)
     if EVEN_D:
@@ -323,7 +327,7 @@ def context_attention_fwd_triton(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    sliding_window: int = 0, logit_softcap: float = 0.0,
+    sliding_window: int = 0, logit_softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
     *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
     pack_gqa: bool | None = None, offsets32: bool | None = None, req_major: bool | None = None,
@@ -339,14 +343,14 @@ def context_attention_fwd_triton(
     _half_mma: force the half-precision MMA path (tests under the interpreter; default: compiled
     fp16/bf16 on CUDA, as the current kernel)."""
     _launch(q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, max_q_len,
-               alibi_slopes, sm_scale, sliding_window, logit_softcap, block_m=block_m, block_n=block_n, num_warps=num_warps,
+               alibi_slopes, sm_scale, sliding_window, logit_softcap, k_scale, v_scale, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, pack_gqa=pack_gqa, offsets32=offsets32, req_major=req_major,
                _half_mma=_half_mma)
 
 
 def _launch(
     q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, max_q_len,
-    alibi_slopes=None, sm_scale=None, sliding_window=0, logit_softcap=0.0, *, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    alibi_slopes=None, sm_scale=None, sliding_window=0, logit_softcap=0.0, k_scale=1.0, v_scale=1.0, *, block_m=None, block_n=None, num_warps=None, num_stages=None,
     pack_gqa=None, offsets32=None, req_major=None, _half_mma=None,
 ):
     """The launch; returns Triton's compiled kernel (n_regs, n_spills, asm: for diagnostics)."""
@@ -367,7 +371,7 @@ def _launch(
     fits32 = _fits_int32(k_cache) and _fits_int32(v_cache)
     off32 = fits32 and (BLOCK_M <= 64 if offsets32 is None else offsets32)
     half_mma = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)) if _half_mma is None else _half_mma
-    qk_scale = softmax_scale(sm_scale, D) * LOG2E
+    qk_scale = softmax_scale(sm_scale, D) * LOG2E * k_scale
     slopes = alibi_slopes if alibi_slopes is not None else q  # never read without HAS_ALIBI
     n_m = triton.cdiv(max_q_len * group, BLOCK_M) if pack else triton.cdiv(max_q_len, BLOCK_M)
     n_h = Hkv if pack else Hq
@@ -375,7 +379,7 @@ def _launch(
     grid = (n_h, n_m, bs) if req_major else (n_h, bs, n_m)
     return launcher(_context_attention_kernel, q)[grid](
         q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, slopes,
-        abs(qk_scale), sliding_window, logit_softcap * LOG2E,
+        abs(qk_scale), v_scale, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -394,18 +398,20 @@ def context_attention_fwd_torch(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    sliding_window: int = 0, logit_softcap: float = 0.0,
+    sliding_window: int = 0, logit_softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Torch twin of `context_attention_fwd`: a batch of several fp32 requests in one SDPA call
     (`_batched_sdpa_context`); one request, or half precision, per request: gather K/V and attend
-    through SDPA as HF does (`sdpa_attention`); with ALiBi biases, per request with an fp32 softmax."""
+    through SDPA as HF does (`sdpa_attention`); with ALiBi biases, per request with an fp32 softmax.
+    A float8 cache's rows are dequantized as they are gathered (`gather_kv`)."""
     sm_scale = softmax_scale(sm_scale, q.shape[-1])
+    scales = (k_scale, v_scale)
     q_lens, cached_lens = b_q_len.tolist(), b_cached_len.tolist()
     if sliding_window or logit_softcap:
         if alibi_slopes is not None:
             raise NotImplementedError("ALiBi with a sliding window or soft-capping")
         _masked_context(q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, q_lens, cached_lens, sm_scale,
-                        sliding_window, logit_softcap)
+                        sliding_window, logit_softcap, scales)
         return
     # One SDPA call for the batch rather than gathers and a call per request (SmolLM2-135M, a
     # prefill of 8 x 64 tokens on a 2-core CPU: its 30 layers' 240 calls took 34 ms, 6% of the
@@ -416,13 +422,13 @@ def context_attention_fwd_torch(
     if (alibi_slopes is None and len(q_lens) > 1 and q.dtype not in (torch.float16, torch.bfloat16)
             and _padding_pays(q_lens, cached_lens)):
         _batched_sdpa_context(q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, q_lens, cached_lens,
-                              sm_scale)
+                              sm_scale, scales)
         return
     for req, q_start, q_len, cached in zip(b_req_idx.tolist(), b_q_start.tolist(), q_lens, cached_lens):
         if q_len == 0:
             continue
         slots = req_to_token[req, :cached + q_len].long()
-        qi, k, v = q[q_start:q_start + q_len], k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+        qi, (k, v) = q[q_start:q_start + q_len], gather_kv(k_cache, v_cache, slots, q.dtype, scales)
         if alibi_slopes is None:
             out = sdpa_attention(qi, k, v, sm_scale)
         else:
@@ -433,7 +439,7 @@ def context_attention_fwd_torch(
 def _masked_context(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor, req_to_token: torch.Tensor,
     b_req_idx: torch.Tensor, b_q_start: torch.Tensor, q_lens: list[int], cached_lens: list[int], sm_scale: float,
-    sliding_window: int, logit_softcap: float,
+    sliding_window: int, logit_softcap: float, scales: tuple[float, float],
 ) -> None:
     """`context_attention_fwd_torch` with a sliding window or soft-capping, per request as HF's
     eager attention (`masked_attention`). Keys before the first query's window are not gathered."""
@@ -442,8 +448,8 @@ def _masked_context(
             continue
         first = max(0, cached - sliding_window + 1) if sliding_window else 0
         slots = req_to_token[req, first:cached + q_len].long()
-        out = masked_attention(q[q_start:q_start + q_len], k_cache.index_select(0, slots),
-                               v_cache.index_select(0, slots), sm_scale, sliding_window, logit_softcap)
+        out = masked_attention(q[q_start:q_start + q_len], *gather_kv(k_cache, v_cache, slots, q.dtype, scales),
+                               sm_scale, sliding_window, logit_softcap)
         o[q_start:q_start + q_len] = out.to(o.dtype)
 
 
@@ -465,6 +471,7 @@ def _padding_pays(q_lens: list[int], cached_lens: list[int]) -> bool:
 def _batched_sdpa_context(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor, req_to_token: torch.Tensor,
     b_req_idx: torch.Tensor, b_q_start: torch.Tensor, q_lens: list[int], cached_lens: list[int], sm_scale: float,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """`context_attention_fwd_torch` of the whole batch through one SDPA call, written into o.
     Queries and K/V are gathered padded to the batch's longest request (``[bs, Lq]`` and
@@ -478,7 +485,7 @@ def _batched_sdpa_context(
     L = max(kv_lens)
     dev = q.device
     k, v, valid = gather_padded_kv(k_cache, v_cache, req_to_token, b_req_idx.long(),
-                                   torch.tensor(kv_lens, device=dev), L)
+                                   torch.tensor(kv_lens, device=dev), L, q.dtype, scales)
     if not any(cached_lens) and min(q_lens) == Lq:
         # The common prefill: no cached prefix, every prompt as long. No padding, and the causal
         # mask is SDPA's own (as per request).
@@ -539,7 +546,7 @@ def context_attention_fwd(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_q_start: torch.Tensor,
     b_q_len: torch.Tensor, b_cached_len: torch.Tensor, max_q_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    sliding_window: int = 0, logit_softcap: float = 0.0,
+    sliding_window: int = 0, logit_softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Causal attention of new tokens over their requests' paged KV cache, written into o.
 
@@ -548,9 +555,10 @@ def context_attention_fwd(
     alibi_slopes: [Hq] fp32 or None (adds slope[h] * (kpos - p)); sm_scale defaults to 1/sqrt(D).
     sliding_window: 0 (none) or W: the query at p sees keys p - W < kpos <= p (HF's sliding window).
     logit_softcap: 0 (none) or c: scores become c * tanh(score * sm_scale / c) before the mask.
+    k_scale, v_scale: a float8 cache's scales (the real K is the stored one times k_scale); 1 otherwise.
     """
     args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len,
-            max_q_len, alibi_slopes, sm_scale, sliding_window, logit_softcap)
+            max_q_len, alibi_slopes, sm_scale, sliding_window, logit_softcap, k_scale, v_scale)
     if use_triton(q):
         context_attention_fwd_triton(*args)
     else:

@@ -3,7 +3,8 @@
 The query of request i sits at position b_seq_len[i] - 1 and attends to positions
 0..b_seq_len[i] - 1, whose KV-pool slots are req_to_token[b_req_idx[i], pos].
 The Triton path chains decode_attention_stage1 (per-split partials) and
-decode_attention_stage2 (merge of the splits).
+decode_attention_stage2 (merge of the splits). A float8 cache (``--kv-cache-dtype fp8``) holds
+K / k_scale and V / v_scale: stage 1 dequantizes in registers, the twin the rows it gathers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import LOG2E, gather_padded_kv, masked_attention, next_pow2, sdpa_attention, softmax_scale, use_triton
+from .backend import (
+    LOG2E, gather_kv, gather_padded_kv, masked_attention, next_pow2, sdpa_attention, softmax_scale, use_triton,
+)
 from .decode_attention_stage1 import decode_attention_stage1_triton
 from .decode_attention_stage2 import decode_attention_stage2_triton
 
@@ -39,7 +42,7 @@ def decode_attention_fwd_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    sliding_window: int = 0, logit_softcap: float = 0.0,
+    sliding_window: int = 0, logit_softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
     *, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
 ) -> None:
     """Triton version of `decode_attention_fwd`: at most `num_splits` splits a request (default:
@@ -49,8 +52,8 @@ def decode_attention_fwd_triton(
     if bs == 0:
         return
     num_splits = num_splits or decode_num_splits(bs, k_cache.shape[1])
-    qk_scale = softmax_scale(sm_scale, D) * LOG2E
-    masks = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    qk_scale = softmax_scale(sm_scale, D) * LOG2E * k_scale
+    masks = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, v_scale=v_scale)
     if num_splits == 1:
         # One split a request (batches of 64 and more): stage 1 writes o itself, one launch a layer
         # fewer and no fp32 scratch, with the same bits (see decode_attention_stage1_triton).
@@ -71,13 +74,15 @@ def decode_attention_fwd_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    sliding_window: int = 0, logit_softcap: float = 0.0,
+    sliding_window: int = 0, logit_softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Torch twin of `decode_attention_fwd`: a batch of several fp32 requests in one SDPA call
     (`_batched_sdpa_decode`); one request, or half precision, per request through SDPA as HF
-    does (`sdpa_attention`); with ALiBi biases, a padded batch with an fp32 softmax."""
+    does (`sdpa_attention`); with ALiBi biases, a padded batch with an fp32 softmax. A float8
+    cache's rows are dequantized as they are gathered (`gather_kv`)."""
     if q.shape[0] == 0:
         return
+    scales = (k_scale, v_scale)
     sm_scale = softmax_scale(sm_scale, q.shape[-1])
     if sliding_window or logit_softcap:
         if alibi_slopes is not None:
@@ -86,12 +91,12 @@ def decode_attention_fwd_torch(
         for i, (req, seq_len) in enumerate(zip(b_req_idx.tolist(), b_seq_len.tolist())):
             first = max(0, seq_len - sliding_window) if sliding_window else 0
             slots = req_to_token[req, first:seq_len].long()
-            o[i:i + 1] = masked_attention(q[i:i + 1], k_cache.index_select(0, slots), v_cache.index_select(0, slots),
+            o[i:i + 1] = masked_attention(q[i:i + 1], *gather_kv(k_cache, v_cache, slots, q.dtype, scales),
                                           sm_scale, sliding_window, logit_softcap)
         return
     if alibi_slopes is not None:
         o.copy_(_alibi_decode(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_seq_len,
-                              alibi_slopes, sm_scale).to(o.dtype))
+                              alibi_slopes, sm_scale, scales).to(o.dtype))
         return
     # One call for the batch, not 2 gathers and an SDPA call per request (at SmolLM2-135M's shapes,
     # batch 8, those were 720 small ops a decode step; its 30 layers' calls at ~70 keys took 15.8 ms
@@ -102,25 +107,22 @@ def decode_attention_fwd_torch(
     # In fp32 that is a rounding (~1e-7), far inside the fp32 parity tolerance. One request keeps
     # the per-request call, so it is bitwise HF's in every dtype.
     if q.shape[0] > 1 and q.dtype not in (torch.float16, torch.bfloat16):
-        o.copy_(_batched_sdpa_decode(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, sm_scale))
+        o.copy_(_batched_sdpa_decode(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, sm_scale, scales))
         return
     for i, (req, seq_len) in enumerate(zip(b_req_idx.tolist(), b_seq_len.tolist())):
         slots = req_to_token[req, :seq_len].long()
-        # index_select, not k_cache[slots]: the same copy, faster on a CPU (SmolLM2's 3 x 64 at 700
-        # slots: 67 against 50 us inside a decode step, whose 30 layers gather 60 times).
-        o[i:i + 1] = sdpa_attention(q[i:i + 1], k_cache.index_select(0, slots), v_cache.index_select(0, slots),
-                                    sm_scale)
+        o[i:i + 1] = sdpa_attention(q[i:i + 1], *gather_kv(k_cache, v_cache, slots, q.dtype, scales), sm_scale)
 
 
 def _batched_sdpa_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-    b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float,
+    b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, sm_scale: float, scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Decode attention of the whole batch through one SDPA call: K/V gathered padded to the
     batch's longest request (not max_seq_len, which only bounds it), padding masked out. GQA as
     `sdpa_attention` does it (enable_gqa). Returns ``[bs, Hq, D]`` in q's dtype."""
     L = int(b_seq_len.max())  # one read of the lengths (a sync on GPU; this twin runs on CPU)
-    k, v, valid = gather_padded_kv(k_cache, v_cache, req_to_token, b_req_idx.long(), b_seq_len, L)
+    k, v, valid = gather_padded_kv(k_cache, v_cache, req_to_token, b_req_idx.long(), b_seq_len, L, q.dtype, scales)
     out = F.scaled_dot_product_attention(
         q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=None if valid is None else valid[:, None, None, :],   # [bs, 1, 1, L], True = attend
@@ -132,7 +134,7 @@ def _batched_sdpa_decode(
 def _alibi_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
     b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int, alibi_slopes: torch.Tensor,
-    sm_scale: float,
+    sm_scale: float, scales: tuple[float, float],
 ) -> torch.Tensor:
     """fp32 decode attention with ALiBi: K/V gathered padded to max_seq_len, masked softmax. Not
     SDPA: its float mask must be in q's dtype, and slope * distance in bf16 would lose precision."""
@@ -145,8 +147,7 @@ def _alibi_decode(
     valid = pos[None, :] < seq_len[:, None]  # [bs, L]
     # Padding positions may hold any slot value in req_to_token: read slot 0 there instead.
     slots = torch.where(valid, req_to_token[b_req_idx.long(), :L].long(), 0)
-    k = k_cache.index_select(0, slots.reshape(-1)).view(bs, L, Hkv, D).float()
-    v = v_cache.index_select(0, slots.reshape(-1)).view(bs, L, Hkv, D).float()
+    k, v = (t.view(bs, L, Hkv, D) for t in gather_kv(k_cache, v_cache, slots.reshape(-1), torch.float32, scales))
     qg = q.float().view(bs, Hkv, G, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
     rel = (pos[None, :] - (seq_len - 1)[:, None]).float()  # kpos - p, [bs, L]
@@ -160,7 +161,7 @@ def decode_attention_fwd(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor, max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
-    sliding_window: int = 0, logit_softcap: float = 0.0,
+    sliding_window: int = 0, logit_softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """One decode step of attention, written into o.
 
@@ -168,9 +169,10 @@ def decode_attention_fwd(
     req_to_token: [max_reqs, max_len]; b_req_idx, b_seq_len: [bs]; max_seq_len >= max(b_seq_len).
     alibi_slopes: [Hq] fp32 or None (adds slope[h] * (kpos - p)); sm_scale defaults to 1/sqrt(D).
     sliding_window, logit_softcap: as `context_attention_fwd` (0: none).
+    k_scale, v_scale: a float8 cache's scales (the real K is the stored one times k_scale); 1 otherwise.
     """
     args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_seq_len, max_seq_len, alibi_slopes, sm_scale,
-            sliding_window, logit_softcap)
+            sliding_window, logit_softcap, k_scale, v_scale)
     if use_triton(q):
         decode_attention_fwd_triton(*args)
     else:

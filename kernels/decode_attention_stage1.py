@@ -6,6 +6,10 @@ BLOCK_N (`split_length` below). Program (request b, kv head, split s) takes keys
 (K/V loaded once per group) and writes the split's normalised partial output and its
 log2-sum-exp (both fp32) to scratch for stage 2.
 
+A float8 cache (``--kv-cache-dtype fp8``) is read as it is stored and dequantized in registers:
+each K/V tile is cast to q's dtype (exact: every e4m3 value is a bf16 / fp16 value), K's scale is
+folded into the score scale and V's into the split's output, so no scaled copy of a tile is made.
+
 The grid (batch, kv heads, num_splits) holds no length, so a CUDA graph replays it at any length;
 num_splits is the caller's choice (`decode_attention.decode_num_splits`), a runtime argument so
 that every choice shares one compiled kernel.
@@ -43,7 +47,8 @@ def first_key(seq_len, window, HAS_WINDOW: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_attention_stage1_kernel(
     Q, K, V, ReqToToken, BReqIdx, BSeqLen, Slopes, MidO, MidLse,
-    qk_scale,  # sm_scale * log2(e): the softmax runs on exp2
+    qk_scale,  # sm_scale * log2(e) * k_scale: the softmax runs on exp2
+    v_scale,   # the cache's V scale (1 unless float8)
     window,    # HAS_WINDOW: the query sees its last `window` keys
     cap,       # HAS_SOFTCAP: logit_softcap * log2(e)
     stride_q_b, stride_q_h, stride_q_d,
@@ -93,7 +98,7 @@ def _decode_attention_stage1_kernel(
         # Operands stay in the cache's dtype: a bf16 x bf16 product is exact in the fp32 accumulator,
         # as it was upcast to tf32, and the half-width tiles made this kernel 5% faster on average over
         # batch 1-128 x 512-4096 keys (H100 sweep of 2026-11-25, benchmarks/README.md).
-        k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [D, N]
+        k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [D, N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [H, N]
         if HAS_SOFTCAP:
             s = _softcap(s, cap)
@@ -108,7 +113,7 @@ def _decode_attention_stage1_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_ptrs = V + slots[:, None] * stride_v_t + kv_h * stride_v_h + offs_d[None, :] * stride_v_d
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [N, D]
         # The probabilities round to V's dtype for the product, as FlashAttention and cuDNN's
         # attention (HF's SDPA on a GPU) round them; in fp32 nothing changes.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -116,7 +121,7 @@ def _decode_attention_stage1_kernel(
 
     mo_ptrs = (MidO + b.to(tl.int64) * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
                + offs_d[None, :] * stride_mo_d)
-    tl.store(mo_ptrs, (acc / l_i[:, None]).to(MidO.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(mo_ptrs, (acc / l_i[:, None] * v_scale).to(MidO.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     if not FINAL:  # FINAL: one split, MidO is the output itself, and there is nothing to merge
         ml_ptrs = MidLse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split * stride_ml_s
         tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=g_mask)
@@ -127,6 +132,7 @@ def decode_attention_stage1_triton(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor,
     mid_o: torch.Tensor, mid_lse: torch.Tensor | None, qk_scale: float,
     alibi_slopes: torch.Tensor | None, *, block_n: int, sliding_window: int = 0, logit_softcap: float = 0.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Fill mid_o [bs, Hq, splits, D] and mid_lse [bs, Hq, splits] (fp32, log2 domain) for each
     split (at most mid_o.shape[2] a request, each a multiple of block_n keys).
@@ -135,7 +141,7 @@ def decode_attention_stage1_triton(
     ([bs, Hq, 1, D], any dtype): a split's normalised output rounded to it is what stage 2 would
     write from one split (weight exp2(0) = 1), so stage 2 is skipped, bit for bit the same.
 
-    qk_scale is sm_scale * log2(e); alibi_slopes are natural-log slopes [Hq] or None;
+    qk_scale is sm_scale * log2(e) (times K's scale for a float8 cache, whose V scale is v_scale); alibi_slopes are natural-log slopes [Hq] or None;
     sliding_window (0: none) and logit_softcap (0: none) as `decode_attention_fwd`.
     """
     bs, Hq, D = q.shape
@@ -150,7 +156,7 @@ def decode_attention_stage1_triton(
     lse = mid_o if final else mid_lse  # never written when final
     launcher(_decode_attention_stage1_kernel, q)[(bs, Hkv, num_splits)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, slopes, mid_o, lse,
-        qk_scale, sliding_window, logit_softcap * LOG2E,
+        qk_scale, v_scale, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -8,7 +8,8 @@ rotated k back into ``kv``: nothing reads K or V from the projection after the s
 reads them from the cache), so ``kv`` keeps the unrotated k.
 
 Rounded exactly as `rotary_emb_fwd` rounds (it calls the same `rotate_halves`, and turns off FMA
-contraction as that launch does), so q and the cache rows are bitwise the two-kernel path's.
+contraction as that launch does), so q and the cache rows are bitwise the two-kernel path's. A float8
+cache (``--kv-cache-dtype fp8``) stores the rotated K and V scaled as `destindex_copy_kv` does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .backend import launcher, next_pow2, use_triton
-from .destindex_copy_kv import destindex_copy_kv_torch
+from .destindex_copy_kv import destindex_copy_kv_torch, fp8_scaled, kv_quantization
 from .rotary_emb import rotary_emb_fwd_torch, rotate_halves
 
 # Heads per program: the rotary kernel's block.
@@ -32,8 +33,9 @@ def _rotary_emb_copy_kv_kernel(
     stride_kv_t, stride_kv_h, stride_kv_d,
     stride_c_t, stride_c_d, stride_s_t, stride_s_d,
     stride_o_n, stride_o_h, stride_o_d,
+    inv_k, inv_v,  # QUANT: a float8 cache stores K * inv_k and V * inv_v
     HQ, HKV, HALF, Q_BLOCKS,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     # Program (token t, block of heads): the first Q_BLOCKS blocks are q's heads, rotated in
     # place; the others are kv heads, each program storing the same block of K and of V heads.
@@ -61,6 +63,8 @@ def _rotary_emb_copy_kv_kernel(
         dst = Dest + slot * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
         out_dt = Dest.dtype.element_ty
         k1, k2 = rotate_halves(src, src + HALF * stride_kv_d, cos, sin, mask)
+        if QUANT:
+            k1, k2 = fp8_scaled(k1, inv_k), fp8_scaled(k2, inv_k)
         tl.store(dst, k1.to(out_dt), mask=mask)
         tl.store(dst + HALF * stride_o_d, k2.to(out_dt), mask=mask)
         # V heads follow the K heads, in kv as in the cache; copied as they are, half by half.
@@ -68,14 +72,18 @@ def _rotary_emb_copy_kv_kernel(
         dst += HKV * stride_o_h
         for half in tl.static_range(2):
             v = tl.load(src + half * HALF * stride_kv_d, mask=mask, other=0.0)
+            if QUANT:
+                v = fp8_scaled(v, inv_v)
             tl.store(dst + half * HALF * stride_o_d, v.to(out_dt), mask=mask)
 
 
 def rotary_emb_copy_kv_triton(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                              dest_loc: torch.Tensor, dest: torch.Tensor) -> None:
+                              dest_loc: torch.Tensor, dest: torch.Tensor, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> None:
     """Triton version of `rotary_emb_copy_kv`."""
     n, hq, d = q.shape
     hkv = kv.shape[1] // 2
+    quant, inv_k, inv_v = kv_quantization(dest, k_scale, v_scale)
     if n == 0:
         return
     block_h = min(next_pow2(max(hq, hkv)), _MAX_BLOCK_H)
@@ -86,28 +94,31 @@ def rotary_emb_copy_kv_triton(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tens
         kv.stride(0), kv.stride(1), kv.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         dest.stride(0), dest.stride(1), dest.stride(2),
+        inv_k, inv_v,
         hq, hkv, d // 2, q_blocks,
-        BLOCK_H=block_h, BLOCK_HALF=next_pow2(d // 2), num_warps=4,
+        QUANT=quant, BLOCK_H=block_h, BLOCK_HALF=next_pow2(d // 2), num_warps=4,
         enable_fp_fusion=False,  # as rotary_emb's launch: no FMA, each product rounds to the dtype
     )
 
 
 def rotary_emb_copy_kv_torch(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             dest_loc: torch.Tensor, dest: torch.Tensor) -> None:
+                             dest_loc: torch.Tensor, dest: torch.Tensor, k_scale: float = 1.0,
+                             v_scale: float = 1.0) -> None:
     """Torch twin of `rotary_emb_copy_kv`: the two ops' twins in sequence (this one also leaves k
     rotated in kv, which nothing reads)."""
     rotary_emb_fwd_torch(q, kv[:, : kv.shape[1] // 2], cos, sin)
-    destindex_copy_kv_torch(kv, dest_loc, dest)
+    destindex_copy_kv_torch(kv, dest_loc, dest, k_scale, v_scale)
 
 
 def rotary_emb_copy_kv(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       dest_loc: torch.Tensor, dest: torch.Tensor) -> None:
+                       dest_loc: torch.Tensor, dest: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Rotate q ``[n, Hq, D]`` in place by cos, sin ``[n, D//2]`` (fp32), and store kv
     ``[n, 2 * Hkv, D]`` (K heads then V heads) with its K heads rotated into the cache rows
     ``dest[dest_loc[i]]`` (dest ``[slots, 2 * Hkv, D]``, dest_loc int32/int64): as
     ``rotary_emb_fwd(q, kv[:, :Hkv], cos, sin)`` then ``destindex_copy_kv(kv, dest_loc, dest)``,
-    bitwise, except that kv's own k may be left unrotated."""
+    bitwise, except that kv's own k may be left unrotated. A float8 dest takes k_scale and
+    v_scale as `destindex_copy_kv` does."""
     if use_triton(q):
-        rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, dest)
+        rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, dest, k_scale, v_scale)
     else:
-        rotary_emb_copy_kv_torch(q, kv, cos, sin, dest_loc, dest)
+        rotary_emb_copy_kv_torch(q, kv, cos, sin, dest_loc, dest, k_scale, v_scale)

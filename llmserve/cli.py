@@ -9,7 +9,7 @@ import sys
 
 from llmserve import __version__
 from llmserve.common.logs import LOG_FORMATS, LOG_LEVELS, configure_logging, report_error
-from llmserve.quantization import QUANTIZATION_CHOICES
+from llmserve.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from llmserve.sampling_params import SamplingParams
 
 # Every canonical flag ``--some-flag`` may also come from ``LLMSERVE_SOME_FLAG`` (the command line
@@ -58,6 +58,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the weights' quantization (as vLLM's flag): a quantized checkpoint's format is read from "
                         "its config.json, this only checks it; fp8 also quantizes a bf16/fp16 checkpoint at load "
                         "(per-channel FP8 weights, dynamic per-token FP8 activations)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV cache's dtype (as vLLM's flag): auto, the model's; fp8 (= fp8_e4m3), float8 e4m3 "
+                        "with a scale per layer for K and for V (the checkpoint's k_scale / v_scale where it has "
+                        "them, else 1.0): twice a bf16 cache's tokens in the same memory (default: auto)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on GPUs, wait for each step's tokens before scheduling the next, instead of "
                         "scheduling it while the GPU runs (as SGLang's flag); same tokens, slower")
@@ -121,7 +125,7 @@ def _step_options(args: argparse.Namespace) -> dict:
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
                 custom_all_reduce=not args.disable_custom_all_reduce,
                 overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize,
-                quantization=args.quantization, speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
                 prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
                 step_timeout=args.step_timeout)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "kv_bytes_per_token",
     "KVCacheFullError",
     "TooManyRequestsError",
     "MemoryManager",
@@ -56,6 +57,11 @@ def _as_cpu_index(slots: torch.Tensor | list[int]) -> torch.Tensor:
     return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
+def kv_bytes_per_token(layer_num: int, head_num: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V over all layers (what sizes the pool from memory)."""
+    return layer_num * 2 * head_num * head_dim * dtype.itemsize
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros``, but on the CPU from calloc'd memory (numpy's zeros): the OS hands out
     zero pages there and maps each in only when it is first written, so a KV pool sized for the
@@ -81,6 +87,9 @@ class MemoryManager:
         slot whose count drops to 0 is free again at once. Either raises ``ValueError`` without
         changing anything when asked to touch a free slot (or a slot out of range).
       * ``can_use_mem_size`` free slots + slots with ref count > 0 == ``size`` at all times.
+      * ``kv_scales[l]``: layer l's (K, V) scales of a float8 pool (``--kv-cache-dtype fp8``: the
+        stored value times its scale is the real one); (1.0, 1.0) for any other dtype. The kernels
+        that store and read the pool take them (constants of a captured CUDA graph).
     """
 
     def __init__(
@@ -91,6 +100,7 @@ class MemoryManager:
         head_dim: int,
         layer_num: int,
         device: str | torch.device = "cpu",
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
         for name, value in (("size", size), ("head_num", head_num), ("head_dim", head_dim), ("layer_num", layer_num)):
             if not isinstance(value, int) or value < 1:
@@ -101,6 +111,10 @@ class MemoryManager:
         self.head_dim: int = head_dim
         self.layer_num: int = layer_num
         self.device: torch.device = torch.device(device)
+        if kv_scales is not None and (len(kv_scales) != layer_num or dtype.itemsize != 1):
+            raise ValueError(f"kv_scales: one (K, V) pair a layer of a float8 pool, got {len(kv_scales)} for "
+                             f"{layer_num} layers of {dtype}")
+        self.kv_scales: list[tuple[float, float]] = list(kv_scales or [(1.0, 1.0)] * layer_num)
         # Zeroed rather than empty: a masked-out lane of a kernel may still multiply a stale
         # value by 0, and NaN garbage would survive that.
         self.kv_buffer: list[torch.Tensor] = [

@@ -45,6 +45,7 @@ class EngineConfig:
     overlap: bool | None = None
     dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
     quantization: str | None = None     # --quantization: checks the checkpoint's; "fp8" quantizes a dense one at load
+    kv_cache_dtype: str = "auto"        # --kv-cache-dtype: auto (the model's) | fp8 | fp8_e4m3 (float8, per-tensor scales)
     # Prompt-lookup speculation (see scheduler.py): draft tokens per decoding request per step
     # (0: off), the largest decode batch that still drafts (None: the device's, from
     # SPECULATE_MAX_BATCH), and the n-gram sizes matched.

@@ -60,7 +60,7 @@ class LLMEngine:
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
             dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
-            max_cpu_loras=config.max_cpu_loras, quantization=config.quantization,
+            max_cpu_loras=config.max_cpu_loras, quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
             custom_all_reduce=config.custom_all_reduce,
         ))
         self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
@@ -112,7 +112,7 @@ class LLMEngine:
         weights += f", weights {info.weight_bytes / 2**30:.2f} GiB"
         tp = f"tp={self.config.tp}" + (f" (all-reduce: {info.all_reduce})" if info.all_reduce else "")
         return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "
-                f"{tp}, KV cache {info.max_total_token_num} tokens, {graphs}")
+                f"{tp}, KV cache {info.max_total_token_num} tokens in {info.kv_cache_dtype}, {graphs}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     pixel_values: list[np.ndarray] | None = None, session_id: str | None = None,

@@ -12,8 +12,13 @@ Supported (names as vLLM's ``--quantization`` and the configs' ``quant_method`` 
 - ``awq``: 4-bit, GEMM layout, zero points; ``gptq``: 4-bit, ``desc_act`` false.
 
 Modules: `config` (which format a model is in), `formats` (a format's checkpoint tensors -> a
-weight), `weights` (the weight classes). This file imports nothing heavy: the command line reads
+weight), `weights` (the weight classes), `kv_cache` (``--kv-cache-dtype fp8``: a float8 KV cache's
+dtype and scales). This file imports nothing heavy: the command line reads
 the choices from it.
 """
 
 QUANTIZATION_CHOICES = ("fp8", "compressed-tensors", "awq", "gptq")
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""``--kv-cache-dtype`` (vLLM's flag): auto, the model's dtype; fp8 (= fp8_e4m3), float8 e4m3 with a
+per-tensor scale for each layer's K and V (`kv_cache`)."""

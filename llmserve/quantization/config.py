@@ -106,7 +106,10 @@ def _compressed_tensors(cfg: dict) -> Quantization:
         qc = QuantizationConfig.model_validate(cfg)
     except Exception as e:  # pydantic's ValidationError, or a value its validators reject
         raise _refuse("compressed-tensors", f"its quantization_config does not validate ({e})") from e
-    schemes = list(qc.config_groups.values())
+    schemes = list((qc.config_groups or {}).values())
+    if not schemes and qc.kv_cache_scheme is not None:
+        # llm-compressor's KV-cache-only recipe: dense weights, scales for --kv-cache-dtype fp8
+        return Quantization("compressed-tensors: dense weights, float8 KV-cache scales")
     if len(schemes) != 1:
         raise _refuse("compressed-tensors", f"{len(schemes)} config groups (one FP8 scheme is supported)")
     w, a = schemes[0].weights, schemes[0].input_activations

@@ -69,7 +69,7 @@ class ModelWorker:
             cuda_graph_max_bs=args.cuda_graph_max_bs, speculate=args.speculate,
             speculate_max_batch=args.speculate_max_batch, dequantize=args.dequantize,
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            quantization=args.quantization,
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
@@ -122,6 +122,7 @@ class ModelWorker:
             device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
             quantized="/".join(qtypes), quantization=m.quantization.description if m.quantization else "",
             weight_bytes=n_bytes * self.args.world_size, all_reduce=all_reduce_description(),
+            kv_cache_dtype=m.kv_cache_description,
             **_graph_info(m), **_image_info(m),
         )
 

@@ -72,6 +72,7 @@ class WorkerInitArgs:
     # On GPUs of one node, small all-reduces over peer-to-peer buffers instead of NCCL
     # (common/custom_all_reduce.py); off: --disable-custom-all-reduce.
     custom_all_reduce: bool = True
+    kv_cache_dtype: str = "auto"     # --kv-cache-dtype (ModelInitParams)
 
     @property
     def ranks_per_node(self) -> int:
@@ -103,6 +104,7 @@ class WorkerInfo:
     quantization: str = ""           # a quantized checkpoint's format or --quantization fp8 (its description); "": none
     weight_bytes: int = 0            # bytes of the weights (and their scales) over all ranks
     all_reduce: str = ""             # which all-reduce the ranks use ("" at tp=1; see common/distributed.py)
+    kv_cache_dtype: str = ""         # what the KV cache holds ("bfloat16", "fp8_e4m3 (its scales)")
     # Image input (LLaVA): the placeholder token id, and how many of them one image fills; None
     # for a text-only model.
     image_token_id: int | None = None

@@ -38,6 +38,16 @@ def test_buffers_have_the_contract_shapes() -> None:
     assert mem.key_buffer[0].data_ptr() != mem.key_buffer[1].data_ptr()
 
 
+def test_kv_scales_belong_to_a_float8_pool() -> None:
+    """A (K, V) scale pair a layer: (1, 1) for a pool of the model's dtype, given for a float8 one."""
+    assert make_mem().kv_scales == [(1.0, 1.0)] * 3
+    fp8 = MemoryManager(8, torch.float8_e4m3fn, 2, 4, 2, kv_scales=[(0.5, 0.25), (1.0, 2.0)])
+    assert fp8.kv_scales == [(0.5, 0.25), (1.0, 2.0)] and fp8.kv_buffer[0].dtype == torch.float8_e4m3fn
+    for dtype, scales in [(torch.float16, [(0.5, 0.25)] * 2), (torch.float8_e4m3fn, [(0.5, 0.25)])]:
+        with pytest.raises(ValueError, match="kv_scales"):
+            MemoryManager(8, dtype, 2, 4, 2, kv_scales=scales)
+
+
 def test_alloc_gives_distinct_int32_slots_with_ref_one() -> None:
     mem = make_mem(16)
     a = mem.alloc(5)

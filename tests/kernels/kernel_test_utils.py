@@ -159,3 +159,23 @@ def run_poisoned(fn, inputs: dict, **kw) -> torch.Tensor:
     o = torch.full_like(args["q"], float("nan"))
     fn(o=o, **args, **kw)
     return o
+
+
+# -- a float8 KV cache (--kv-cache-dtype fp8) --------------------------------------------------------
+KV_FP8 = torch.float8_e4m3fn
+# Per-tensor scales of the tests' float8 caches: their randn values / scale reach about +-100 of
+# e4m3's 448, and the scales are not powers of two, so a scale left out or misplaced shows.
+FP8_SCALES = dict(k_scale=0.05, v_scale=0.03)
+
+
+def with_fp8_cache(inputs: dict, k_scale: float, v_scale: float) -> tuple[dict, dict]:
+    """(``inputs`` with their K and V pools stored in float8 as a ``--kv-cache-dtype fp8`` pool
+    holds them (value / scale) and the scales as arguments, the same inputs with the float8
+    values dequantized back to the pools' dtype): attention over the first must be attention over
+    the second."""
+    fp8, dequantized = dict(inputs, k_scale=k_scale, v_scale=v_scale), dict(inputs)
+    for name, scale in (("k_cache", k_scale), ("v_cache", v_scale)):
+        pool = inputs[name]
+        fp8[name] = (pool.float() / scale).clamp(-448, 448).to(KV_FP8)
+        dequantized[name] = (fp8[name].float() * scale).to(pool.dtype)
+    return fp8, dequantized

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE_DTYPES, alibi_slopes, i32, make_paged_kv, randn, rng, run_poisoned, tol
+from kernel_test_utils import (
+    DEVICE_DTYPES, FP8_SCALES, alibi_slopes, i32, make_paged_kv, randn, rng, run_poisoned, tol, with_fp8_cache,
+)
 
 from llmserve.kernels import context_attention
 from llmserve.kernels.context_attention import context_attention_fwd_torch, context_attention_fwd_triton
@@ -293,3 +295,42 @@ def test_triton_window_and_softcap(device, dtype, options, Hq, Hkv, D, cached, q
     assert not want.isnan().any()
     got = run_poisoned(context_attention_fwd_triton, inputs, **masks, **options)
     torch.testing.assert_close(got, want, **tol(dtype))
+
+
+# -- a float8 cache (--kv-cache-dtype fp8) -----------------------------------------------------------
+# (Hq, Hkv, D, cached, q_lens, alibi, window, softcap): prefill and cached prefixes (the twin's
+# batched and per-request paths), ALiBi, a window with soft-capping
+FP8_CASES = [
+    pytest.param(4, 2, 128, [5, 0, 17], [7, 33, 1], False, 0, 0.0, id="gqa-d128-cached"),
+    pytest.param(4, 2, 32, [3, 20], [16, 9], True, 0, 0.0, id="gqa-d32-cached-alibi"),
+    pytest.param(8, 2, 32, [30, 0], [9, 40], False, 16, 3.0, id="window-softcap"),
+]
+
+
+def fp8_inputs(seed: int, Hq, Hkv, D, cached, q_lens, alibi, window, softcap, dtype, device) -> tuple[dict, dict, dict]:
+    """(the unquantized inputs, with their cache in float8, with that cache dequantized)"""
+    inputs = dict(make_inputs(seed, Hq, Hkv, D, cached, q_lens, alibi, dtype, device), sliding_window=window,
+                  logit_softcap=softcap)
+    return inputs, *with_fp8_cache(inputs, **FP8_SCALES)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,cached,q_lens,alibi,window,softcap", FP8_CASES)
+def test_twin_fp8_cache_is_its_dequantized_values(Hq, Hkv, D, cached, q_lens, alibi, window, softcap):
+    inputs, fp8, dequantized = fp8_inputs(20, Hq, Hkv, D, cached, q_lens, alibi, window, softcap, torch.float32, "cpu")
+    want = run_poisoned(context_attention_fwd_torch, dequantized)
+    torch.testing.assert_close(run_poisoned(context_attention_fwd_torch, fp8), want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(run_poisoned(context_attention_fwd_torch, inputs), want, atol=1e-4)
+
+
+# half_mma: the compiled half-precision path (K and V tiles cast to q's dtype for the MMA)
+@pytest.mark.parametrize("options", [dict(block_m=16, block_n=16), dict(block_m=16, block_n=16, pack_gqa=True), {},
+                                     dict(_half_mma=True)], ids=["tiles16", "pack", "defaults", "half-mma"])
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("Hq,Hkv,D,cached,q_lens,alibi,window,softcap", FP8_CASES)
+def test_triton_fp8_cache_matches_twin(device, dtype, options, Hq, Hkv, D, cached, q_lens, alibi, window, softcap):
+    if options.get("_half_mma") and dtype == torch.float32:
+        pytest.skip("the half-precision MMA path is fp16 / bf16's")
+    _, fp8, _ = fp8_inputs(21, Hq, Hkv, D, cached, q_lens, alibi, window, softcap, dtype, device)
+    want = run_poisoned(context_attention_fwd_torch, fp8)
+    assert not want.isnan().any()
+    torch.testing.assert_close(run_poisoned(context_attention_fwd_triton, fp8, **options), want, **tol(dtype))

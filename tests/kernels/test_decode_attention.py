@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE_DTYPES, DEVICES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, run_poisoned, tol
+from kernel_test_utils import (
+    DEVICE_DTYPES, DEVICES, FP8_SCALES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, run_poisoned, tol,
+    with_fp8_cache,
+)
 
 from llmserve.kernels.backend import sdpa_attention
 from llmserve.kernels.decode_attention import (
@@ -242,3 +245,37 @@ def test_triton_window_and_softcap(device, dtype, seq_lens, window, softcap, spl
     want = run_poisoned(decode_attention_fwd_torch, inputs, **masks)
     got = run_poisoned(decode_attention_fwd_triton, inputs, **masks, **split_args(splits))
     torch.testing.assert_close(got, want, **tol(dtype))
+
+
+# -- a float8 cache (--kv-cache-dtype fp8) -----------------------------------------------------------
+# (Hq, Hkv, D, seq_lens, splits, alibi, window, softcap)
+FP8_CASES = [
+    pytest.param(4, 2, 128, [70, 5], (2, 16), False, 0, 0.0, id="gqa-d128-2x48"),
+    pytest.param(8, 2, 32, [33, 100, 1], (4, 16), True, 0, 0.0, id="gqa8-d32-alibi"),
+    pytest.param(8, 2, 32, [90, 1, 129], (1, 16), False, 50, 2.0, id="window-softcap-one-split"),
+]
+
+
+def fp8_inputs(seed: int, Hq, Hkv, D, seq_lens, alibi, window, softcap, dtype, device) -> tuple[dict, dict, dict]:
+    """(the unquantized inputs, with their cache in float8, with that cache dequantized)"""
+    inputs = dict(make_inputs(seed, Hq, Hkv, D, seq_lens, alibi, dtype, device), sliding_window=window,
+                  logit_softcap=softcap)
+    return inputs, *with_fp8_cache(inputs, **FP8_SCALES)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,seq_lens,splits,alibi,window,softcap", FP8_CASES)
+def test_twin_fp8_cache_is_its_dequantized_values(Hq, Hkv, D, seq_lens, splits, alibi, window, softcap):
+    inputs, fp8, dequantized = fp8_inputs(15, Hq, Hkv, D, seq_lens, alibi, window, softcap, torch.float32, "cpu")
+    want = run_poisoned(decode_attention_fwd_torch, dequantized)
+    torch.testing.assert_close(run_poisoned(decode_attention_fwd_torch, fp8), want, atol=1e-6, rtol=1e-5)
+    # float8 is not free: the unquantized cache's outputs differ by its rounding
+    assert not torch.allclose(run_poisoned(decode_attention_fwd_torch, inputs), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("Hq,Hkv,D,seq_lens,splits,alibi,window,softcap", FP8_CASES)
+def test_triton_fp8_cache_matches_twin(device, dtype, Hq, Hkv, D, seq_lens, splits, alibi, window, softcap):
+    _, fp8, _ = fp8_inputs(16, Hq, Hkv, D, seq_lens, alibi, window, softcap, dtype, device)
+    want = run_poisoned(decode_attention_fwd_torch, fp8)
+    assert not want.isnan().any()
+    torch.testing.assert_close(run_poisoned(decode_attention_fwd_triton, fp8, **split_args(splits)), want, **tol(dtype))

@@ -80,3 +80,48 @@ def test_twin_is_the_two_twins(dtype, index_dtype):
                 want_qkv[:, 3 * 64:].view(-1, 2, 64), cos, sin, dest_loc, want_cache)
     rotary_emb_copy_kv_torch(q, kv, cos, sin, dest_loc, cache)
     assert torch.equal(qkv, want_qkv) and torch.equal(cache, want_cache)
+
+
+# -- a float8 cache (--kv-cache-dtype fp8): rotated K / k_scale, V / v_scale ------------------------
+FP8_SCALES = dict(k_scale=0.05, v_scale=0.03)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n,Hq,Hkv,D", [(7, 3, 3, 128), (5, 9, 17, 32)])
+def test_fp8_cache_is_the_two_triton_kernels_bitwise(device, dtype, n, Hq, Hkv, D):
+    qkv, q, kv, cos, sin, dest_loc, _ = layer_inputs(n, Hq, Hkv, D, dtype, device, torch.int32, seed=4)
+    cache = torch.zeros(2 * n + 5, 2 * Hkv, D, dtype=torch.float8_e4m3fn, device=device)
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    w_q, w_kv = want_qkv[:, : Hq * D].view(-1, Hq, D), want_qkv[:, Hq * D:].view(-1, 2 * Hkv, D)
+    rotary_emb_fwd_triton(w_q, w_kv[:, :Hkv], cos, sin)
+    destindex_copy_kv_triton(w_kv, dest_loc, want_cache, **FP8_SCALES)
+    rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, cache, **FP8_SCALES)
+    assert torch.equal(q, w_q)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert cache.view(torch.uint8)[dest_loc.long()].ne(0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_twin_is_the_two_twins(dtype):
+    qkv, q, kv, cos, sin, dest_loc, _ = layer_inputs(7, 3, 1, 64, dtype, "cpu", torch.int64, seed=5)
+    cache = torch.zeros(19, 2, 64, dtype=torch.float8_e4m3fn)
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    w_kv = want_qkv[:, 3 * 64:].view(-1, 2, 64)
+    rotary_emb_fwd_torch(want_qkv[:, : 3 * 64].view(-1, 3, 64), w_kv[:, :1], cos, sin)
+    destindex_copy_kv_torch(w_kv, dest_loc, want_cache, **FP8_SCALES)
+    rotary_emb_copy_kv_torch(q, kv, cos, sin, dest_loc, cache, **FP8_SCALES)
+    assert torch.equal(qkv, want_qkv) and torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    # the stored values are the rotated K and V over their scales, to float8's rounding
+    scale = torch.tensor([0.05, 0.03])[None, :, None]
+    torch.testing.assert_close(cache[dest_loc].float() * scale, w_kv.float(), atol=1e-3, rtol=2 ** -4)
+
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter's float8 rounding is not a GPU's (test_destindex_copy_kv)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp8_triton_is_the_twin(dtype):
+    qkv, q, kv, cos, sin, dest_loc, _ = layer_inputs(9, 32, 8, 128, dtype, "cuda", torch.int32, seed=6)
+    caches = [torch.zeros(23, 16, 128, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2)]
+    q2, kv2 = q.clone(), kv.clone()
+    rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, caches[0], **FP8_SCALES)
+    rotary_emb_copy_kv_torch(q2, kv2, cos, sin, dest_loc, caches[1], **FP8_SCALES)
+    assert torch.equal(q, q2) and torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))

@@ -1,6 +1,6 @@
 """Quantized weights cut for tensor parallelism: two gloo ranks on CPU, each holding half of every
 quantized layer (its scales and zeros cut with it), give the logits of one rank holding all of it.
-One spawn of two ranks runs every format family, to pay the start-up once."""
+One spawn of two ranks runs every format family, and the float8 KV cache, to pay the start-up once."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ FORMATS = {"ct-fp8-static": {}, "ct-fp8-dynamic": {}, "fp8-block": {"block": (64
 # activation a rounding from a boundary may round the other way (test_formats' TOL). With per-token
 # scales each rank also quantizes its half of their input by the half's own amax (as vLLM does),
 # not the row's: other rounding points, as far from tp=1 as W8A8 is from the weights (measured 7.9%).
-TOL = {"ct-fp8-static": 1e-3, "ct-fp8-dynamic": 0.15, "fp8-block": 1e-5, "gptq": 1e-5}
+TOL = {"ct-fp8-static": 1e-3, "ct-fp8-dynamic": 0.15, "fp8-block": 1e-5, "gptq": 1e-5, "kv-fp8": 1e-5}
+# The dense model with a float8 KV cache (--kv-cache-dtype fp8): each rank's pool holds its kv heads.
+RUNS = {**{fmt: (fmt, {}) for fmt in FORMATS}, "kv-fp8": ("dense", {"kv_cache_dtype": "fp8"})}
 
 
 def logits(model) -> dict[str, torch.Tensor]:
@@ -36,10 +38,11 @@ def _rank_main(rank: int, world: int, root: str, port: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        for fmt in FORMATS:
-            got = logits(load_ours(f"{root}/{fmt}", tp_rank=rank, world_size=world, device="cpu", dtype=torch.float32))
+        for run, (folder, kw) in RUNS.items():
+            got = logits(load_ours(f"{root}/{folder}", tp_rank=rank, world_size=world, device="cpu", dtype=torch.float32,
+                                   **kw))
             if rank == 0:
-                torch.save(got, f"{root}/{fmt}.pt")
+                torch.save(got, f"{root}/{run}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -59,10 +62,10 @@ def test_quantized_tp2_logits_match_tp1(tmp_path):
         write_quantized(tmp_path / "dense", tmp_path / fmt, fmt, **kw)
     mp.start_processes(_rank_main, args=(2, str(tmp_path), free_tcp_port()), nprocs=2, start_method="spawn")
     errors = {}
-    for fmt in FORMATS:
-        one = logits(load_ours(tmp_path / fmt, device="cpu", dtype=torch.float32))
-        two = torch.load(tmp_path / f"{fmt}.pt")
+    for run, (folder, kw) in RUNS.items():
+        one = logits(load_ours(tmp_path / folder, device="cpu", dtype=torch.float32, **kw))
+        two = torch.load(tmp_path / f"{run}.pt")
         for step in ("prefill", "decode"):
-            errors[fmt, step] = max(rel_err(a, b) for a, b in zip(two[step], one[step]))
+            errors[run, step] = max(rel_err(a, b) for a, b in zip(two[step], one[step]))
     print("\ntp=2 vs tp=1 logits, greatest relative error:", {k: f"{v:.1e}" for k, v in errors.items()})
     assert all(err < TOL[fmt] for (fmt, _), err in errors.items()), errors

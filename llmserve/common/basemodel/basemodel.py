@@ -16,14 +16,17 @@ from llmserve.common.basemodel.infer_struct import InferStateInfo, InputEmbeds
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
 from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
-from llmserve.common.mem_manager import MemoryManager, ReqManager
+from llmserve.common.mem_manager import MemoryManager, ReqManager, kv_bytes_per_token
 from llmserve.quantization.config import Quantization, quantization_for
+from llmserve.quantization.kv_cache import KVCacheScales, check_kv_cache_scheme, kv_cache_dtype
 
 if TYPE_CHECKING:
     from llmserve.lora.pool import LoraBatch, LoraPool
 
 logger = logging.getLogger(__name__)
 
+# The CPU's KV pool when none is asked for: this many tokens' bytes at the model's dtype (a float8
+# cache holds more tokens in them, as on a GPU).
 DEFAULT_CPU_KV_TOKENS = 16384
 _INT32_PER_16_BYTES = 4   # Triton specialises a pointer argument on 16-byte alignment
 
@@ -59,6 +62,9 @@ class ModelInitParams:
     # The checkpoint's quantization (quantization_config) is read whatever this says; "fp8" also
     # quantizes an unquantized checkpoint at load (llmserve.quantization; vLLM's --quantization).
     quantization: str | None = None
+    # The KV cache's dtype (vLLM's --kv-cache-dtype): auto (the model's) or fp8 / fp8_e4m3 (float8
+    # with per-tensor scales: llmserve.quantization.kv_cache).
+    kv_cache_dtype: str = "auto"
 
 
 class TpPartBaseModel:
@@ -109,6 +115,11 @@ class TpPartBaseModel:
             raw = load_hf_config(p.model_path)
         self.network_config_: PretrainedConfig = hf_config_from_dict(raw)
         self.quantization: Quantization | None = quantization_for(raw.get("quantization_config"), p.quantization)
+        # None: the model's dtype (known once the weights are); float8 with --kv-cache-dtype fp8
+        self.kv_cache_dtype_: torch.dtype | None = kv_cache_dtype(p.kv_cache_dtype, self.device)
+        if self.kv_cache_dtype_ is not None:
+            check_kv_cache_scheme(raw.get("quantization_config"))
+        self.kv_cache_scales = KVCacheScales(self.network_config_.num_hidden_layers)
 
     def _runs_quantized(self) -> bool:
         """Whether GGUF matrices stay in their blocks: on the CPU in float32, unless asked not to,
@@ -160,7 +171,7 @@ class TpPartBaseModel:
         for w in all_weights:
             w.quantization_ = quant
         for weights in self._weight_source():
-            weights = self._rename_hf_weights(weights)
+            weights = self.kv_cache_scales.take(self._rename_hf_weights(weights))
             if quant is not None:
                 weights = quant.collect(weights)
             for w in all_weights:
@@ -212,11 +223,15 @@ class TpPartBaseModel:
         tp_kv_heads = num_kv_heads(cfg) // self.world_size_
         dim = head_dim(cfg)
         context = getattr(cfg, "max_position_embeddings", None)
-        size = self.params.max_total_token_num or self._auto_kv_size(tp_kv_heads * dim)
+        kv_dtype = self.kv_cache_dtype_ or self.data_type
+        size = self.params.max_total_token_num or self._auto_kv_size(
+            kv_bytes_per_token(cfg.num_hidden_layers, tp_kv_heads, dim, kv_dtype))
         self.max_total_token_num = size
         # The CUDA graphs' padding request takes one slot and one row that nobody else sees.
         spare = 1 if self.cuda_graph_max_bs else 0
-        self.mem_manager = MemoryManager(size + spare, self.data_type, tp_kv_heads, dim, cfg.num_hidden_layers, self.device)
+        scales = self.kv_cache_scales.pairs() if self.kv_cache_dtype_ is not None else None
+        self.mem_manager = MemoryManager(size + spare, kv_dtype, tp_kv_heads, dim, cfg.num_hidden_layers, self.device,
+                                         kv_scales=scales)
         self.max_seq_len = self.params.max_seq_len or min(context or size, size)
         self.req_manager = ReqManager(self.params.max_running_requests + spare, self.max_seq_len, self.mem_manager, self.device)
 
@@ -244,17 +259,26 @@ class TpPartBaseModel:
         """The most rows (new tokens) a graphed step has, which sizes the graphs' memory."""
         return max(self.cuda_graph_max_bs, self.verify_graph_max_bs * (1 + self.params.speculate))
 
-    def _auto_kv_size(self, kv_dim_per_layer: int) -> int:
-        """KV slots that fit in what the weights left over (GPU), or a modest default (CPU).
+    @property
+    def kv_cache_description(self) -> str:
+        """The KV cache's dtype as /info and the start-up line say it ("bfloat16", "fp8_e4m3 ...")."""
+        if self.kv_cache_dtype_ is None:
+            return str(self.data_type).removeprefix("torch.")
+        return f"fp8_e4m3 ({self.kv_cache_scales.describe()})"
+
+    def _auto_kv_size(self, bytes_per_token: int) -> int:
+        """KV slots that fit in what the weights left over (GPU), or a modest default (CPU); a
+        token's bytes over all layers are ``bytes_per_token``.
 
         The budget is this process's share (``mem_fraction`` of the card, less what it holds
         already) but never more than is actually free on the card less the headroom that
         share leaves, so a second process on the same GPU gets a clear error here instead of
         running out of memory mid-forward. The CUDA graphs' memory comes out of it too."""
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_TOKENS
         cfg = self.network_config_
-        bytes_per_token = 2 * kv_dim_per_layer * cfg.num_hidden_layers * self.data_type.itemsize
+        if self.device.type != "cuda":
+            model_bytes = kv_bytes_per_token(cfg.num_hidden_layers, num_kv_heads(cfg) // self.world_size_,
+                                             head_dim(cfg), self.data_type)
+            return DEFAULT_CPU_KV_TOKENS * model_bytes // bytes_per_token
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = self.params.mem_fraction
         budget = min(total * fraction - torch.cuda.memory_reserved(self.device), free - total * (1 - fraction))

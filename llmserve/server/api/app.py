@@ -111,7 +111,8 @@ def create_app(state: ServerState) -> FastAPI:
             "prefix_cache": state.engine.config.prefix_cache,
             # LoRA adapters served (--lora-modules), selected by adapter_id or an OpenAI `model`
             "lora_adapters": list(state.lora_modules), "max_loras": state.engine.config.max_loras,
-            "kv_cache_tokens": i.max_total_token_num, "cuda_graph_max_bs": i.cuda_graph_max_bs,
+            "kv_cache_tokens": i.max_total_token_num, "kv_cache_dtype": i.kv_cache_dtype,
+            "cuda_graph_max_bs": i.cuda_graph_max_bs,
             "cuda_graph_verify_bs": i.cuda_graph_verify_bs,
             # prompt-lookup speculation (--speculate; 0: off)
             "speculate": state.engine.config.speculate,

@@ -48,15 +48,19 @@ CONFIGS = {
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                         vocab_size=VOCAB, max_position_embeddings=256),
 }
+# A float8 KV cache (--kv-cache-dtype fp8): its scales are constants of the captured steps.
+CONFIGS["llama-kv-fp8"] = CONFIGS["llama"]
+KV_CACHE_DTYPE = {"llama-kv-fp8": "fp8"}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def eager_and_graphs(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build_tiny_hf_model(CONFIGS[request.param](), path)
-    eager = load_ours(path, max_running_requests=32)
+    kv = KV_CACHE_DTYPE.get(request.param, "auto")
+    eager = load_ours(path, max_running_requests=32, kv_cache_dtype=kv)
     graphs = load_ours(path, max_running_requests=32, cuda_graph_max_bs=MAX_BS, cuda_graph_capture=TEST_DEVICE == "cuda",
-                       speculate=SPECULATE, speculate_max_batch=SPECULATE_MAX_BS)
+                       speculate=SPECULATE, speculate_max_batch=SPECULATE_MAX_BS, kv_cache_dtype=kv)
     return eager, graphs
 
 

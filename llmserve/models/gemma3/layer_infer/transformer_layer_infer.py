@@ -23,4 +23,4 @@ class Gemma3TransformerLayerInfer(Qwen3TransformerLayerInfer, Gemma2TransformerL
         if not self.is_sliding_:
             return super()._store_kv(q, kv, infer_state, layer_weight)
         rotary_emb_copy_kv(q, kv, infer_state.local_cos, infer_state.local_sin, infer_state.mem_index,
-                           infer_state.mem_manager.kv_buffer[self.layer_num_])
+                           infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state))

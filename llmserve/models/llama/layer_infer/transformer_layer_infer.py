@@ -34,7 +34,7 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
     def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> None:
         # Rotary on q (in place) and k (on its way into the cache), and the store: one launch.
         rotary_emb_copy_kv(q, kv, infer_state.position_cos, infer_state.position_sin, infer_state.mem_index,
-                           infer_state.mem_manager.kv_buffer[self.layer_num_])
+                           infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state))
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         gate_up = linear(x, layer_weight.gate_up_weight_)
