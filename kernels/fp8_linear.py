@@ -1,7 +1,11 @@
 """Linear layer on an FP8 weight with per-channel scales (W8A8): activations are quantized to
 float8_e4m3 per token (dynamic, a scale per row: amax / 448) or by a static per-tensor scale from
 the checkpoint, then multiplied on the FP8 tensor cores by ``torch._scaled_mm`` with row-wise
-scales (Hopper, sm_89+): y = (xq @ wq^T) * x_scale[m] * w_scale[n].
+scales (Hopper, sm_89+): y = (xq @ wq^T) * x_scale[m] * w_scale[n]. The activations are quantized by
+one Triton kernel a linear (`_quantize_fp8_rows_kernel`: a row's absmax, its scale, the e4m3
+values and the scale written in one pass over the row, bit for bit the twin's), where the torch
+ops took seven launches and as long as the FP8 GEMM itself at batch 128; its outputs are the
+contiguous tensors `_scaled_mm` takes, so nothing is copied around the GEMM.
 
 One row goes to `dequant_linear`'s GEMV instead (the weight dequantized in registers, the
 activations kept in their dtype): a batch-1 step is the weight's read, and a GEMV reads it faster
@@ -15,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .backend import use_triton
+import triton
+import triton.language as tl
+
+from .backend import launcher, next_pow2, use_triton
 from .dequant_linear import dequant_linear_triton
 
 FP8 = torch.float8_e4m3fn
@@ -23,9 +30,48 @@ FP8_MAX = torch.finfo(FP8).max
 _MIN_SCALE = 1e-12 / FP8_MAX    # an all-zero row gets a tiny scale, not a division by zero
 
 
-def quantize_fp8_rows(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x ``[M, K]`` as float8 values and float32 scales ``[M, 1]``: per row (``input_scale`` None)
-    or by the static per-tensor ``input_scale``."""
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32.
+
+    Its cast to float8 is then exact. The GPU's cast rounds so itself; Triton 3.7's interpreter
+    does not (it rounds ties away and does not carry a rounded-up mantissa into the exponent: 127.7
+    becomes 64), and the kernel must be tested there. Adding then subtracting C = 2^23 quanta
+    rounds |v| to a whole number of quanta; the quantum is 2^-3 of v's power of two, 2^-9 below
+    e4m3's smallest normal 2^-6."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
+    c = ((exponent - 3 + 23) << 23).to(tl.float32, bitcast=True)
+    rounded = (tl.abs(v) + c) - c
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_fp8_rows_kernel(X, XQ, XS, InputScale, K, stride_x_m, stride_q_m,
+                              STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = X + row.to(tl.int64) * stride_x_m
+    q_row = XQ + row.to(tl.int64) * stride_q_m
+    offs = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(InputScale).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        # Rounded division, as the twin's: the scale and so every value match it bit for bit.
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+        tl.store(q_row + k0 + offs, q.to(XQ.dtype.element_ty), mask=k0 + offs < K)
+    tl.store(XS + row, scale)
+
+
+def quantize_fp8_rows_torch(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of `quantize_fp8_rows`."""
     xf = x.float()
     if input_scale is None:
         scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
@@ -34,11 +80,34 @@ def quantize_fp8_rows(x: torch.Tensor, input_scale: torch.Tensor | None) -> tupl
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_fp8_rows_triton(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `quantize_fp8_rows`: one program a row."""
+    M, K = x.shape
+    xq = torch.empty(M, K, dtype=FP8, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        block = min(2048, max(16, next_pow2(K)))
+        launcher(_quantize_fp8_rows_kernel, x)[(M,)](
+            x, xq, scale, input_scale if input_scale is not None else scale, K, x.stride(0), xq.stride(0),
+            STATIC=input_scale is not None, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, BLOCK=block,
+            num_warps=4 if block <= 1024 else 8,
+        )
+    return xq, scale
+
+
+def quantize_fp8_rows(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` (unit-stride rows) as float8 values and float32 scales ``[M, 1]``: per row
+    (``input_scale`` None: amax / 448) or by the static per-tensor ``input_scale``."""
+    if use_triton(x) and x.stride(-1) == 1:
+        return quantize_fp8_rows_triton(x, input_scale)
+    return quantize_fp8_rows_torch(x, input_scale)
+
+
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      input_scale: torch.Tensor | None) -> torch.Tensor:
     """Torch twin: the W8A8 product in float32."""
     rows = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_fp8_rows(rows, input_scale)
+    xq, xs = quantize_fp8_rows_torch(rows, input_scale)
     y = (xq.float() @ weight.float().t()) * xs * weight_scale.float()[None, :]
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
@@ -54,10 +123,10 @@ def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          input_scale: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_fp8_rows(rows, input_scale)
-    # Row-wise scaling wants bf16 out; weight^T is column-major as the FP8 GEMM needs.
-    y = torch._scaled_mm(xq, weight.t(), scale_a=xs.contiguous(), scale_b=weight_scale.float().view(1, -1),
-                         out_dtype=torch.bfloat16)
+    xq, xs = quantize_fp8_rows_triton(rows if rows.stride(-1) == 1 else rows.contiguous(), input_scale)
+    # Row-wise scaling wants bf16 out; weight^T is column-major as the FP8 GEMM needs. xq, xs and
+    # the float32 weight_scale (Fp8Weight keeps it so) are already what it takes: no copies.
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
