@@ -41,47 +41,56 @@ import triton.language as tl
 from . import autotune
 from .backend import dot_precision, next_pow2, use_triton
 
-MAGIC = 0x4B000000          # the bits of 2^23: OR-ing an integer 0..2^23 into it gives 2^23 + that integer
-
-
 @triton.jit
-def _weight_tile(W, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_z_n,
-                 GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-                 NG: tl.constexpr, GK: tl.constexpr, GW: tl.constexpr):
-    """The weight's columns k0 .. k0 + NG * GK of rows ``offs_n`` as exact float32 q - z,
-    ``[BLOCK_N, NG, GW, PACK]`` (column k0 + g * GK + w * PACK + p)."""
+def _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                 SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 EVEN_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr):
+    """The weight's columns k0 .. k0 + NG * GK of rows ``offs_n``, float32 ``[BLOCK_N, NG, GK]``
+    (column k0 + g * GK + j): (q - z) * s, or q - z where one scale covers a row (GROUP 0)."""
     g = tl.arange(0, NG)
-    word = k0 // PACK + g[:, None] * GW + tl.arange(0, GW)[None, :]
-    ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_w_n + word[None, :, :]
+    stored = k0 // PACK + g[:, None] * (GK // PACK) + tl.arange(0, GK // PACK)[None, :]
+    ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_w_n + stored[None, :, :]
     if EVEN_K:
         raw = tl.load(ptrs, mask=n_mask[:, None, None], other=0.0)
     else:
-        raw = tl.load(ptrs, mask=n_mask[:, None, None] & (word < KW)[None, :, :], other=0.0)
+        raw = tl.load(ptrs, mask=n_mask[:, None, None] & (stored < KW)[None, :, :], other=0.0)
+    in_k = n_mask[:, None] & (k0 + g * GK < K)[None, :]
+    if GROUP != 0:
+        s = tl.load(S + (offs_n // SCALE_ROWS)[:, None].to(tl.int64) * stride_s_n + (k0 // GROUP + g)[None, :],
+                    mask=in_k, other=0.0).to(tl.float32)
     if PACK == 8:
-        shifts = tl.arange(0, 8) * 4
-        q = (((raw[:, :, :, None] >> shifts[None, None, None, :]) & 15) | 0x4B000000).to(tl.float32, bitcast=True)
+        # 4-bit values, eight to an int32 word (value i in bits 4i..4i+3). Each is shifted into the
+        # mantissa of 1024.0 at bits 13-16, where a unit is 1: OR-ing gives 1024 + q exactly, in
+        # two integer instructions and no integer-to-float conversion. tl.join keeps a word's
+        # eight values in its thread.
+        m = 0x1E000
+        n0, n1 = ((raw << 13) & m) | 0x44800000, ((raw << 9) & m) | 0x44800000
+        n2, n3 = ((raw << 5) & m) | 0x44800000, ((raw << 1) & m) | 0x44800000
+        n4, n5 = ((raw >> 3) & m) | 0x44800000, ((raw >> 7) & m) | 0x44800000
+        n6, n7 = ((raw >> 11) & m) | 0x44800000, ((raw >> 15) & m) | 0x44800000
+        # tl.join appends an axis: value 4c + 2a + b of a word lands at [c, a, b].
+        eight = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+        q = tl.reshape(eight, [raw.shape[0], NG, GK]).to(tl.float32, bitcast=True)
         if HAS_ZERO:
             if GROUP == 0:
                 z = tl.load(Z + offs_n.to(tl.int64) * stride_z_n, mask=n_mask, other=0)[:, None]
             else:
-                z_ptrs = Z + offs_n[:, None].to(tl.int64) * stride_z_n + (k0 // GROUP + g)[None, :]
-                z = tl.load(z_ptrs, mask=n_mask[:, None] & (k0 + g * GK < K)[None, :], other=0)
-            zf = (z.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
-            q = q - zf[:, :, None, None]
+                z = tl.load(Z + offs_n[:, None].to(tl.int64) * stride_z_n + (k0 // GROUP + g)[None, :],
+                            mask=in_k, other=0)
+            offset = 1024.0 + z.to(tl.float32)
         else:
-            q = q - 8388608.0
+            offset = tl.full([1, 1], 1024.0, tl.float32)
+        if GROUP != 0:
+            # (1024 + z) * s is exact in float32 for a half-precision s (11 + 11 bits), so one
+            # FMA gives (q - z) * s rounded once.
+            w = q * s[:, :, None] - (offset * s)[:, :, None]
+        else:
+            w = q - offset[:, :, None]
     else:
-        q = raw.to(tl.float32)[:, :, :, None]
-    return q
-
-
-@triton.jit
-def _group_scales(S, offs_n, n_mask, k0, K, stride_s_n, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
-                  NG: tl.constexpr, GK: tl.constexpr):
-    """The scales of the NG groups from column k0, float32 ``[BLOCK_N, NG]``."""
-    g = tl.arange(0, NG)
-    ptrs = S + (offs_n // SCALE_ROWS)[:, None].to(tl.int64) * stride_s_n + (k0 // GROUP + g)[None, :]
-    return tl.load(ptrs, mask=n_mask[:, None] & (k0 + g * GK < K)[None, :], other=0.0).to(tl.float32)
+        w = raw.to(tl.float32)
+        if GROUP != 0:
+            w = w * s[:, :, None]
+    return w
 
 
 @triton.jit
@@ -93,26 +102,22 @@ def _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS: tl.constexpr):
 def _dequant_gemv_kernel(
     X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n,
     SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr, GW: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    # x's columns in the weight tile's [NG, GW, PACK] order
-    offs_x = (tl.arange(0, NG)[:, None, None] * GK + tl.arange(0, GW)[None, :, None] * PACK
-              + tl.arange(0, PACK)[None, None, :])
-    acc = tl.zeros([BLOCK_N, NG, GW], tl.float32)
+    offs_x = tl.arange(0, NG)[:, None] * GK + tl.arange(0, GK)[None, :]      # the tile's [NG, GK] order
+    acc = tl.zeros([BLOCK_N, NG, GK], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        q = _weight_tile(W, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_z_n,
-                         GROUP, PACK, HAS_ZERO, EVEN_K, NG, GK, GW)
+        w = _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                         SCALE_ROWS, GROUP, PACK, HAS_ZERO, EVEN_K, NG, GK)
         if EVEN_K:
             x = tl.load(X + k0 + offs_x).to(tl.float32)
         else:
             x = tl.load(X + k0 + offs_x, mask=k0 + offs_x < K, other=0.0).to(tl.float32)
-        part = tl.sum(q * x[None, :, :, :], 3)          # a stored word's products (PACK of them)
-        if GROUP != 0:
-            part = part * _group_scales(S, offs_n, n_mask, k0, K, stride_s_n, SCALE_ROWS, GROUP, NG, GK)[:, :, None]
-        acc += part
+        # Accumulated elementwise (one FMA a value) and reduced once at the end: a sum per group
+        # in the loop would cost a multiply and an add a value, and shuffles.
+        acc += w * x[None, :, :]
     y = tl.sum(tl.sum(acc, 2), 1)
     if GROUP == 0:
         y = y * _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS)
@@ -125,7 +130,7 @@ def _dequant_gemm_kernel(
     SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr,
-    GW: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     # ROWS (the row bucket) is only the autotuner's key.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,11 +141,9 @@ def _dequant_gemm_kernel(
     x_ptrs = X + offs_m[None, :].to(tl.int64) * stride_x_m + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        q = _weight_tile(W, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_z_n,
-                         GROUP, PACK, HAS_ZERO, EVEN_K, NG, GK, GW)
-        if GROUP != 0:
-            q = q * _group_scales(S, offs_n, n_mask, k0, K, stride_s_n, SCALE_ROWS, GROUP, NG, GK)[:, :, None, None]
-        w = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
+        w = _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                         SCALE_ROWS, GROUP, PACK, HAS_ZERO, EVEN_K, NG, GK)
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
         else:
@@ -178,13 +181,13 @@ GEMM_CONFIGS = [c for configs in _GEMM_BY_ROWS.values() for c in configs]
 
 def _complete(configs: list[triton.Config], K: int, GROUP: int, PACK: int, **_) -> list[triton.Config]:
     """The configs whose K step suits this weight, completed with the sizes the kernels derive from
-    it: K steps of NG groups of GK columns (GW stored words), or a group of several steps; whether
+    it: K steps of NG groups of GK columns, or a group of several steps; whether
     K needs no mask. Steps far wider than K are dropped while narrower ones remain."""
     out = []
     for c in configs:
         block_k = c.kwargs["BLOCK_K"]
         gk = min(block_k, GROUP) if GROUP else block_k
-        sizes = {"NG": block_k // gk, "GK": gk, "GW": gk // PACK, "EVEN_K": K % block_k == 0}
+        sizes = {"NG": block_k // gk, "GK": gk, "EVEN_K": K % block_k == 0}
         out.append(triton.Config({**c.kwargs, **sizes}, num_warps=c.num_warps, num_stages=c.num_stages))
     narrow = [c for c in out if c.kwargs["BLOCK_K"] <= max(64, next_pow2(K))]
     return narrow or [min(out, key=lambda c: c.kwargs["BLOCK_K"])]
@@ -202,32 +205,36 @@ _gemv = autotune.autotune(GEMV_CONFIGS, key=["N", "K", "GROUP", "SCALE_ROWS"], p
 _gemm = autotune.autotune(GEMM_CONFIGS, key=["N", "K", "ROWS", "GROUP", "SCALE_ROWS"], prune=_prune_gemm)(_dequant_gemm_kernel)
 
 
-def kernel_layout(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, dict] | None:
-    """The weight as the kernels read it (4-bit as int32 words of eight values) and the constexprs
-    that say its format; None for a layout they do not take (a group that is not a power of two
-    narrower than K, 4-bit rows not a whole number of words): the torch twin runs those."""
+def kernel_layout(w: torch.Tensor, block: tuple[int, int]) -> dict | None:
+    """The constexprs that say the weight's format (PACK: values a stored element), or None for
+    a layout the kernels do not take (a scale group that is not a power of two narrower than K):
+    the torch twin runs those."""
     int4 = w.dtype == torch.uint8
     pack = 8 if int4 else 1
     k = w.shape[1] * (2 if int4 else 1)
     group = block[1] if block[1] < k else 0
     if group and (group & (group - 1) or group % pack):
         return None
-    if int4:
-        if k % 8 or w.stride(1) != 1 or w.stride(0) % 4 or w.storage_offset() % 4:
-            return None
-        w = w.view(torch.int32)
-    return w, {"SCALE_ROWS": block[0], "GROUP": group, "PACK": pack}
+    if int4 and (k % 8 or w.stride(1) != 1 or w.stride(0) % 4 or w.storage_offset() % 4):
+        return None
+    return {"SCALE_ROWS": block[0], "GROUP": group, "PACK": pack}
+
+
+def stored(w: torch.Tensor) -> torch.Tensor:
+    """The weight as the kernels read it: 4-bit values as int32 words of eight (value i of a word
+    in bits 4i..4i+3, as the bytes' nibbles are ordered)."""
+    return w.view(torch.int32) if w.dtype == torch.uint8 else w
 
 
 def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
                           block: tuple[int, int], *, config: triton.Config | None = None) -> torch.Tensor:
     """Triton version of `dequant_linear` (the twin where `kernel_layout` says the kernels cannot);
     ``config`` forces a tile (tests, benchmarks) instead of the autotuner's choice."""
-    layout = kernel_layout(w, scale, block)
-    if layout is None:
+    constexprs = kernel_layout(w, block)
+    if constexprs is None:
         return dequant_linear_torch(x, w, scale, zeros, block)
-    words, constexprs = layout
     N, K = w.shape[0], w.shape[1] * (2 if w.dtype == torch.uint8 else 1)
+    w = stored(w)
     rows = x.reshape(-1, K)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -237,14 +244,14 @@ def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         return y.view(*x.shape[:-1], N)
     zs = zeros if zeros is not None else scale
     constexprs["HAS_ZERO"] = zeros is not None
-    common = {"X": rows, "W": words, "S": scale, "Z": zs, "Y": y}
+    common = {"X": rows, "W": w, "S": scale, "Z": zs, "Y": y}
     if M == 1:
-        args = common | {"N": N, "K": K, "KW": words.shape[1], "stride_w_n": words.stride(0),
+        args = common | {"N": N, "K": K, "KW": w.shape[1], "stride_w_n": w.stride(0),
                          "stride_s_n": scale.stride(0), "stride_z_n": zs.stride(0)}
         autotune.launch(_gemv, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),), args, constexprs, config)
     else:
-        args = common | {"M": M, "N": N, "K": K, "KW": words.shape[1], "ROWS": autotune.rows_bucket(M),
-                         "stride_x_m": rows.stride(0), "stride_w_n": words.stride(0), "stride_s_n": scale.stride(0),
+        args = common | {"M": M, "N": N, "K": K, "KW": w.shape[1], "ROWS": autotune.rows_bucket(M),
+                         "stride_x_m": rows.stride(0), "stride_w_n": w.stride(0), "stride_s_n": scale.stride(0),
                          "stride_z_n": zs.stride(0), "stride_y_m": y.stride(0)}
         constexprs["PRECISION"] = dot_precision(x.dtype)
         autotune.launch(_gemm, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"])),
@@ -254,8 +261,8 @@ def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 def configs_for(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> list[triton.Config]:
     """Every config the autotuner would try for this call (tests run each; benchmarks time each)."""
-    words, constexprs = kernel_layout(w, scale, block)
-    K = words.shape[1] * constexprs["PACK"]
+    constexprs = kernel_layout(w, block)
+    K = stored(w).shape[1] * constexprs["PACK"]
     M = x.numel() // K
     if M == 1:
         return _prune_gemv(_gemv.configs, {"K": K}, **constexprs)
