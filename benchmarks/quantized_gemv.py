@@ -12,7 +12,8 @@ four shapes times 32 layers: a decode step's linear layers, the part the formats
 
 Columns per format: µs, then x floor and x bf16. ``fp8`` is W8A8 (`_scaled_mm` with the fused
 activation quantization) from two rows on, the W8A16 GEMV at one; ``fp8 w8a16`` forces the
-dequantizing kernels at every row count (what routing would pick if it won); ``quant`` is the
+dequantizing kernels at every row count (`fp8_linear.W8A16_MAX_ROWS`); ``fp8 triton`` runs the W8A8
+product on our autotuned FP8 GEMM instead of `_scaled_mm` (`fp8_linear.W8A8_GEMM`); ``quant`` is the
 activation quantization kernel alone. A max relative error column checks each format's output
 against the dense product of its dequantized weight.
 
@@ -33,7 +34,7 @@ from common import graph_us, markdown_table, measure_copy_bandwidth, remove_scri
 remove_script_dir_from_sys_path()
 
 from llmserve.kernels.dequant_linear import dequant_linear_triton  # noqa: E402
-from llmserve.kernels.fp8_linear import quantize_fp8_rows_triton  # noqa: E402
+from llmserve.kernels.fp8_linear import fp8_linear_w8a8, quantize_fp8_rows_triton  # noqa: E402
 from llmserve.kernels.quantized_linear import linear  # noqa: E402
 from llmserve.quantization.config import quantize_fp8, quantize_fp8_blocks, quantize_int4  # noqa: E402
 
@@ -91,12 +92,13 @@ def main() -> None:
                 times["fp8 w8a16"] = rotating_us(
                     lambda w: dequant_linear_triton(x, w.weight, w.weight_scale.view(-1, 1), None, (1, K)), fp8)
                 times["quant"] = graph_us(lambda: quantize_fp8_rows_triton(x, None))
+                times["fp8 triton"] = rotating_us(lambda w: fp8_linear_w8a8(x, w.weight, w.weight_scale, None, "triton"), fp8)
             row = [name, M, f"{times['bf16']:.1f}", f"{(weight_bytes(dense) + io) / bw * 1e6:.1f}"]
             for f in formats:
                 floor = (weight_bytes(weights[f]) + io) / bw * 1e6
                 row += [f"{times[f]:.1f}", f"{times[f] / floor:.2f}", f"{times[f] / times['bf16']:.2f}", f"{errs[f]:.1e}"]
             if "fp8" in copies:
-                row += [f"{times['fp8 w8a16']:.1f}", f"{times['quant']:.1f}"]
+                row += [f"{times['fp8 w8a16']:.1f}", f"{times['fp8 triton']:.1f}", f"{times['quant']:.1f}"]
             table.append(row)
             for f, t in times.items():
                 step[f, M] = step.get((f, M), 0.0) + LAYERS * t
@@ -108,7 +110,7 @@ def main() -> None:
     for f in formats:
         headers += [f"{f} µs", "x floor", "x bf16", "rel err"]
     if "fp8" in formats:
-        headers += ["fp8 w8a16 µs", "quant µs"]
+        headers += ["fp8 w8a16 µs", "fp8 triton µs", "quant µs"]
     print(markdown_table(headers, table))
     print("\nA decode step's 128 linear layers (4 shapes x 32 layers), ms:")
     srows = []
@@ -117,10 +119,10 @@ def main() -> None:
         for f in formats:
             line += [f"{step[f, M] / 1e3:.3f}", f"{step[f, M] / step[f'{f} floor', M]:.2f}", f"{step[f, M] / step['bf16', M]:.2f}"]
         if "fp8" in formats:
-            line += [f"{step['fp8 w8a16', M] / 1e3:.3f}"]
+            line += [f"{step['fp8 w8a16', M] / 1e3:.3f}", f"{step['fp8 triton', M] / 1e3:.3f}"]
         srows.append(line)
     sh = ["rows", "bf16 ms"] + [h for f in formats for h in (f"{f} ms", "x floor", "x bf16")]
-    print(markdown_table(sh + (["fp8 w8a16 ms"] if "fp8" in formats else []), srows))
+    print(markdown_table(sh + (["fp8 w8a16 ms", "fp8 triton ms"] if "fp8" in formats else []), srows))
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 

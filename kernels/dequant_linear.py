@@ -11,24 +11,27 @@ column 2j in byte j's low nibble and 2j + 1 in its high one; ``S`` the scales ``
 ceil(K / BK)]``, one per ``(BN, BK)`` block; ``Z`` (4-bit only) integer zero points ``[N, K / BK]``.
 Value = (q - z) * s.
 
-Two kernels, both reading the weight in its own layout:
+Two kernels, both reading the weight in its own layout, both tiling K as ``[NG, GK]``: NG scale
+groups of GK columns (or one group as wide as the K step where a scale covers a whole row), so a
+group's scale and zero point are loaded once per row and broadcast over its columns:
 
 - one row (`_dequant_gemv_kernel`, a batch-1 decode step): the weight's read is the whole cost, so
   it is written as `gemv.py` is: programs of a few output rows each (hundreds to thousands of
-  programs for every Llama-3-8B shape, enough to fill 132 SMs without splitting K), wide loads
-  along K, products summed in fp32 into a tile reduced once at the end. What is particular to
-  quantized weights is the arithmetic a loaded byte costs, which at 4 bits rivals the read:
-  four-bit values are read as int32 words of eight, and each becomes a float by OR-ing it into
-  the mantissa of 2^23 (an integer-to-float conversion is a quarter-rate instruction), its zero
-  point likewise, so q - z is one exact subtraction; a group's scale multiplies the sum of its
-  eight products, not each of them; one scale a row (per-channel FP8) multiplies the row's sum.
+  programs for every Llama-3-8B shape, enough to fill 132 SMs without splitting K), wide vector
+  loads along K, one fp32 FMA a value into a tile reduced once at the end; one scale a row
+  (per-channel FP8) multiplies the row's sum. What is particular to quantized weights is the
+  arithmetic a loaded byte costs, which at 4 bits rivals the read (~4.3 instructions a value
+  leave an H200 at its bandwidth): 4-bit values are read as int32 words of eight, and each is
+  shifted and OR-ed into the mantissa of 1024.0, giving 1024 + q exactly (an integer-to-float
+  conversion is a quarter-rate instruction), and one FMA with the group's scale and
+  (1024 + z) * s (exact for a half-precision scale) gives (q - z) * s rounded once.
 - more rows (`_dequant_gemm_kernel`): each weight tile is dequantized once into the activations'
   dtype and multiplied on the tensor cores (`tl.dot`) by every row of x. The weight tile is the
   dot's first operand (y^T = W x^T), so a step of a few rows still fills the MMA's 64-row side.
 
-Both tile the K axis as ``[NG, GW, PACK]``: NG scale groups of GW stored words of PACK values (8
-for 4-bit, 1 for FP8), so a group's scale and zero point are loaded once per row and broadcast.
-Their tiles are autotuned per shape, format and row bucket (`kernels/autotune.py`).
+Their tiles are autotuned per shape, format and row bucket (`kernels/autotune.py`). Compiled for
+sm_90 every config has no register spills; 4-bit tiles cost ~2 integer instructions and 2 FMAs a
+value, and the GEMM's tiles of 64+ weight rows run on wgmma.
 """
 
 from __future__ import annotations

@@ -22,12 +22,20 @@ import torch
 import triton
 import triton.language as tl
 
+from . import autotune
 from .backend import launcher, next_pow2, use_triton
 from .dequant_linear import dequant_linear_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 _MIN_SCALE = 1e-12 / FP8_MAX    # an all-zero row gets a tiny scale, not a division by zero
+# Up to this many rows the weight is dequantized in the kernel (W8A16: `dequant_linear`'s GEMV or
+# GEMM) rather than the activations quantized for `_scaled_mm`; `benchmarks/quantized_gemv.py`'s
+# "fp8 w8a16" column says where that wins.
+W8A16_MAX_ROWS = 1
+# What runs the W8A8 product above that: "scaled_mm" (cuBLAS's FP8 GEMM) or "triton"
+# (`_fp8_gemm_kernel`, autotuned); quantized_gemv.py's "fp8 triton" column times the second.
+W8A8_GEMM = "scaled_mm"
 
 
 @triton.jit
@@ -112,22 +120,95 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+@triton.jit
+def _fp8_gemm_kernel(XQ, XS, W, WS, Y, M, N, K, ROWS, stride_x_m, stride_w_n, stride_y_m,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """y = (xq @ w^T) * xs[m] * ws[n] on FP8 tensor cores, the weight tile the dot's first operand
+    (y^T = W xq^T: a few rows still fill the MMA's 64-row side). ROWS: the autotuner's key."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w_n + offs_k[None, :]
+    x_ptrs = XQ + offs_m[None, :].to(tl.int64) * stride_x_m + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    ws = tl.load(WS + offs_n, mask=n_mask, other=0.0)
+    xs = tl.load(XS + offs_m, mask=m_mask, other=0.0)
+    y_ptrs = Y + offs_m[None, :].to(tl.int64) * stride_y_m + offs_n[:, None]
+    tl.store(y_ptrs, (acc * ws[:, None] * xs[None, :]).to(Y.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+# By row bucket (`autotune.rows_bucket`; 128 stands for 128 and more): (BLOCK_M, BLOCK_N, BLOCK_K,
+# num_warps, num_stages).
+FP8_GEMM_TILES = {
+    16: [(16, 64, 128, 4, 5), (16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (16, 32, 256, 4, 4)],
+    32: [(32, 64, 128, 4, 5), (32, 64, 256, 4, 4), (32, 128, 128, 4, 4)],
+    64: [(64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (64, 128, 256, 8, 3)],
+    128: [(64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 64, 256, 4, 3), (128, 128, 256, 8, 3)],
+}
+_FP8_BY_ROWS = {rows: [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                       for m, n, k, w, st in tiles] for rows, tiles in FP8_GEMM_TILES.items()}
+
+
+def _prune_fp8_gemm(configs, nargs, **_):
+    fits = _FP8_BY_ROWS[min(nargs["ROWS"], max(FP8_GEMM_TILES))]
+    return [triton.Config({**c.kwargs, "EVEN_K": nargs["K"] % c.kwargs["BLOCK_K"] == 0},
+                          num_warps=c.num_warps, num_stages=c.num_stages) for c in fits]
+
+
+_fp8_gemm = autotune.autotune([c for cs in _FP8_BY_ROWS.values() for c in cs], key=["N", "K", "ROWS"],
+                              prune=_prune_fp8_gemm)(_fp8_gemm_kernel)
+
+
+def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    out_dtype: torch.dtype, *, config: triton.Config | None = None) -> torch.Tensor:
+    """(xq @ weight^T) * xs * weight_scale in ``out_dtype``: xq float8 ``[M, K]``, xs float32
+    ``[M, 1]``; ``config`` forces a tile instead of the autotuner's choice."""
+    (M, K), N = xq.shape, weight.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    if M:
+        args = {"XQ": xq, "XS": xs, "W": weight, "WS": weight_scale, "Y": y, "M": M, "N": N, "K": K,
+                "ROWS": autotune.rows_bucket(M), "stride_x_m": xq.stride(0), "stride_w_n": weight.stride(0),
+                "stride_y_m": y.stride(0)}
+        autotune.launch(_fp8_gemm, xq, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"])),
+                        args, {}, config)
+    return y
+
+
 def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `_scaled_mm` runs this product: CUDA of compute capability 8.9 or more, dims that
-    are multiples of 16, more than one row."""
+    """Whether `_scaled_mm` (or, with W8A8_GEMM "triton", `_fp8_gemm_kernel`) runs this product:
+    CUDA of compute capability 8.9 or more, dims that are multiples of 16, more than
+    `W8A16_MAX_ROWS` rows."""
     n, k = weight.shape
-    return (x.is_cuda and x.numel() > k and n % 16 == 0 and k % 16 == 0
+    return (x.is_cuda and x.numel() > W8A16_MAX_ROWS * k and n % 16 == 0 and k % 16 == 0
             and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         input_scale: torch.Tensor | None) -> torch.Tensor:
+def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None, gemm: str | None = None) -> torch.Tensor:
+    """The W8A8 product on the GPU: activations quantized by one kernel, then ``gemm`` (default
+    `W8A8_GEMM`)."""
     rows = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_fp8_rows_triton(rows if rows.stride(-1) == 1 else rows.contiguous(), input_scale)
-    # Row-wise scaling wants bf16 out; weight^T is column-major as the FP8 GEMM needs. xq, xs and
-    # the float32 weight_scale (Fp8Weight keeps it so) are already what it takes: no copies.
-    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    if (gemm or W8A8_GEMM) == "triton":
+        y = fp8_gemm_triton(xq, xs, weight, weight_scale, x.dtype)
+    else:
+        # Row-wise scaling wants bf16 out; weight^T is column-major as the FP8 GEMM needs. xq, xs
+        # and the float32 weight_scale (Fp8Weight keeps it so) are what it takes: no copies.
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
+                             out_dtype=torch.bfloat16).to(x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -137,5 +218,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if not use_triton(x):
         return fp8_linear_torch(x, weight, weight_scale, input_scale)
     if takes_scaled_mm(x, weight):
-        return fp8_linear_scaled_mm(x, weight, weight_scale, input_scale)
+        return fp8_linear_w8a8(x, weight, weight_scale, input_scale)
     return dequant_linear_triton(x, weight, weight_scale.view(-1, 1), None, (1, weight.shape[1]))

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import CUDA, DEVICE_DTYPES, randn, rng
+from kernel_test_utils import CUDA, DEVICE_DTYPES, DEVICES, randn, rng
 
 from llmserve.kernels import linear
 from llmserve.kernels import autotune
 from llmserve.kernels.dequant_linear import configs_for, dequant_linear_torch, dequant_linear_triton
-from llmserve.kernels.fp8_linear import (FP8, fp8_linear, fp8_linear_torch, quantize_fp8_rows_torch,
-                                         quantize_fp8_rows_triton)
+from llmserve.kernels.fp8_linear import (FP8, _fp8_gemm, fp8_gemm_triton, fp8_linear, fp8_linear_torch,
+                                         fp8_linear_w8a8, quantize_fp8_rows_torch, quantize_fp8_rows_triton)
 from llmserve.quantization.weights import BlockFp8Weight, Fp8Weight, Int4Weight, pack_int4
 
 ROWS = [1, 3, 20, 70]
@@ -186,3 +186,32 @@ def test_fp8_activation_quantization_kernel_is_the_twin_bit_for_bit(device, dtyp
     assert q.shape == (M, K) and s.shape == (M, 1) and s.is_contiguous() and q.is_contiguous()
     assert torch.equal(s.cpu(), want_s.cpu())
     assert torch.equal(q.view(torch.uint8).cpu(), want_q.view(torch.uint8).cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,K", [(5, 512), (20, 300), (40, 512), (130, 512)])
+def test_every_triton_w8a8_tile_is_the_w8a8_product(device, M, K):
+    g = rng(M * K)
+    q = (torch.randn(48, K, generator=g) * 50).to(FP8).to(device)
+    ws = (torch.rand(48, generator=g) * 0.01 + 0.001).to(device)
+    xq, xs = quantize_fp8_rows_torch(randn(g, M, K, dtype=torch.float32, device=device, scale=3.0), None)
+    want = (xq.double() @ q.double().t()) * xs.double() * ws.double()[None, :]
+    configs = _fp8_gemm.early_config_prune(_fp8_gemm.configs, {"K": K, "ROWS": autotune.rows_bucket(M)})
+    assert len(configs) >= 3
+    for config in configs:
+        got = fp8_gemm_triton(xq, xs.contiguous(), q, ws, torch.float32, config=config)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, msg=str(config))
+
+
+@pytest.mark.skipif(not CUDA, reason="the W8A8 paths need a GPU")
+@pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
+@pytest.mark.parametrize("M", [2, 17, 128, 512])
+def test_w8a8_gemms_match_the_twin(gemm, M):
+    g = rng(M)
+    q = (torch.randn(4096, 1024, generator=g) * 50).to(FP8).cuda()
+    ws = (torch.rand(4096, generator=g) * 0.01 + 0.001).cuda()
+    x = randn(g, M, 1024, dtype=torch.bfloat16, device="cuda")
+    got = fp8_linear_w8a8(x, q, ws, None, gemm)
+    want = fp8_linear_torch(x, q, ws, None)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, 4096)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
