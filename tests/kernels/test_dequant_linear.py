@@ -161,7 +161,7 @@ def test_every_tile_matches_the_reference(device, dtype, fmt, M):
     # The GEMM rounds the dequantized weight to x's dtype before the dot; the GEMV does not.
     ref = (x.double().cpu() @ dense.to(dtype if M > 1 else torch.float64).double().t())
     configs = configs_for(x, w, scale, block)
-    assert len(configs) >= (2 if M == 1 or M > 1 else 1)
+    assert len(configs) >= 3
     for config in configs:
         got = dequant_linear_triton(x, w, scale, zeros, block, config=config).double().cpu()
         err = ((got - ref).norm() / ref.norm()).item()
