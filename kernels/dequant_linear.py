@@ -1,9 +1,9 @@
 """Linear layer on a weight stored in 8 or 4 bits with scales per block: the weight is dequantized
-tile by tile inside the GEMM, never whole in memory, and multiplied in the activations' dtype.
+tile by tile inside the kernel, never whole in memory.
 
 It serves the formats whose bytes, not their arithmetic, make them fast: block-wise FP8
 (DeepSeek / Qwen3-FP8: float8 values, a scale per 128 x 128 tile), 4-bit AWQ / GPTQ (a scale and a
-zero point per group of 128 columns of a row) and the one-row step of per-channel FP8 (a GEMV, where
+zero point per group of 128 columns of a row) and the one-row step of per-channel FP8 (where
 quantizing the activations would buy nothing: the step is the weight's read).
 
 Storage (``llmserve.quantization.weights``): ``W`` float8 ``[N, K]``, or uint8 ``[N, K / 2]`` with
@@ -11,9 +11,27 @@ column 2j in byte j's low nibble and 2j + 1 in its high one; ``S`` the scales ``
 ceil(K / BK)]``, one per ``(BN, BK)`` block; ``Z`` (4-bit only) integer zero points ``[N, K / BK]``.
 Value = (q - z) * s.
 
-A program owns a ``[BLOCK_M, BLOCK_N]`` output tile and walks K in ``BLOCK_K`` steps no wider than a
-scale block, so each weight tile needs one scale (and zero) per row: one load of ``BLOCK_N`` values.
-One row (``BLOCK_M == 1``) sums products in fp32 as `gemv` does; more rows use `tl.dot`.
+Two kernels, both reading the weight in its own layout, both tiling K as ``[NG, GK]``: NG scale
+groups of GK columns (or one group as wide as the K step where a scale covers a whole row), so a
+group's scale and zero point are loaded once per row and broadcast over its columns:
+
+- one row (`_dequant_gemv_kernel`, a batch-1 decode step): the weight's read is the whole cost, so
+  it is written as `gemv.py` is: programs of a few output rows each (hundreds to thousands of
+  programs for every Llama-3-8B shape, enough to fill 132 SMs without splitting K), wide vector
+  loads along K, one fp32 FMA a value into a tile reduced once at the end; one scale a row
+  (per-channel FP8) multiplies the row's sum. What is particular to quantized weights is the
+  arithmetic a loaded byte costs, which at 4 bits rivals the read (~4.3 instructions a value
+  leave an H200 at its bandwidth): 4-bit values are read as int32 words of eight, and each is
+  shifted and OR-ed into the mantissa of 1024.0, giving 1024 + q exactly (an integer-to-float
+  conversion is a quarter-rate instruction), and one FMA with the group's scale and
+  (1024 + z) * s (exact for a half-precision scale) gives (q - z) * s rounded once.
+- more rows (`_dequant_gemm_kernel`): each weight tile is dequantized once into the activations'
+  dtype and multiplied on the tensor cores (`tl.dot`) by every row of x. The weight tile is the
+  dot's first operand (y^T = W x^T), so a step of a few rows still fills the MMA's 64-row side.
+
+Their tiles are autotuned per shape, format and row bucket (`kernels/autotune.py`). Compiled for
+sm_90 every config has no register spills; 4-bit tiles cost ~2 integer instructions and 2 FMAs a
+value, and the GEMM's tiles of 64+ weight rows run on wgmma.
 """
 
 from __future__ import annotations
@@ -23,89 +41,235 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import dot_precision, launcher, next_pow2, use_triton
+from . import autotune
+from .backend import dot_precision, next_pow2, use_triton
+
+@triton.jit
+def _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                 SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 EVEN_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr):
+    """The weight's columns k0 .. k0 + NG * GK of rows ``offs_n``, float32 ``[BLOCK_N, NG, GK]``
+    (column k0 + g * GK + j): (q - z) * s, or q - z where one scale covers a row (GROUP 0)."""
+    g = tl.arange(0, NG)
+    stored = k0 // PACK + g[:, None] * (GK // PACK) + tl.arange(0, GK // PACK)[None, :]
+    ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_w_n + stored[None, :, :]
+    if EVEN_K:
+        raw = tl.load(ptrs, mask=n_mask[:, None, None], other=0.0)
+    else:
+        raw = tl.load(ptrs, mask=n_mask[:, None, None] & (stored < KW)[None, :, :], other=0.0)
+    in_k = n_mask[:, None] & (k0 + g * GK < K)[None, :]
+    if GROUP != 0:
+        s = tl.load(S + (offs_n // SCALE_ROWS)[:, None].to(tl.int64) * stride_s_n + (k0 // GROUP + g)[None, :],
+                    mask=in_k, other=0.0).to(tl.float32)
+    if PACK == 8:
+        # 4-bit values, eight to an int32 word (value i in bits 4i..4i+3). Each is shifted into the
+        # mantissa of 1024.0 at bits 13-16, where a unit is 1: OR-ing gives 1024 + q exactly, in
+        # two integer instructions and no integer-to-float conversion. tl.join keeps a word's
+        # eight values in its thread.
+        m = 0x1E000
+        n0, n1 = ((raw << 13) & m) | 0x44800000, ((raw << 9) & m) | 0x44800000
+        n2, n3 = ((raw << 5) & m) | 0x44800000, ((raw << 1) & m) | 0x44800000
+        n4, n5 = ((raw >> 3) & m) | 0x44800000, ((raw >> 7) & m) | 0x44800000
+        n6, n7 = ((raw >> 11) & m) | 0x44800000, ((raw >> 15) & m) | 0x44800000
+        # tl.join appends an axis: value 4c + 2a + b of a word lands at [c, a, b].
+        eight = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+        q = tl.reshape(eight, [raw.shape[0], NG, GK]).to(tl.float32, bitcast=True)
+        if HAS_ZERO:
+            if GROUP == 0:
+                z = tl.load(Z + offs_n.to(tl.int64) * stride_z_n, mask=n_mask, other=0)[:, None]
+            else:
+                z = tl.load(Z + offs_n[:, None].to(tl.int64) * stride_z_n + (k0 // GROUP + g)[None, :],
+                            mask=in_k, other=0)
+            offset = 1024.0 + z.to(tl.float32)
+        else:
+            offset = tl.full([1, 1], 1024.0, tl.float32)
+        if GROUP != 0:
+            # (1024 + z) * s is exact in float32 for a half-precision s (11 + 11 bits), so one
+            # FMA gives (q - z) * s rounded once.
+            w = q * s[:, :, None] - (offset * s)[:, :, None]
+        else:
+            w = q - offset[:, :, None]
+    else:
+        w = raw.to(tl.float32)
+        if GROUP != 0:
+            w = w * s[:, :, None]
+    return w
 
 
 @triton.jit
-def _dequant_linear_kernel(
-    X, W, S, Z, Y, M, N, K, stride_x_m, stride_w_n, stride_s_n, stride_z_n, stride_y_m,
-    BN: tl.constexpr, BK: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+def _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS: tl.constexpr):
+    return tl.load(S + (offs_n // SCALE_ROWS).to(tl.int64) * stride_s_n, mask=n_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dequant_gemv_kernel(
+    X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n,
+    SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w_rows = W + offs_n[:, None].to(tl.int64) * stride_w_n
-    s_rows = S + (offs_n // BN).to(tl.int64) * stride_s_n
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    offs_x = tl.arange(0, NG)[:, None] * GK + tl.arange(0, GK)[None, :]      # the tile's [NG, GK] order
+    acc = tl.zeros([BLOCK_N, NG, GK], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        if INT4:
-            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b = tl.load(w_rows + half[None, :], mask=n_mask[:, None], other=0)
-            q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+        w = _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                         SCALE_ROWS, GROUP, PACK, HAS_ZERO, EVEN_K, NG, GK)
+        if EVEN_K:
+            x = tl.load(X + k0 + offs_x).to(tl.float32)
         else:
-            q = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(Z + offs_n.to(tl.int64) * stride_z_n + k0 // BK, mask=n_mask, other=0)
-            q -= z.to(tl.float32)[:, None]
-        s = tl.load(s_rows + k0 // BK, mask=n_mask, other=0.0).to(tl.float32)
-        w = q * s[:, None]
-        if BLOCK_M == 1:
-            x = tl.load(X + ks, mask=k_mask, other=0.0).to(tl.float32)
-            acc += w * x[None, :]
-        else:
-            x = tl.load(X + offs_m[:, None] * stride_x_m + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
-    if BLOCK_M == 1:
-        tl.store(Y + offs_n, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=n_mask)
-    else:
-        y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+            x = tl.load(X + k0 + offs_x, mask=k0 + offs_x < K, other=0.0).to(tl.float32)
+        # Accumulated elementwise (one FMA a value) and reduced once at the end: a sum per group
+        # in the loop would cost a multiply and an add a value, and shuffles.
+        acc += w * x[None, :, :]
+    y = tl.sum(tl.sum(acc, 2), 1)
+    if GROUP == 0:
+        y = y * _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS)
+    tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
-# (BLOCK_N, BLOCK_K, num_warps) for one row, and (BLOCK_N, BLOCK_K, num_warps, num_stages) for more;
-# untuned first choices (a GEMV tile streams 4-8 KB of weights a program).
-GEMV_TILES = (32, 128, 4)
-GEMM_TILES = (64, 64, 4, 3)
+@triton.jit
+def _dequant_gemm_kernel(
+    X, W, S, Z, Y, M, N, K, KW, ROWS, stride_x_m, stride_w_n, stride_s_n, stride_z_n, stride_y_m,
+    SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    # ROWS (the row bucket) is only the autotuner's key.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[None, :].to(tl.int64) * stride_x_m + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                         SCALE_ROWS, GROUP, PACK, HAS_ZERO, EVEN_K, NG, GK)
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(X.dtype.element_ty)
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+    if GROUP == 0:
+        acc = acc * _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS)[:, None]
+    y_ptrs = Y + offs_m[None, :].to(tl.int64) * stride_y_m + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def _config(block_n: int, block_k: int, num_warps: int, num_stages: int, block_m: int | None = None) -> triton.Config:
+    sizes = {"BLOCK_N": block_n, "BLOCK_K": block_k} | ({} if block_m is None else {"BLOCK_M": block_m})
+    return triton.Config(sizes, num_warps=num_warps, num_stages=num_stages)
+
+
+# One row: (BLOCK_N, BLOCK_K, num_warps, num_stages). Each keeps 64 stored values a thread in flight
+# (as gemv.py's bf16 tile does), from 4 rows x 2048 columns to 32 x 256, plus one pipelined.
+GEMV_CONFIGS = [_config(*t) for t in [(4, 2048, 4, 1), (8, 1024, 4, 1), (16, 1024, 8, 1), (16, 512, 4, 1),
+                                      (4, 4096, 8, 1), (8, 1024, 4, 3)]]
+# More rows, by row bucket (`autotune.rows_bucket`): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages). Up to 64 rows BLOCK_M is the bucket; few rows want small BLOCK_N (programs enough
+# for 132 SMs) and deep pipelines; 128 rows and more (the last entry) the usual GEMM tiles.
+GEMM_TILES = {
+    16: [(16, 16, 256, 2, 4), (16, 32, 128, 4, 4), (16, 32, 256, 4, 3), (16, 64, 128, 4, 4), (16, 64, 64, 4, 6)],
+    32: [(32, 32, 128, 4, 4), (32, 64, 128, 4, 4), (32, 64, 64, 4, 5), (32, 128, 128, 8, 3)],
+    64: [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3)],
+    128: [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
+          (128, 64, 128, 4, 4)],
+}
+_GEMM_BY_ROWS = {rows: [_config(n, k, w, s, block_m=m) for m, n, k, w, s in tiles] for rows, tiles in GEMM_TILES.items()}
+GEMM_CONFIGS = [c for configs in _GEMM_BY_ROWS.values() for c in configs]
+
+
+def _complete(configs: list[triton.Config], K: int, GROUP: int, PACK: int, **_) -> list[triton.Config]:
+    """The configs whose K step suits this weight, completed with the sizes the kernels derive from
+    it: K steps of NG groups of GK columns, or a group of several steps; whether
+    K needs no mask. Steps far wider than K are dropped while narrower ones remain."""
+    out = []
+    for c in configs:
+        block_k = c.kwargs["BLOCK_K"]
+        gk = min(block_k, GROUP) if GROUP else block_k
+        sizes = {"NG": block_k // gk, "GK": gk, "EVEN_K": K % block_k == 0}
+        out.append(triton.Config({**c.kwargs, **sizes}, num_warps=c.num_warps, num_stages=c.num_stages))
+    narrow = [c for c in out if c.kwargs["BLOCK_K"] <= max(64, next_pow2(K))]
+    return narrow or [min(out, key=lambda c: c.kwargs["BLOCK_K"])]
+
+
+def _prune_gemv(configs, nargs, **constexprs):
+    return _complete(configs, nargs["K"], **constexprs)
+
+
+def _prune_gemm(configs, nargs, **constexprs):
+    return _complete(_GEMM_BY_ROWS[min(nargs["ROWS"], max(GEMM_TILES))], nargs["K"], **constexprs)
+
+
+_gemv = autotune.autotune(GEMV_CONFIGS, key=["N", "K", "GROUP", "SCALE_ROWS"], prune=_prune_gemv)(_dequant_gemv_kernel)
+_gemm = autotune.autotune(GEMM_CONFIGS, key=["N", "K", "ROWS", "GROUP", "SCALE_ROWS"], prune=_prune_gemm)(_dequant_gemm_kernel)
+
+
+def kernel_layout(w: torch.Tensor, block: tuple[int, int]) -> dict | None:
+    """The constexprs that say the weight's format (PACK: values a stored element), or None for
+    a layout the kernels do not take (a scale group that is not a power of two narrower than K):
+    the torch twin runs those."""
+    int4 = w.dtype == torch.uint8
+    pack = 8 if int4 else 1
+    k = w.shape[1] * (2 if int4 else 1)
+    group = block[1] if block[1] < k else 0
+    if group and (group & (group - 1) or group % pack):
+        return None
+    if int4 and (k % 8 or w.stride(1) != 1 or w.stride(0) % 4 or w.storage_offset() % 4):
+        return None
+    return {"SCALE_ROWS": block[0], "GROUP": group, "PACK": pack}
+
+
+def stored(w: torch.Tensor) -> torch.Tensor:
+    """The weight as the kernels read it: 4-bit values as int32 words of eight (value i of a word
+    in bits 4i..4i+3, as the bytes' nibbles are ordered)."""
+    return w.view(torch.int32) if w.dtype == torch.uint8 else w
 
 
 def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
-                          block: tuple[int, int]) -> torch.Tensor:
-    """Triton version of `dequant_linear`."""
-    int4 = w.dtype == torch.uint8
-    N, K = w.shape[0], w.shape[1] * (2 if int4 else 1)
+                          block: tuple[int, int], *, config: triton.Config | None = None) -> torch.Tensor:
+    """Triton version of `dequant_linear` (the twin where `kernel_layout` says the kernels cannot);
+    ``config`` forces a tile (tests, benchmarks) instead of the autotuner's choice."""
+    constexprs = kernel_layout(w, block)
+    if constexprs is None:
+        return dequant_linear_torch(x, w, scale, zeros, block)
+    N, K = w.shape[0], w.shape[1] * (2 if w.dtype == torch.uint8 else 1)
+    w = stored(w)
     rows = x.reshape(-1, K)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     M = rows.shape[0]
-    bn, bk = block
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(*x.shape[:-1], N)
+    zs = zeros if zeros is not None else scale
+    constexprs["HAS_ZERO"] = zeros is not None
+    common = {"X": rows, "W": w, "S": scale, "Z": zs, "Y": y}
     if M == 1:
-        block_n, block_k, num_warps = GEMV_TILES
-        block_m, num_stages = 1, 1
+        args = common | {"N": N, "K": K, "KW": w.shape[1], "stride_w_n": w.stride(0),
+                         "stride_s_n": scale.stride(0), "stride_z_n": zs.stride(0)}
+        autotune.launch(_gemv, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),), args, constexprs, config)
     else:
-        block_n, block_k, num_warps, num_stages = GEMM_TILES
-        block_m = min(64, max(16, next_pow2(M)))
-    # A K step must stay inside one scale block (and, for 4-bit, cover whole bytes).
-    block_k = min(block_k, bk if bk & (bk - 1) == 0 else next_pow2(bk) // 2, max(16, next_pow2(K)))
-    assert bk >= K or bk % block_k == 0, f"scale blocks of {bk} columns do not fit K steps of {block_k}"
-    if M:
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        launcher(_dequant_linear_kernel, x)[grid](
-            rows, w, scale, zeros if zeros is not None else scale, y, M, N, K,
-            rows.stride(0), w.stride(0), scale.stride(0), zeros.stride(0) if zeros is not None else 0, y.stride(0),
-            BN=bn, BK=bk, INT4=int4, HAS_ZERO=zeros is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
-            num_warps=num_warps, num_stages=num_stages,
-        )
+        args = common | {"M": M, "N": N, "K": K, "KW": w.shape[1], "ROWS": autotune.rows_bucket(M),
+                         "stride_x_m": rows.stride(0), "stride_w_n": w.stride(0), "stride_s_n": scale.stride(0),
+                         "stride_z_n": zs.stride(0), "stride_y_m": y.stride(0)}
+        constexprs["PRECISION"] = dot_precision(x.dtype)
+        autotune.launch(_gemm, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"])),
+                        args, constexprs, config)
     return y.view(*x.shape[:-1], N)
+
+
+def configs_for(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> list[triton.Config]:
+    """Every config the autotuner would try for this call (tests run each; benchmarks time each)."""
+    constexprs = kernel_layout(w, block)
+    K = stored(w).shape[1] * constexprs["PACK"]
+    M = x.numel() // K
+    if M == 1:
+        return _prune_gemv(_gemv.configs, {"K": K}, **constexprs)
+    return _prune_gemm(_gemm.configs, {"K": K, "ROWS": autotune.rows_bucket(M)}, **constexprs)
 
 
 def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,

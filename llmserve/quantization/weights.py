@@ -19,11 +19,13 @@ Every format is stored in one canonical layout whatever checkpoint it came from 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from llmserve.common.errors import ModelLoadError
+from llmserve.kernels.autotune import ROW_BUCKETS
 from llmserve.kernels.dequant_linear import dequant_linear, dequantize_blocks
 from llmserve.kernels.fp8_linear import fp8_linear
 
@@ -202,3 +204,17 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, K / 2]`` from 4-bit values ``[N, K]`` (column 2j low nibble, 2j + 1 high)."""
     q = q.to(torch.uint8)
     return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def warm_up(weights: Iterable[object], dtype: torch.dtype) -> int:
+    """Run each distinct quantized weight among ``weights`` (anything else is skipped) at one row
+    and at every row bucket, so that its kernels compile and autotune (`kernels/autotune.py`) at
+    start-up rather than inside a served step; returns how many distinct weights ran."""
+    seen = set()
+    for w in weights:
+        if not isinstance(w, PackedWeight) or (key := (type(w), w.format, tuple(w.shape))) in seen:
+            continue
+        seen.add(key)
+        for rows in (1, *ROW_BUCKETS):
+            w.apply(torch.zeros(rows, w.shape[1], dtype=dtype, device=w.device))
+    return len(seen)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import CUDA, DEVICE_DTYPES, randn, rng
+from kernel_test_utils import CUDA, DEVICE_DTYPES, DEVICES, randn, rng
 
 from llmserve.kernels import linear
-from llmserve.kernels.dequant_linear import dequant_linear_torch, dequant_linear_triton
-from llmserve.kernels.fp8_linear import FP8, fp8_linear, fp8_linear_torch
+from llmserve.kernels import autotune
+from llmserve.kernels.dequant_linear import configs_for, dequant_linear_torch, dequant_linear_triton
+from llmserve.kernels.fp8_linear import (FP8, _fp8_gemm, fp8_gemm_triton, fp8_linear, fp8_linear_torch,
+                                         fp8_linear_w8a8, quantize_fp8_rows_torch, quantize_fp8_rows_triton)
 from llmserve.quantization.weights import BlockFp8Weight, Fp8Weight, Int4Weight, pack_int4
 
 ROWS = [1, 3, 20, 70]
@@ -125,3 +127,91 @@ def test_linear_runs_each_weight_class_with_a_bias():
     torch.testing.assert_close(linear(x, w, bias), (x.double() @ dense.t() + bias.double()).float(), atol=1e-4, rtol=1e-4)
     f = Fp8Weight((torch.randn(16, 64, generator=g) * 50).to(FP8), torch.full((16,), 0.01))
     torch.testing.assert_close(linear(x, f, bias), fp8_linear_torch(x, f.weight, f.weight_scale, None) + bias)
+
+
+# Every tile the autotuner may pick, for each format and each row bucket (1: the GEMV; then the
+# GEMM's 16, 32, 64 and 128-and-more buckets): K = 4096 lets the GEMV's widest K steps fit, 512 the
+# GEMM's; N = 40 leaves every BLOCK_N a ragged last tile.
+FORMATS = ["int4-g128", "int4-one-group", "fp8-block", "fp8-channel"]
+
+
+def format_weight(fmt: str, g, n: int, k: int, device: str):
+    """(weight, scale, zeros, block) of format ``fmt`` and its float64 values."""
+    if fmt.startswith("int4"):
+        w, dense = int4_weight(g, n, k, 128 if fmt == "int4-g128" else k, device)
+        return (w.qweight, w.scales, w.zeros, (1, w.group)), dense
+    if fmt == "fp8-block":
+        w, dense = block_fp8_weight(g, n, k, (128, 128), device)
+        return (w.weight, w.scale, None, w.block), dense
+    q = (torch.randn(n, k, generator=g) * 50).to(FP8)
+    ws = torch.rand(n, 1, generator=g) * 0.01 + 0.001
+    return (q.to(device), ws.to(device), None, (1, k)), q.double() * ws.double()
+
+
+@pytest.mark.parametrize("device,dtype", [p for p in DEVICE_DTYPES if p.values[1] != torch.float32])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 5, 20, 40, 130])
+def test_every_tile_matches_the_reference(device, dtype, fmt, M):
+    K = 4096 if M == 1 else 512
+    g = rng(M + K)
+    (w, scale, zeros, block), dense = format_weight(fmt, g, 40, K, device)
+    if scale.is_floating_point() and w.dtype == torch.uint8:
+        scale = scale.to(dtype)               # 4-bit scales run in the activations' dtype (Int4Weight.to)
+    x = randn(g, M, K, dtype=dtype, device=device)
+    # The GEMM rounds the dequantized weight to x's dtype before the dot; the GEMV does not.
+    ref = (x.double().cpu() @ dense.to(dtype if M > 1 else torch.float64).double().t())
+    configs = configs_for(x, w, scale, block)
+    assert len(configs) >= 3
+    for config in configs:
+        got = dequant_linear_triton(x, w, scale, zeros, block, config=config).double().cpu()
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < 4e-3, (config, err)
+
+
+def test_row_buckets():
+    assert [autotune.rows_bucket(m) for m in (2, 16, 17, 33, 64, 65, 129, 300, 9000)] == [16, 16, 32, 64, 64, 128, 256,
+                                                                                          512, 512]
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("input_scale", [None, 0.01])
+@pytest.mark.parametrize("M,K", [(1, 64), (3, 300), (17, 4100)])
+def test_fp8_activation_quantization_kernel_is_the_twin_bit_for_bit(device, dtype, input_scale, M, K):
+    g = rng(M * K)
+    x = randn(g, M, K, dtype=dtype, device=device, scale=3.0)
+    x[0, :] = 0                                           # an all-zero row: the smallest scale, not NaN
+    static = None if input_scale is None else torch.tensor([input_scale], device=device)
+    q, s = quantize_fp8_rows_triton(x, static)
+    want_q, want_s = quantize_fp8_rows_torch(x, static)
+    assert q.shape == (M, K) and s.shape == (M, 1) and s.is_contiguous() and q.is_contiguous()
+    assert torch.equal(s.cpu(), want_s.cpu())
+    assert torch.equal(q.view(torch.uint8).cpu(), want_q.view(torch.uint8).cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,K", [(5, 512), (20, 300), (40, 512), (130, 512)])
+def test_every_triton_w8a8_tile_is_the_w8a8_product(device, M, K):
+    g = rng(M * K)
+    q = (torch.randn(48, K, generator=g) * 50).to(FP8).to(device)
+    ws = (torch.rand(48, generator=g) * 0.01 + 0.001).to(device)
+    xq, xs = quantize_fp8_rows_torch(randn(g, M, K, dtype=torch.float32, device=device, scale=3.0), None)
+    want = (xq.double() @ q.double().t()) * xs.double() * ws.double()[None, :]
+    configs = _fp8_gemm.early_config_prune(_fp8_gemm.configs, {"K": K, "ROWS": autotune.rows_bucket(M)})
+    assert len(configs) >= 3
+    for config in configs:
+        got = fp8_gemm_triton(xq, xs.contiguous(), q, ws, torch.float32, config=config)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, msg=str(config))
+
+
+@pytest.mark.skipif(not CUDA, reason="the W8A8 paths need a GPU")
+@pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
+@pytest.mark.parametrize("M", [2, 17, 128, 512])
+def test_w8a8_gemms_match_the_twin(gemm, M):
+    g = rng(M)
+    q = (torch.randn(4096, 1024, generator=g) * 50).to(FP8).cuda()
+    ws = (torch.rand(4096, generator=g) * 0.01 + 0.001).cuda()
+    x = randn(g, M, 1024, dtype=torch.bfloat16, device="cuda")
+    got = fp8_linear_w8a8(x, q, ws, None, gemm)
+    want = fp8_linear_torch(x, q, ws, None)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, 4096)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2

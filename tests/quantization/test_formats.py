@@ -178,3 +178,19 @@ def test_awq_and_gptq_of_the_same_values_load_alike(dense_dir, tmp_path):
     wa, wg = a.trans_layers_weight[0].gate_up_weight_, g.trans_layers_weight[0].gate_up_weight_
     for field in ("qweight", "scales", "zeros"):
         assert torch.equal(getattr(wa, field), getattr(wg, field))
+
+
+def test_warm_up_runs_each_distinct_weight_at_every_row_bucket(monkeypatch):
+    from llmserve.kernels.autotune import ROW_BUCKETS
+    from llmserve.quantization import weights
+    from llmserve.quantization.config import quantize_fp8, quantize_int4
+
+    calls = []
+    monkeypatch.setattr(weights.Int4Weight, "apply", lambda self, x: calls.append(("int4", x.shape)))
+    monkeypatch.setattr(weights.Fp8Weight, "apply", lambda self, x: calls.append(("fp8", x.shape)))
+    w = torch.randn(32, 256)
+    int4, fp8 = quantize_int4(w), quantize_fp8(w)
+    # Two layers' copies of each weight, a dense tensor and a non-weight: each format runs once.
+    assert weights.warm_up([int4, fp8, quantize_int4(w), quantize_fp8(w), w, 3], torch.float32) == 2
+    assert [(f, s[0]) for f, s in calls] == [(f, m) for f in ("int4", "fp8") for m in (1, *ROW_BUCKETS)]
+    assert all(s[1] == 256 for _, s in calls)

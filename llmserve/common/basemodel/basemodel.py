@@ -396,6 +396,11 @@ class TpPartBaseModel:
                 self.req_manager.truncate(rows[-1], 0)
                 lens = [m + 1 for m in lens]
             if self.device.type == "cuda":
+                if self.quantization is not None:
+                    # Every row bucket of every quantized weight tunes its tiles now: an eager
+                    # decode step of a batch size not seen above would tune inside serving.
+                    from llmserve.quantization.weights import warm_up as warm_up_weights
+                    warm_up_weights((v for w in self.trans_layers_weight for v in vars(w).values()), self.data_type)
                 torch.cuda.synchronize(self.device)
         finally:
             for row in rows:

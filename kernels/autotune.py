@@ -1,0 +1,98 @@
+"""Autotuning for kernels whose best tiles depend on the GPU and the shape: `triton.autotune`, with
+a benchmark that fits inside a model's start-up and a launch that also runs in the interpreter.
+
+A decode step's linear layers are bound by reading their weights, and how fast a tile reads them
+depends on the card (H100 or H200), the weight's format and the shape: too few programs leave SMs
+idle, too many bytes a thread spill registers. So the quantized linears (`dequant_linear`) try a
+handful of tiles on the first call for each key (the weight's shape, the format, a bucket of the
+row count: `rows_bucket`) and keep the fastest for the life of the process.
+
+When tuning happens: the first call of a key, which must not be inside a CUDA-graph capture
+(timing synchronizes). The decode graphs run each batch bucket once eagerly before capturing it
+(`cuda_graph._StepGraphs._capture`) and `TpPartBaseModel.warm_up` runs every row bucket of every
+quantized weight (`llmserve.quantization.weights.warm_up`), so serving never tunes; `bench`
+refuses with a clear error inside a capture.
+
+`bench` times ``REPS`` calls, each after overwriting a buffer twice the L2 cache (a decode step
+reads every weight from HBM, so a tile must not be judged on weights L2 still holds), a few
+milliseconds a config, where Triton's default spends ~0.15 s. What costs at start-up is compiling
+each config once (Triton then keeps it on disk for later starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+
+from .backend import launcher, next_pow2
+
+# Row counts that share a tuning: a decode step's batch and a prompt's tokens vary step to step,
+# and tiles that win at 40 rows win at 50. Above the last bucket one tuning serves all.
+ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
+WARMUP, REPS = 2, 10
+
+_flush: dict[torch.device, torch.Tensor] = {}
+
+
+def rows_bucket(rows: int) -> int:
+    """The bucket of `ROW_BUCKETS` a product of ``rows`` rows is tuned for."""
+    return min(max(ROW_BUCKETS[0], next_pow2(rows)), ROW_BUCKETS[-1])
+
+
+def _flush_buffer() -> torch.Tensor:
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _flush:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
+        _flush[device] = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+    return _flush[device]
+
+
+def bench(kernel_call: Callable[[], Any], quantiles: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
+    """Milliseconds of ``kernel_call`` at ``quantiles`` over `REPS` calls, each with a cold L2
+    (`triton.autotune`'s ``do_bench`` hook)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a kernel would be autotuned inside a CUDA-graph capture: run the shape once "
+                           "before capturing (see kernels/autotune.py)")
+    flush = _flush_buffer()
+    for _ in range(WARMUP):
+        kernel_call()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        kernel_call()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
+
+
+def autotune(configs: list[triton.Config], key: list[str], prune: Callable | None = None):
+    """`triton.autotune` with `bench`; ``prune(configs, named_args, **constexprs)`` returns the
+    configs that fit a call (and may complete them with derived sizes)."""
+    return triton.autotune(configs=configs, key=key, do_bench=bench,
+                           prune_configs_by={"early_config_prune": prune} if prune else None)
+
+
+def fitting_configs(tuner, args: dict[str, Any], constexprs: dict[str, Any]) -> list[triton.Config]:
+    """The configs ``tuner`` would try for a call with these arguments (after its pruning)."""
+    prune = tuner.early_config_prune
+    return list(prune(tuner.configs, args, **constexprs)) if prune else list(tuner.configs)
+
+
+def launch(tuner, t: torch.Tensor, grid: Callable[[dict], tuple], args: dict[str, Any],
+           constexprs: dict[str, Any], config: triton.Config | None = None) -> None:
+    """Run the autotuned kernel ``tuner`` (``args``: its runtime arguments by name, in order;
+    ``constexprs``: the ones the caller fixes). On the GPU the tuner picks the config; with
+    ``config`` given, or in Triton's interpreter (CPU tensors, where timing means nothing), that
+    config or the first that fits runs."""
+    if config is None and t.is_cuda:
+        tuner[grid](*args.values(), **constexprs)
+        return
+    config = config or fitting_configs(tuner, args, constexprs)[0]
+    meta = {**constexprs, **config.all_kwargs()}
+    launcher(tuner.fn, t)[grid(meta)](*args.values(), **meta)
