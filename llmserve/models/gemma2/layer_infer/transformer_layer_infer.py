@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels import rmsnorm_forward
+from llmserve.kernels import add_rmsnorm_forward, rmsnorm_forward
 from llmserve.models.gemma.layer_infer.transformer_layer_infer import GemmaTransformerLayerInfer
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 
@@ -20,9 +20,11 @@ class Gemma2TransformerLayerInfer(GemmaTransformerLayerInfer):
         self.sm_scale_ = cfg.query_pre_attn_scalar ** -0.5
         self.logit_softcap_ = getattr(cfg, "attn_logit_softcapping", None) or 0.0
 
-    def _get_o(self, o: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        return rmsnorm_forward(super()._get_o(o, infer_state, layer_weight), layer_weight.post_att_norm_weight_,
-                               self.eps_, round_first=False)
+    def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: LlamaInferStateInfo,
+                      layer_weight) -> torch.Tensor:
+        # The post-attention norm of the attention's output, its add to h and the MLP's input norm: one launch.
+        return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_, round_first=False,
+                                   delta_weight=layer_weight.post_att_norm_weight_)
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         return rmsnorm_forward(super()._ffn(x, infer_state, layer_weight), layer_weight.post_ffn_norm_weight_,
