@@ -17,8 +17,8 @@ Up to ``GEMV_MAX_TOKENS`` tokens (decode steps of a small batch) the pairs are t
 of tensor-core rows: a 16-row block holding one real row reads the expert's weights at a
 fraction of the bandwidth, and 8 pairs make too few programs to busy the GPU. There the two
 projections run as GEMVs (`gemv`'s shape: a program owns a few output features of one weight and
-walks all of K in wide chunks), two launches and nothing else: ``_moe_gate_up_gemv_kernel``, one
-program per (pair, block of I), reads the pair's gate and up rows and writes SiLU-and-mul;
+walks all of K in wide chunks), two launches and nothing else: `gemv_act_and_mul`'s kernel, one
+program per (pair, block of I), reads the pair's expert's gate and up rows and writes SiLU-and-mul;
 ``_moe_down_gemv_kernel``, one program per (token, block of H), reads the down rows of all k of
 the token's experts at once, applies the routing weights and sums over the k in registers (no
 ``[n*k, H]`` buffer, no separate sum). A pair's expert is read by its own programs, so two tokens
@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 
 from .backend import dot_precision, launcher, next_pow2, use_triton
+from .gemv import ACT_AND_MUL_TILES, gemv_act_and_mul_triton, gemv_block_k
+from .triton_math import silu
 
 
 @triton.jit
@@ -118,43 +120,11 @@ def _fused_moe_kernel(A, W, C, TopkWeights, SortedPairs, BlockExpert, NumPadded,
         # as HF: gate and up round to the dtype, silu's output rounds, then the product
         gate = acc.to(C.dtype.element_ty).to(tl.float32)
         up = acc_up.to(C.dtype.element_ty).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(C.dtype.element_ty).to(tl.float32) * up
+        acc = silu(gate).to(C.dtype.element_ty).to(tl.float32) * up
     if MUL_ROUTING_WEIGHT:
         acc = acc.to(C.dtype.element_ty).to(tl.float32) * tl.load(TopkWeights + pairs, mask=valid, other=0.0)[:, None]
     out = C + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(out, acc.to(C.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _moe_gate_up_gemv_kernel(X, W13, Act, TopkIds, I, K, TOP_K, stride_xm, stride_we, stride_wn,
-                             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Act[pair, n] = silu(X[token] . W13[e, n]) * (X[token] . W13[e, I + n]) for the pair
-    # program_id(0) (token = pair // TOP_K, e its expert) and BLOCK_N features n.
-    pair = tl.program_id(0)
-    x_row = X + (pair // TOP_K).to(tl.int64) * stride_xm
-    expert = tl.load(TopkIds + pair).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    gate_ptrs = W13 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + I * stride_wn
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            mask = n_mask[:, None]
-            x = tl.load(x_row + k0 + offs_k)
-        else:
-            mask = n_mask[:, None] & ((k0 + offs_k) < K)[None, :]
-            x = tl.load(x_row + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0)
-        x = x.to(tl.float32)[None, :]
-        acc_gate += tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
-    # as HF (and _fused_moe_kernel): gate and up round to the dtype, silu's output rounds, then the product
-    gate = tl.sum(acc_gate, 1).to(Act.dtype.element_ty).to(tl.float32)
-    up = tl.sum(acc_up, 1).to(Act.dtype.element_ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(Act.dtype.element_ty).to(tl.float32) * up
-    tl.store(Act + pair.to(tl.int64) * I + offs_n, act.to(Act.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -270,21 +240,11 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weig
 # grouped GEMM (`benchmarks/fused_moe.py` times both paths at each batch size up to 16).
 GEMV_MAX_TOKENS = 8
 
-# (BLOCK_N, largest BLOCK_K, num_warps) of the GEMV kernels, as `gemv.TILES`: gate_up loads two
-# weight tiles a chunk (gate's and up's rows), down one per slot (k of them).
-GATE_UP_TILES = (4, 1024, 4)
+# (BLOCK_N, largest BLOCK_K, num_warps) of the GEMV kernels, as `gemv.TILES`: gate_up is
+# `gemv_act_and_mul`'s kernel (two weight tiles a chunk, gate's and up's rows), down loads one
+# tile per slot (k of them).
+GATE_UP_TILES = ACT_AND_MUL_TILES
 DOWN_TILES = (4, 256, 4)
-
-
-def _gemv_block_k(K: int, largest: int) -> int:
-    """The widest power-of-two chunk up to ``largest`` that divides K (no masks in the loop), if
-    one of 64 or more does (768 -> 256); else one that covers K, masked."""
-    block = largest
-    while block >= 64:
-        if K % block == 0:
-            return block
-        block //= 2
-    return min(largest, next_pow2(K))
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -294,19 +254,13 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     the tiles are (BLOCK_N, largest BLOCK_K, num_warps), for the benchmark's sweep."""
     n, k = topk_ids.shape
     H, I = x.shape[1], w2.shape[2]
-    assert w13.stride(2) == 1 and w2.stride(2) == 1, "each expert's rows must be unit-stride"
+    assert w2.stride(2) == 1, "each expert's rows must be unit-stride"
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    act = torch.empty((n * k, I), dtype=x.dtype, device=x.device)
-    block_n, largest_k, num_warps = gate_up_tiles
-    block_k = _gemv_block_k(H, largest_k)
-    launcher(_moe_gate_up_gemv_kernel, x)[(n * k, triton.cdiv(I, block_n))](
-        x, w13, act, ids, I, H, k, x.stride(0), w13.stride(0), w13.stride(1),
-        EVEN_K=H % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1,
-    )
+    act = gemv_act_and_mul_triton(x, w13, "silu", expert_ids=ids, rows_per_x=k, tiles=gate_up_tiles)
     out = torch.empty_like(x)
     block_n, largest_k, num_warps = down_tiles
-    block_k = _gemv_block_k(I, largest_k)
+    block_k = gemv_block_k(I, largest_k)
     launcher(_moe_down_gemv_kernel, x)[(n, triton.cdiv(H, block_n))](
         act, w2, out, weights, ids, H, I, w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=k, K_P2=max(2, next_pow2(k)), EVEN_K=I % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
