@@ -178,9 +178,10 @@ def gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` should run x @ weight^T here: one contiguous row that our half-precision
-    kernels may take (`half_precision_on_triton`); two rows or more are `skinny_gemm`'s or cuBLAS's."""
-    return x.numel() == x.shape[-1] and x.is_contiguous() and half_precision_on_triton(x, weight)
+    """Whether `linear` should run x @ weight^T here: a dense weight and one contiguous row that
+    our half-precision kernels may take (`half_precision_on_triton`); two rows or more are `skinny_gemm`'s or cuBLAS's."""
+    return (isinstance(weight, torch.Tensor) and x.numel() == x.shape[-1] and x.is_contiguous()
+            and half_precision_on_triton(x, weight))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
