@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .backend import launcher, row_launch_config, use_triton
-from .rmsnorm import rmsnorm_forward_torch
+from .rmsnorm import rmsnorm_forward_torch, row_rstd
 
 
 @triton.jit
@@ -27,12 +27,7 @@ def _add_rmsnorm_kernel(H, Delta, W, DeltaW, Y, stride_h, stride_d, stride_y, N,
     d_row = Delta + row * stride_d
     y_row = Y + row * stride_y
     if NORM_DELTA:
-        d_sq = tl.zeros([BLOCK_N], tl.float32)
-        for off in range(0, N, BLOCK_N):
-            cols = off + tl.arange(0, BLOCK_N)
-            d = tl.load(d_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-            d_sq += d * d
-        d_rstd = tl.math.rsqrt(tl.sum(d_sq, 0) / N + eps)
+        d_rstd = row_rstd(d_row, N, eps, BLOCK_N)
     sq = tl.zeros([BLOCK_N], tl.float32)
     for off in range(0, N, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
