@@ -25,7 +25,7 @@ Columns
 ``--sweep`` also times other tile sizes at each batch size and prints the fastest: for the
 grouped GEMM (BLOCK_N, BLOCK_K, warps, stages; BLOCK_M as the kernel picks it), to tune
 ``fused_moe._block_config`` with, and up to ``GEMV_MAX_TOKENS`` tokens for the GEMV path
-(``GATE_UP_TILES`` and ``DOWN_TILES``: BLOCK_N, largest BLOCK_K, warps).
+(``GATE_UP_TILES`` and ``down_tiles_for(top_k)``: BLOCK_N, largest BLOCK_K, warps).
 
 Run (GPU):   python benchmarks/fused_moe.py --json benchmarks/results/fused_moe.json
              python benchmarks/fused_moe.py --shape mixtral-8x7b --tp 2
@@ -231,7 +231,7 @@ def main() -> int:
                 for which, timed_gemv in sweep_gemv(args.shape, r.batch, device, dtype, w13, w2).items():
                     best[r.batch][which] = [(ms * 1e3, tiles) for ms, tiles in timed_gemv[:5]]
                     print(f"batch {r.batch}: gemv {which} (defaults {fused_moe_module.GATE_UP_TILES} / "
-                          f"{fused_moe_module.DOWN_TILES}) fastest " +
+                          f"{fused_moe_module.down_tiles_for(top_k)}) fastest " +
                           "; ".join(f"{us:.1f} us {t}" for us, t in best[r.batch][which][:3]))
     if args.json:
         write_json(args.json, {"benchmark": "fused_moe", "sweep_fastest_us": best, "environment": environment(device), "shape": args.shape,

@@ -241,17 +241,24 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weig
 GEMV_MAX_TOKENS = 8
 
 # (BLOCK_N, largest BLOCK_K, num_warps) of the GEMV kernels, as `gemv.TILES`: gate_up is
-# `gemv_act_and_mul`'s kernel (two weight tiles a chunk, gate's and up's rows), down loads one
-# tile per slot (k of them).
+# `gemv_act_and_mul`'s kernel (two weight tiles a chunk, gate's and up's rows); down loads a tile
+# per slot, k of them, and its largest BLOCK_K keeps k * BLOCK_N * BLOCK_K at DOWN_TILE_ELEMENTS
+# (top 8: 256; top 2: 1024), the bytes in flight of gate_up's two tiles.
 GATE_UP_TILES = ACT_AND_MUL_TILES
-DOWN_TILES = (4, 256, 4)
+DOWN_TILE_ELEMENTS = 8192
+
+
+def down_tiles_for(top_k: int) -> tuple[int, int, int]:
+    """The GEMV path's default down tiles for ``top_k`` slots."""
+    return 4, max(64, DOWN_TILE_ELEMENTS // (4 * max(2, next_pow2(top_k)))), 4
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, *, gate_up_tiles: tuple[int, int, int] = GATE_UP_TILES,
-                   down_tiles: tuple[int, int, int] = DOWN_TILES) -> torch.Tensor:
+                   down_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`fused_moe_triton` as two GEMV launches, for a few tokens (see the module's docstring);
-    the tiles are (BLOCK_N, largest BLOCK_K, num_warps), for the benchmark's sweep."""
+    the tiles are (BLOCK_N, largest BLOCK_K, num_warps), for the benchmark's sweep (down's
+    default: `down_tiles_for`)."""
     n, k = topk_ids.shape
     H, I = x.shape[1], w2.shape[2]
     assert w2.stride(2) == 1, "each expert's rows must be unit-stride"
@@ -259,7 +266,7 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     weights = topk_weights.reshape(-1).float().contiguous()
     act = gemv_act_and_mul_triton(x, w13, "silu", expert_ids=ids, rows_per_x=k, tiles=gate_up_tiles)
     out = torch.empty_like(x)
-    block_n, largest_k, num_warps = down_tiles
+    block_n, largest_k, num_warps = down_tiles or down_tiles_for(k)
     block_k = gemv_block_k(I, largest_k)
     launcher(_moe_down_gemv_kernel, x)[(n, triton.cdiv(H, block_n))](
         act, w2, out, weights, ids, H, I, w2.stride(0), w2.stride(1), out.stride(0),
