@@ -8,6 +8,7 @@ from .decode_attention import decode_attention_fwd
 from .destindex_copy_kv import destindex_copy_kv
 from .gelu_and_mul import gelu_and_mul_fwd
 from .layernorm import layernorm_forward
+from .qk_rmsnorm import qk_rmsnorm_
 from .quantized_linear import QuantizedWeight, embedding, linear
 from .rmsnorm import rmsnorm_forward
 from .rotary_emb import rotary_emb_fwd
@@ -26,6 +27,7 @@ __all__ = [
     "embedding",
     "layernorm_forward",
     "linear",
+    "qk_rmsnorm_",
     "rmsnorm_forward",
     "rotary_emb_copy_kv",
     "rotary_emb_fwd",

@@ -1,7 +1,11 @@
 """Residual add and RMSNorm in one pass: ``h += delta`` (in place, rounded to h's dtype as a plain
 add is), then HF LlamaRMSNorm of the new ``h``. A decoder layer does this between its attention
 and its MLP; one kernel reads and writes the residual row once instead of twice, and launches
-once instead of twice."""
+once instead of twice.
+
+With ``delta_weight`` the delta is RMS-normalised first (``h += norm(delta)``): Gemma 2 and 3
+normalise the attention's output before it joins the residual stream, and the MLP's input norm
+follows, so the three are one launch instead of two."""
 
 from __future__ import annotations
 
@@ -10,23 +14,31 @@ import triton
 import triton.language as tl
 
 from .backend import launcher, row_launch_config, use_triton
-from .rmsnorm import rmsnorm_forward_torch
+from .rmsnorm import rmsnorm_forward_torch, row_rstd
 
 
 @triton.jit
-def _add_rmsnorm_kernel(H, Delta, W, Y, stride_h, stride_d, stride_y, N, eps, BLOCK_N: tl.constexpr,
-                        ROUND_FIRST: tl.constexpr):
-    # One program per row; rows wider than BLOCK_N are walked in chunks (twice: add, then scale).
+def _add_rmsnorm_kernel(H, Delta, W, DeltaW, Y, stride_h, stride_d, stride_y, N, eps, BLOCK_N: tl.constexpr,
+                        ROUND_FIRST: tl.constexpr, NORM_DELTA: tl.constexpr):
+    # One program per row; rows wider than BLOCK_N are walked in chunks (twice: add, then scale;
+    # with NORM_DELTA a first time, for the delta's own norm).
     row = tl.program_id(0).to(tl.int64)
     h_row = H + row * stride_h
     d_row = Delta + row * stride_d
     y_row = Y + row * stride_y
+    if NORM_DELTA:
+        d_rstd = row_rstd(d_row, N, eps, BLOCK_N)
     sq = tl.zeros([BLOCK_N], tl.float32)
     for off in range(0, N, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < N
         h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if NORM_DELTA:  # as _rmsnorm_kernel: the normalised delta, rounded to the dtype
+            d = d * d_rstd
+            if ROUND_FIRST:
+                d = d.to(H.dtype.element_ty).to(tl.float32)
+            d = (tl.load(DeltaW + cols, mask=mask, other=0.0).to(tl.float32) * d).to(H.dtype.element_ty).to(tl.float32)
         s = (h + d).to(H.dtype.element_ty)        # the residual stream, rounded as `h += delta` rounds it
         tl.store(h_row + cols, s, mask=mask)
         s = s.to(tl.float32)
@@ -45,7 +57,7 @@ def _add_rmsnorm_kernel(H, Delta, W, Y, stride_h, stride_d, stride_y, N, eps, BL
 
 
 def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                               round_first: bool = True) -> torch.Tensor:
+                               round_first: bool = True, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `add_rmsnorm_forward`."""
     n = h.shape[-1]
     h2, d2 = h.view(-1, n), delta.reshape(-1, n)
@@ -53,24 +65,30 @@ def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: tor
     if h2.shape[0] > 0:
         block_n, num_warps = row_launch_config(n)
         launcher(_add_rmsnorm_kernel, h2)[(h2.shape[0],)](
-            h2, d2, weight, y, h2.stride(0), d2.stride(0), y.stride(0), n, eps, BLOCK_N=block_n, ROUND_FIRST=round_first,
+            h2, d2, weight, weight if delta_weight is None else delta_weight, y, h2.stride(0), d2.stride(0),
+            y.stride(0), n, eps, BLOCK_N=block_n, ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None,
             num_warps=num_warps,
         )
     return y.view(h.shape)
 
 
 def add_rmsnorm_forward_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                              round_first: bool = True) -> torch.Tensor:
-    """Torch twin of `add_rmsnorm_forward`: HF's residual add, then LlamaRMSNorm (or GemmaRMSNorm)."""
+                              round_first: bool = True, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of `add_rmsnorm_forward`: HF's residual add, then LlamaRMSNorm (or GemmaRMSNorm);
+    with ``delta_weight``, the delta's norm first (Gemma 2's post-attention norm)."""
+    if delta_weight is not None:
+        delta = rmsnorm_forward_torch(delta, delta_weight, eps, round_first)
     h.add_(delta)
     return rmsnorm_forward_torch(h, weight, eps, round_first)
 
 
 def add_rmsnorm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                        round_first: bool = True) -> torch.Tensor:
+                        round_first: bool = True, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``h += delta`` in place (h: ``[n, N]`` with unit-stride rows), then RMSNorm of h with
-    weight ``[N]``; returns the norm as a new tensor in h's dtype. round_first as `rmsnorm_forward`."""
+    weight ``[N]``; returns the norm as a new tensor in h's dtype. round_first as `rmsnorm_forward`.
+    With ``delta_weight`` ``[N]``, ``h += rmsnorm(delta, delta_weight)`` instead (the same eps and
+    rounding)."""
     assert h.stride(-1) == 1 and delta.shape == h.shape, (h.shape, h.stride(), delta.shape)
     if use_triton(h):
-        return add_rmsnorm_forward_triton(h, delta, weight, eps, round_first)
-    return add_rmsnorm_forward_torch(h, delta, weight, eps, round_first)
+        return add_rmsnorm_forward_triton(h, delta, weight, eps, round_first, delta_weight)
+    return add_rmsnorm_forward_torch(h, delta, weight, eps, round_first, delta_weight)

@@ -10,15 +10,26 @@ applied (``[n*k, H]``). The k rows of a token are summed last. Buffer sizes depe
 the number of experts only (the worst-case padding), never on the routing, so a decode step is
 captured in a CUDA graph as is; a block past the routing's real end returns at once.
 
-At batch 1 the k blocks each hold one real row, and need no sorting: every touched expert's
-weights are read once, which is all a decode step must read. At batch 64 of Qwen3-30B-A3B (128 experts, top 8), most
-experts are hit by a few tokens each and are still read once each.
+At batch 64 of Qwen3-30B-A3B (128 experts, top 8) most experts are hit by a few tokens each,
+and every touched expert's weights are read once.
+
+Up to ``GEMV_MAX_TOKENS`` tokens (decode steps of a small batch) the pairs are too few for tiles
+of tensor-core rows: a 16-row block holding one real row reads the expert's weights at a
+fraction of the bandwidth, and 8 pairs make too few programs to busy the GPU. There the two
+projections run as GEMVs (`gemv`'s shape: a program owns a few output features of one weight and
+walks all of K in wide chunks), two launches and nothing else: `gemv_act_and_mul`'s kernel, one
+program per (pair, block of I), reads the pair's expert's gate and up rows and writes SiLU-and-mul;
+``_moe_down_gemv_kernel``, one program per (token, block of H), reads the down rows of all k of
+the token's experts at once, applies the routing weights and sums over the k in registers (no
+``[n*k, H]`` buffer, no separate sum). A pair's expert is read by its own programs, so two tokens
+routed to one expert read it twice (from L2 when the programs run together); at a few tokens
+that costs less than the sorting and the mostly-empty blocks.
 
 Rounded as HF's ``MixtralExperts``: gate, up, the SiLU output and their product round to the
 activation dtype; the routing weights (float32, from ``moe_route``) multiply the down
 projection's output rounded to that dtype. (Qwen-MoE's router rounds its weights to the
 activation dtype first; in half precision that is within its tolerance, in float32 the same.)
-The Triton path sums a token's k outputs in float32 and rounds once; HF adds them one expert at
+The Triton paths sum a token's k outputs in float32 and round once; HF adds them one expert at
 a time in the activation dtype.
 """
 
@@ -30,6 +41,8 @@ import triton
 import triton.language as tl
 
 from .backend import dot_precision, launcher, next_pow2, use_triton
+from .gemv import ACT_AND_MUL_TILES, gemv_act_and_mul_triton, gemv_block_k
+from .triton_math import silu
 
 
 @triton.jit
@@ -107,11 +120,47 @@ def _fused_moe_kernel(A, W, C, TopkWeights, SortedPairs, BlockExpert, NumPadded,
         # as HF: gate and up round to the dtype, silu's output rounds, then the product
         gate = acc.to(C.dtype.element_ty).to(tl.float32)
         up = acc_up.to(C.dtype.element_ty).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(C.dtype.element_ty).to(tl.float32) * up
+        acc = silu(gate).to(C.dtype.element_ty).to(tl.float32) * up
     if MUL_ROUTING_WEIGHT:
         acc = acc.to(C.dtype.element_ty).to(tl.float32) * tl.load(TopkWeights + pairs, mask=valid, other=0.0)[:, None]
     out = C + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(out, acc.to(C.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_gemv_kernel(Act, W2, Out, TopkWeights, TopkIds, H, I, stride_we, stride_wn, stride_om,
+                          TOP_K: tl.constexpr, K_P2: tl.constexpr, EVEN_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Out[t, n] = sum over slots s of weight[t, s] * (Act[t * TOP_K + s] . W2[e_s, n]) for the
+    # token program_id(0) and BLOCK_N features n: the k experts' tiles are one [K_P2, BLOCK_N,
+    # BLOCK_K] load, so a program has k times a GEMV's bytes in flight.
+    token = tl.program_id(0)
+    slots = tl.arange(0, K_P2)
+    slot_mask = slots < TOP_K
+    pairs = token * TOP_K + slots
+    experts = tl.load(TopkIds + pairs, mask=slot_mask, other=0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = (W2 + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :])
+    a_ptrs = Act + pairs.to(tl.int64)[:, None] * I + offs_k[None, :]
+    w_mask = slot_mask[:, None, None] & n_mask[None, :, None]
+    acc = tl.zeros([K_P2, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=slot_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < I
+            a = tl.load(a_ptrs + k0, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=w_mask & k_mask[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    # as HF: each expert's output rounds to the dtype, and again once its routing weight multiplies it
+    h = tl.sum(acc, 2).to(Out.dtype.element_ty).to(tl.float32)
+    h = (h * tl.load(TopkWeights + pairs, mask=slot_mask, other=0.0)[:, None]).to(Out.dtype.element_ty)
+    out = tl.sum(h.to(tl.float32), 0)
+    tl.store(Out + token.to(tl.int64) * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=n_mask)
 
 
 def _block_config(pairs: int, num_experts: int, dtype: torch.dtype) -> dict[str, int]:
@@ -187,14 +236,64 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weig
     )
 
 
+# Up to this many tokens `fused_moe_triton` runs the two GEMV kernels, from the next the sorted
+# grouped GEMM (`benchmarks/fused_moe.py` times both paths at each batch size up to 16).
+GEMV_MAX_TOKENS = 8
+
+# (BLOCK_N, largest BLOCK_K, num_warps) of the GEMV kernels, as `gemv.TILES`: gate_up is
+# `gemv_act_and_mul`'s kernel (two weight tiles a chunk, gate's and up's rows); down loads a tile
+# per slot, k of them, and its largest BLOCK_K keeps k * BLOCK_N * BLOCK_K at DOWN_TILE_ELEMENTS
+# (top 8: 256; top 2: 1024), the bytes in flight of gate_up's two tiles.
+GATE_UP_TILES = ACT_AND_MUL_TILES
+DOWN_TILE_ELEMENTS = 8192
+
+
+def down_tiles_for(top_k: int) -> tuple[int, int, int]:
+    """The GEMV path's default down tiles for ``top_k`` slots."""
+    return 4, max(64, DOWN_TILE_ELEMENTS // (4 * max(2, next_pow2(top_k)))), 4
+
+
+def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, gate_up_tiles: tuple[int, int, int] = GATE_UP_TILES,
+                   down_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`fused_moe_triton` as two GEMV launches, for a few tokens (see the module's docstring);
+    the tiles are (BLOCK_N, largest BLOCK_K, num_warps), for the benchmark's sweep (down's
+    default: `down_tiles_for`)."""
+    n, k = topk_ids.shape
+    H, I = x.shape[1], w2.shape[2]
+    assert w2.stride(2) == 1, "each expert's rows must be unit-stride"
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = gemv_act_and_mul_triton(x, w13, "silu", expert_ids=ids, rows_per_x=k, tiles=gate_up_tiles)
+    out = torch.empty_like(x)
+    block_n, largest_k, num_warps = down_tiles or down_tiles_for(k)
+    block_k = gemv_block_k(I, largest_k)
+    launcher(_moe_down_gemv_kernel, x)[(n, triton.cdiv(H, block_n))](
+        act, w2, out, weights, ids, H, I, w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=k, K_P2=max(2, next_pow2(k)), EVEN_K=I % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=1,
+    )
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor) -> torch.Tensor:
-    """Triton version of `fused_moe`."""
-    n, k = topk_ids.shape
-    E, I = w13.shape[0], w2.shape[2]
+    """Triton version of `fused_moe`: GEMVs for a few tokens, the grouped GEMM for more."""
     x = x.contiguous()
+    n = topk_ids.shape[0]
     if n == 0:
         return torch.zeros_like(x)
+    if n <= GEMV_MAX_TOKENS:
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe_triton` as a grouped GEMM over the pairs sorted by expert (x contiguous, one
+    token or more)."""
+    n, k = topk_ids.shape
+    E, I = w13.shape[0], w2.shape[2]
     cfg = _block_config(n * k, E, x.dtype)
     # One token's k experts are distinct: each its own block, in topk_ids' order, needs no sorting.
     sorted_ = n > 1

@@ -1,7 +1,6 @@
 """GeGLU activation of a fused gate_up projection: gelu_tanh(x[:, :I]) * x[:, I:] (Gemma's MLP).
 
-gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), computed as g * sigmoid(2u)
-(the same value, without the cancellation of 1 + tanh(u) for very negative u). Rounded as HF's
+gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (`triton_math.gelu_tanh`). Rounded as HF's
 ``act_fn(gate_proj(x)) * up_proj(x)``: the activation rounds to x's dtype before the multiply, as
 in `silu_and_mul`.
 """
@@ -15,6 +14,7 @@ import triton.language as tl
 
 from .backend import use_triton
 from .silu_and_mul import launch_act_and_mul
+from .triton_math import gelu_tanh
 
 @triton.jit
 def _gelu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
@@ -23,9 +23,7 @@ def _gelu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
     mask = cols < I
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)     # sqrt(2 / pi) (g + 0.044715 g^3)
-    act = gate / (1.0 + tl.exp(-2.0 * u))                              # 0.5 g (1 + tanh(u))
-    act = act.to(X.dtype.element_ty).to(tl.float32)                    # HF's act_fn output
+    act = gelu_tanh(gate).to(X.dtype.element_ty).to(tl.float32)        # HF's act_fn output
     tl.store(Y + row * stride_y + cols, (act * up).to(Y.dtype.element_ty), mask=mask)
 
 

@@ -12,6 +12,11 @@ iteration loads a [BLOCK_N, BLOCK_K] weight tile (16 KB in flight a program) and
 into an fp32 tile of the same shape, reduced over K once at the end. Summing each chunk as it
 arrives would put a cross-lane reduction in the loop; a single pass over K needs no second kernel
 and makes every output feature's sum order independent of the grid.
+
+`gemv_act_and_mul` is a gated MLP's first half at one row: the fused gate_up projection and the
+activation, ``act(x W_gate^T) * (x W_up^T)``, in one launch instead of two. A program owns BLOCK_N
+features of gate and the same of up, so it holds both halves of its outputs. With expert ids it
+is `fused_moe`'s gate_up for a few tokens: output row p reads its expert's weights.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import triton
 import triton.language as tl
 
 from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
+from .gelu_and_mul import gelu_and_mul_fwd_torch
+from .silu_and_mul import silu_and_mul_fwd_torch
+from .triton_math import gelu_tanh, silu
 
 # (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
 # Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up.
@@ -55,6 +63,46 @@ def _gemv_kernel(
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _gemv_act_and_mul_kernel(
+    X, W, Y, ExpertIds, I, K, ROWS_PER_X, stride_xm, stride_we, stride_wn,
+    ACT: tl.constexpr, HAS_EXPERTS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Y[r, n] = act(X[r // ROWS_PER_X] . W[n]) * (X[r // ROWS_PER_X] . W[I + n]) for the output row
+    # r = program_id(0) and BLOCK_N features n; with HAS_EXPERTS, W is expert ExpertIds[r]'s.
+    row = tl.program_id(0)
+    x_row = X + (row // ROWS_PER_X).to(tl.int64) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if HAS_EXPERTS:
+        gate_ptrs += tl.load(ExpertIds + row).to(tl.int64) * stride_we
+    up_ptrs = gate_ptrs + I * stride_wn
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            mask = n_mask[:, None]
+            x = tl.load(x_row + k0 + offs_k)
+        else:
+            mask = n_mask[:, None] & ((k0 + offs_k) < K)[None, :]
+            x = tl.load(x_row + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        acc_gate += tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
+    # as HF: gate and up round to the dtype (a linear layer's outputs), the activation's output
+    # rounds, then the product
+    gate = tl.sum(acc_gate, 1).to(Y.dtype.element_ty).to(tl.float32)
+    up = tl.sum(acc_up, 1).to(Y.dtype.element_ty).to(tl.float32)
+    if ACT == "gelu_tanh":
+        act = gelu_tanh(gate)
+    else:
+        act = silu(gate)
+    act = act.to(Y.dtype.element_ty).to(tl.float32) * up
+    tl.store(Y + row.to(tl.int64) * I + offs_n, act.to(Y.dtype.element_ty), mask=n_mask)
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 *, tiles: tuple[int, int, int] = TILES) -> torch.Tensor:
     """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) for the benchmark's sweep."""
@@ -71,15 +119,69 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
+# gemv_act_and_mul's (BLOCK_N, largest BLOCK_K, num_warps): two weight tiles a chunk, so half
+# TILES' widest chunk (the same bytes in flight a program, the same registers).
+ACT_AND_MUL_TILES = (4, 1024, 4)
+ACTIVATIONS = {"silu": silu_and_mul_fwd_torch, "gelu_tanh": gelu_and_mul_fwd_torch}  # the twins'
+
+
+def gemv_block_k(K: int, largest: int) -> int:
+    """The widest power-of-two chunk up to ``largest`` that divides K (no masks in the loop), if
+    one of 64 or more does (768 -> 256); else one that covers K, masked."""
+    block = largest
+    while block >= 64:
+        if K % block == 0:
+            return block
+        block //= 2
+    return min(largest, max(16, next_pow2(K)))
+
+
+def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
+                            expert_ids: torch.Tensor | None = None, rows_per_x: int = 1,
+                            tiles: tuple[int, int, int] = ACT_AND_MUL_TILES) -> torch.Tensor:
+    """Triton version of `gemv_act_and_mul`. With ``expert_ids`` ``[P]`` the weight is
+    ``[E, 2I, K]`` and the output ``[P, I]``: row p through expert ``expert_ids[p]`` from x's row
+    ``p // rows_per_x`` (x ``[n, K]``, unit-stride rows). `tiles` as `gemv_triton`'s."""
+    assert act in ACTIVATIONS, act
+    I, K = weight.shape[-2] // 2, weight.shape[-1]
+    assert weight.stride(-1) == 1 and x.stride(-1) == 1, "unit-stride rows"
+    if expert_ids is None:
+        assert x.numel() == K, "gemv_act_and_mul takes one row"
+        y = torch.empty(*x.shape[:-1], I, dtype=x.dtype, device=x.device)
+        rows, ids, stride_we = 1, x, 0    # ids: any pointer, never read
+    else:
+        rows, ids, stride_we = expert_ids.numel(), expert_ids, weight.stride(0)
+        y = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+    block_n, largest_k, num_warps = tiles
+    block_k = gemv_block_k(K, largest_k)
+    launcher(_gemv_act_and_mul_kernel, x)[(rows, triton.cdiv(I, block_n))](
+        x, weight, y, ids, I, K, rows_per_x, x.stride(-2) if x.dim() > 1 else K, stride_we, weight.stride(-2),
+        ACT=act, HAS_EXPERTS=expert_ids is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=1,
+    )
+    return y
+
+
+def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of the one-row linear layer ``x @ weight^T`` (x ``[..., K]``, leading dims
+    of size 1; weight ``[2I, K]``: gate's rows, then up's), act ``"silu"`` (SwiGLU) or
+    ``"gelu_tanh"`` (GeGLU): what `linear` then `silu_and_mul_fwd` / `gelu_and_mul_fwd` give,
+    in one launch. Returns a new ``[..., I]`` tensor in x's dtype."""
+    if use_triton(x):
+        return gemv_act_and_mul_triton(x, weight, act)
+    return ACTIVATIONS[act](F.linear(x, weight))
+
+
 def gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of `gemv`: the linear layer itself."""
     return F.linear(x, weight, bias)
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` should run x @ weight^T here: one contiguous row that our half-precision
-    kernels may take (`half_precision_on_triton`); two rows or more are `skinny_gemm`'s or cuBLAS's."""
-    return x.numel() == x.shape[-1] and x.is_contiguous() and half_precision_on_triton(x, weight)
+    """Whether `linear` should run x @ weight^T here: a dense weight and one contiguous row that
+    our half-precision kernels may take (`half_precision_on_triton`); two rows or more are `skinny_gemm`'s or cuBLAS's."""
+    return (isinstance(weight, torch.Tensor) and x.numel() == x.shape[-1] and x.is_contiguous()
+            and half_precision_on_triton(x, weight))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -51,10 +51,14 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     ids = torch.empty((n, top_k), dtype=torch.int32, device=logits.device)
     if n:
         E_P2 = next_pow2(E)
-        BLOCK_T = min(64, max(16, 4096 // E_P2))
+        # A decode step's few rows take a tile of their own size (at least two rows: no one-row
+        # blocks for the GPU compiler) and as few warps as hold it: its top-k is TOP_K rounds of
+        # row reductions, which stay within a warp's shuffles when one warp holds the tile.
+        BLOCK_T = max(2, min(64, max(16, 4096 // E_P2), next_pow2(n)))
+        num_warps = max(1, min(4, BLOCK_T * E_P2 // 512))
         launcher(_moe_route_kernel, logits)[(triton.cdiv(n, BLOCK_T),)](
             logits, weights, ids, n, E, logits.stride(0), TOP_K=top_k, K_P2=next_pow2(top_k), RENORMALIZE=renormalize,
-            BLOCK_T=BLOCK_T, E_P2=E_P2, num_warps=4,
+            BLOCK_T=BLOCK_T, E_P2=E_P2, num_warps=num_warps,
         )
     return weights, ids
 

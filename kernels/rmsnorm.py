@@ -12,17 +12,23 @@ from .backend import launch_row_norm, use_triton
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    # One program per row; rows wider than BLOCK_N are walked in chunks.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    y_row = Y + row * stride_y
+def row_rstd(x_row, N, eps, BLOCK_N: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the N values at x_row, read in BLOCK_N chunks."""
     sq = tl.zeros([BLOCK_N], tl.float32)
     for off in range(0, N, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
         sq += x * x
-    rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
+    return tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
+
+
+@triton.jit
+def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    # One program per row; rows wider than BLOCK_N are walked in chunks.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    y_row = Y + row * stride_y
+    rstd = row_rstd(x_row, N, eps, BLOCK_N)
     for off in range(0, N, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < N

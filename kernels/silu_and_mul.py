@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .backend import as_rows, launcher, next_pow2, use_triton
+from .triton_math import silu
 
 
 @triton.jit
@@ -24,7 +25,7 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
     mask = cols < I
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)  # HF's act_fn output
+    act = silu(gate).to(X.dtype.element_ty).to(tl.float32)  # HF's act_fn output
     tl.store(Y + row * stride_y + cols, (act * up).to(Y.dtype.element_ty), mask=mask)
 
 

@@ -16,3 +16,17 @@ def tanh(x):
 def softcap(s, cap):
     """Logit soft-capping, ``cap * tanh(s / cap)`` (Gemma 2's attention and final logits)."""
     return cap * tanh(s / cap)
+
+
+@triton.jit
+def silu(g):
+    """silu(g) = g sigmoid(g) (fp32): the SwiGLU MLPs' activation."""
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def gelu_tanh(g):
+    """gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), computed as g sigmoid(2u)
+    (the same value, without the cancellation of 1 + tanh(u) for very negative u): GeGLU's."""
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)     # sqrt(2 / pi) (g + 0.044715 g^3)
+    return g / (1.0 + tl.exp(-2.0 * u))

@@ -1,5 +1,5 @@
-"""fused_moe: the twin against a per-token float64 reference, Triton against the twin (the
-align kernel's blocks checked on their own)."""
+"""fused_moe: the twin against a per-token float64 reference, Triton (both paths: the GEMVs for a
+few tokens, the grouped GEMM) against the twin (the align kernel's blocks checked on their own)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE_DTYPES, DEVICES, randn, rng, tol
 
-from llmserve.kernels.fused_moe import fused_moe_torch, fused_moe_triton, moe_align, moe_align_sorting
+from llmserve.kernels.fused_moe import (
+    GEMV_MAX_TOKENS,
+    fused_moe_gemv,
+    fused_moe_grouped,
+    fused_moe_torch,
+    fused_moe_triton,
+    moe_align,
+    moe_align_sorting,
+)
 from llmserve.kernels.moe_route import select_experts_torch
 
 # (tokens, hidden, intermediate, experts, top_k): a decode-sized batch, more rows than one block
@@ -51,6 +59,32 @@ def test_triton_matches_twin(device, dtype, shape):
     got = fused_moe_triton(*inputs)
     assert got.dtype == dtype and got.shape == inputs[0].shape
     torch.testing.assert_close(got, fused_moe_torch(*inputs), **tol(dtype))
+
+
+# (tokens, hidden, intermediate, experts, top_k): a few tokens, some sharing an expert; widths
+# that no chunk divides (masked K) and that one does; top 1 (a padded slot) and top 3
+FEW_TOKEN_SHAPES = [(1, 64, 32, 8, 2), (3, 40, 72, 4, 3), (GEMV_MAX_TOKENS, 128, 64, 6, 1)]
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("shape", FEW_TOKEN_SHAPES)
+@pytest.mark.parametrize("path", [fused_moe_gemv, fused_moe_grouped], ids=["gemv", "grouped"])
+def test_both_paths_match_twin_at_a_few_tokens(device, dtype, shape, path):
+    """The GEMVs run up to GEMV_MAX_TOKENS tokens, the grouped GEMM above: at a few tokens both
+    must agree with the twin (the benchmark times both there to place the switch)."""
+    inputs = make_inputs(*shape, dtype=dtype, device=device, seed=2)
+    got = path(*inputs)
+    assert got.dtype == dtype and got.shape == inputs[0].shape
+    torch.testing.assert_close(got, fused_moe_torch(*inputs), **tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_tiles_that_split_k_give_the_same_sums(device):
+    """Narrow chunks (several trips over K, a masked last one) sum as one wide chunk does."""
+    inputs = make_inputs(2, 200, 100, 4, 2, dtype=torch.float32, device=device, seed=3)
+    wide = fused_moe_gemv(*inputs, gate_up_tiles=(4, 256, 4), down_tiles=(4, 128, 4))
+    narrow = fused_moe_gemv(*inputs, gate_up_tiles=(2, 64, 1), down_tiles=(8, 32, 2))
+    torch.testing.assert_close(narrow, wide, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,4 +1,5 @@
-"""gemv: the Triton kernel against the linear layer it replaces, and `linear`'s routing to it."""
+"""gemv: the Triton kernel against the linear layer it replaces, and `linear`'s routing to it;
+gemv_act_and_mul against the linear layer and the activation it fuses."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from kernel_test_utils import DEVICES, linear_reference, randn, rng
 
 from llmserve.kernels import backend, quantized_linear
-from llmserve.kernels.gemv import gemv_triton, takes_gemv
+from llmserve.kernels.gemv import ACTIVATIONS, gemv_act_and_mul_triton, gemv_triton, takes_gemv
 
 # (N, K): K a multiple of the 2048-wide chunk, a power of two below it, ragged K, N not a multiple of
 # the 4-row block, one output feature.
@@ -60,3 +61,21 @@ def test_linear_sends_only_one_half_precision_row_to_gemv(monkeypatch):
     assert calls == [(1, 32)]
     # The twin backend (CPU serving) never takes it.
     assert not takes_gemv(torch.randn(1, 32, dtype=torch.bfloat16), w16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("I,K", [(12, 64), (37, 100), (3, 2100)])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_act_and_mul_is_the_linear_layer_then_the_activation(device, dtype, I, K, act):
+    """One launch for gate_up and the activation: within a rounding of the two launches it saves
+    (`linear`, then silu_and_mul / gelu_and_mul), the gated output of a projection whose gate and
+    up rows are two halves of one weight."""
+    g = rng(I * K)
+    x = randn(g, 1, K, dtype=dtype, device=device)
+    w = randn(g, 2 * I, K, dtype=dtype, device=device, scale=K ** -0.5)
+    got = gemv_act_and_mul_triton(x, w, act)
+    assert got.shape == (1, I) and got.dtype == dtype
+    want = ACTIVATIONS[act](linear_reference(x, w, None))
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-3,
+                               rtol=1e-5 if dtype == torch.float32 else 1.6e-2)

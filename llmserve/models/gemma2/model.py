@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from llmserve.models.gemma.model import GemmaTpPartModel
+from llmserve.models.gemma2.layer_infer.post_layer_infer import Gemma2PostLayerInfer
 from llmserve.models.gemma2.layer_infer.transformer_layer_infer import Gemma2TransformerLayerInfer
 from llmserve.models.gemma2.layer_weights.transformer_layer_weight import Gemma2TransformerLayerWeight
 
@@ -16,3 +17,14 @@ class Gemma2TpPartModel(GemmaTpPartModel):
 
     transformer_weight_class = Gemma2TransformerLayerWeight
     transformer_layer_infer_class = Gemma2TransformerLayerInfer
+    post_layer_infer_class = Gemma2PostLayerInfer
+
+    def _init_weights(self) -> None:
+        super()._init_weights()
+        # A layer's post-feedforward norm runs in the next one's first launch (or the post
+        # layer's): each is handed the one before it.
+        prev = None
+        for layer_weight in self.trans_layers_weight:
+            layer_weight.prev_post_ffn_norm_weight_ = prev
+            prev = layer_weight.post_ffn_norm_weight_
+        self.pre_post_weight.last_post_ffn_norm_weight_ = prev

@@ -1,5 +1,6 @@
 """The Llama layer's fused kernels (rotary + KV store in one launch; each residual add inside the
-next norm) against the same model run through the plain ops, with the Triton kernels: logits
+next norm; at one row, the gate_up GEMV and the activation in one launch) against the same model
+run through the plain ops, with the Triton kernels: logits
 bitwise equal, over prefill, a chunk with every row's logits, and decode steps. On CPU the
 kernels run in Triton's interpreter."""
 
@@ -99,3 +100,30 @@ def test_fused_layers_are_the_plain_path_bitwise(model_dir, triton_backend, monk
     forwards = len(got)
     assert calls == Counter(rmsnorm_forward=forwards, add_rmsnorm_forward=2 * LAYERS * forwards,
                             rotary_emb_copy_kv=LAYERS * forwards)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16], ids=str)
+def test_one_row_gate_up_and_activation_is_the_plain_path_bitwise(model_dir, triton_backend, monkeypatch, dtype):
+    """A batch-1 decode step's MLP runs gemv_act_and_mul (one launch), bitwise what the GEMV and
+    silu_and_mul give; a half-precision row, as `takes_gemv` asks."""
+    from llmserve.kernels import gemv
+    from llmserve.models.llama.layer_infer import transformer_layer_infer
+
+    def one_request(model) -> list[torch.Tensor]:
+        driver = BatchDriver(model)
+        logits = [driver.prefill(random_prompts([6], VOCAB, seed=4))]
+        for _ in range(2):
+            logits.append(driver.decode(logits[-1].argmax(-1).tolist()))
+        driver.free()
+        return logits
+
+    fused_calls = []
+    fused_op = gemv.gemv_act_and_mul
+    monkeypatch.setattr(transformer_layer_infer, "gemv_act_and_mul",
+                        lambda *a: fused_calls.append(a[0].shape) or fused_op(*a))
+    got = one_request(load_ours(model_dir, dtype=dtype, max_running_requests=4))
+    assert len(fused_calls) == 2 * LAYERS  # the two decode steps; the prefill's rows go the plain way
+    monkeypatch.setattr(transformer_layer_infer, "takes_gemv", lambda x, w: False)
+    want = one_request(load_ours(model_dir, dtype=dtype, max_running_requests=4))
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: {(g != w).sum().item()} logits differ"

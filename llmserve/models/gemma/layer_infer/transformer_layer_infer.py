@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import torch
-
-from llmserve.kernels import gelu_and_mul_fwd
 from llmserve.models.llama.layer_infer.transformer_layer_infer import LlamaTransformerLayerInfer
 
 
@@ -11,6 +8,4 @@ class GemmaTransformerLayerInfer(LlamaTransformerLayerInfer):
     MLP (tanh GELU)."""
 
     norm_round_first = False
-
-    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return gelu_and_mul_fwd(gate_up)
+    mlp_act = "gelu_tanh"

@@ -8,7 +8,9 @@ from llmserve.models.gemma.layer_weights.transformer_layer_weight import GemmaTr
 class Gemma2TransformerLayerWeight(GemmaTransformerLayerWeight):
     """Gemma's layer with four norms: the MLP's input norm is ``pre_feedforward_layernorm``, and
     ``post_attention_layernorm`` / ``post_feedforward_layernorm`` normalise the attention's and
-    the MLP's outputs before they join the residual stream."""
+    the MLP's outputs before they join the residual stream. ``prev_post_ffn_norm_weight_`` is the
+    previous layer's post-feedforward norm (None in the first layer), which this layer's first
+    launch applies (Gemma2TpPartModel links them once all are loaded)."""
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         p = f"model.layers.{self.layer_num_}."
@@ -23,3 +25,4 @@ class Gemma2TransformerLayerWeight(GemmaTransformerLayerWeight):
         super()._build(w)
         self.post_att_norm_weight_ = gemma_norm_weight(w["post_att_norm"])
         self.post_ffn_norm_weight_ = gemma_norm_weight(w["post_ffn_norm"])
+        self.prev_post_ffn_norm_weight_ = None

@@ -3,8 +3,20 @@ from __future__ import annotations
 import torch
 
 from llmserve.common.basemodel import TransformerLayerInferTpl
-from llmserve.kernels import add_rmsnorm_forward, linear, rmsnorm_forward, rotary_emb_copy_kv, silu_and_mul_fwd
+from llmserve.kernels import (
+    add_rmsnorm_forward,
+    gelu_and_mul_fwd,
+    linear,
+    rmsnorm_forward,
+    rotary_emb_copy_kv,
+    silu_and_mul_fwd,
+)
+from llmserve.kernels.gemv import gemv_act_and_mul, takes_gemv
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
+
+
+# A gated MLP's activation of ``[gate | up]``, by `gemv_act_and_mul`'s names.
+ACT_AND_MUL = {"silu": silu_and_mul_fwd, "gelu_tanh": gelu_and_mul_fwd}
 
 
 class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
@@ -12,6 +24,7 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
 
     # The norms round as HF LlamaRMSNorm (True) or GemmaRMSNorm (False: see rmsnorm_forward).
     norm_round_first: bool = True
+    mlp_act: str = "silu"    # SwiGLU (a key of ACT_AND_MUL)
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
@@ -37,11 +50,12 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
                            infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state))
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        gate_up = linear(x, layer_weight.gate_up_weight_)
-        if infer_state.lora is not None:
-            infer_state.lora.add(self.layer_num_, "gate_up", x, gate_up)
-        return self._row_parallel_linear(self._act_and_mul(gate_up), layer_weight.down_weight_, None, infer_state, "down")
-
-    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The gated MLP's activation of ``[gate | up]``: SwiGLU here."""
-        return silu_and_mul_fwd(gate_up)
+        if infer_state.lora is None and takes_gemv(x, layer_weight.gate_up_weight_):
+            # One row (a batch-1 decode step): the gate_up GEMV computes the activation too.
+            act = gemv_act_and_mul(x, layer_weight.gate_up_weight_, self.mlp_act)
+        else:
+            gate_up = linear(x, layer_weight.gate_up_weight_)
+            if infer_state.lora is not None:
+                infer_state.lora.add(self.layer_num_, "gate_up", x, gate_up)
+            act = ACT_AND_MUL[self.mlp_act](gate_up)
+        return self._row_parallel_linear(act, layer_weight.down_weight_, None, infer_state, "down")
