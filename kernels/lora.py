@@ -63,7 +63,7 @@ import triton.language as tl
 from .backend import dot_precision, launcher, next_pow2, use_triton
 
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
-# tiles for segments longer than DECODE_ROWS (prompts), which re-read B less often.
+# tiles for segments longer than DECODE_ROWS (prompts), which re-read A and B less often.
 BLOCK_M_DECODE, BLOCK_M_PREFILL, DECODE_ROWS = 16, 64, 256
 MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few KB at most
 SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
@@ -89,6 +89,8 @@ def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, 
                         stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
+    """``P[split, i] = x[rows[i]] @ A[slot]^T`` over columns ``split * K_PER_SPLIT`` on (at most
+    K_PER_SPLIT of them) for the tile's positions i: ``m * R_SUB x K_PER_SPLIT`` of A read once."""
     slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
     if first >= seg_end:     # no tokens of this slot in this tile
         return
@@ -118,6 +120,9 @@ def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Chunks, K_SPLITS
                         stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``y[rows[i], chunk] += (sum over splits of P[:, i]) @ B[slot, chunk]^T * scaling`` for the
+    tile's positions i: the chunk's ``R x cols`` of B read once, beside ``K_SPLITS x BLOCK_M x R``
+    partials."""
     slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
     if first >= seg_end:
         return
