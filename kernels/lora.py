@@ -1,38 +1,60 @@
 """Batched LoRA: each token of a batch adds its own adapter's low-rank product to a projection's
-output, ``y += (x @ A[slot]^T) @ B[slot]^T * scaling[slot]``, in one kernel per projection group
-(``lora_add``): q, k and v of one ``qkv`` output (they share x) are one launch, as are gate and up.
+output, ``y += (x @ A[slot]^T) @ B[slot]^T * scaling[slot]``, in two kernels per projection group
+(``lora_add``): q, k and v of one ``qkv`` output (they share x) are one shrink and one expand, as
+are gate and up.
 
-Why one fused kernel, and what a program does. At decode an adapter's extra bytes are tiny (rank
-16 on Llama-3-8B: about 0.5% of the weights), so its cost is launches and latency, not bandwidth.
-A separate shrink (``s = x @ A^T``) and expand (``y += s @ B^T``) cost two launches a group and
-a round trip of ``s`` through memory; here one program does both for a tile of tokens and a
-chunk of output columns: it computes its tokens' ``s`` (``BLOCK_M x R``, kept in registers; the
-rank is at most the pool's, 64 by default) over the whole input, then adds ``s @ B^T`` to each
-``BLOCK_N`` block of its chunk. Every chunk of a projection recomputes its tokens' shrink: that
-re-reads A (``R x K``, 128 KB at rank 16 and K = 4096) from L2, never from HBM twice, and costs
-``R x K`` MACs a token, nothing beside the expand's reads. The host sizes the chunks so that the
-programs that can have tokens fill about one wave of the SMs: at batch 1 many small chunks (the
-latency is one program's shrink), with many busy segments fewer, larger ones (bounding the
-re-reads).
+Why a split shrink, then an expand. At decode an adapter's bytes are few (rank 16 on Llama-3-8B:
+about 0.5% of the weights), so what a launch costs is its slowest program's latency, and that is
+set by the bytes one program reads: one SM pulls a few tens of KB a microsecond. A kernel that
+shrinks inside every column chunk (``s = x @ A^T`` over the whole width K, then its chunk of ``s
+@ B^T``) makes each program read all of its slot's A: 393 KB for qkv (48 x 4096 x 2 B at rank
+16), 459 KB for down (16 x 14336 x 2 B), several microseconds on one SM however many programs
+run beside it, and the chunks re-read the same A from L2. So:
+
+1. ``_lora_shrink_kernel``, grid (K split, slot, tile of ``BLOCK_M`` of the slot's rows): each
+   program reads a ``K / k_splits`` slice of its slot's A once (every projection of the group:
+   x's slice is read once too) and writes its tiles' partial sums ``P[split, i, :]`` (fp32,
+   ``[k_splits, rows, m * R]``, i the position in ``rows``). Every partial the expand reads is
+   written, so nothing is zeroed first and nothing is added atomically.
+2. ``_lora_expand_kernel``, grid (column chunk, slot, tile): sums its tokens' partials over the
+   splits (``k_splits x BLOCK_M x R`` floats, a few KB), rounds the sum to the activations' dtype
+   (PEFT's ``lora_A(x)`` is in it too) and adds ``s @ B^T * scaling`` to each ``BLOCK_N`` block of
+   its chunk of y, in place.
+
+Each launch reads A or B once in all. The host picks ``k_splits`` so that the shrink's busy
+programs (splits x tiles that can hold tokens) fill about one wave of SMs, at most
+``MAX_K_SPLITS`` (the expand's sum grows with them), each split a whole number of ``BLOCK_K``
+blocks; and the expand's chunks so that its busy programs fill about one wave. On an H100 (132
+SMs), Llama-3-8B, rank 16, bf16:
+
+- batch 1, one adapter: one busy tile. qkv: 32 splits of 128 columns, 32 programs reading 12 KB
+  of A each (48 x 128 x 2 B); down: 28 splits of 512, 16 KB each; o: 32 of 128, 4 KB; gate_up:
+  32 of 128, 8 KB. The expand: 48 (qkv), 32 (o, down) or 112 (gate_up, 2 blocks a chunk)
+  programs, each reading 4-8 KB of B and 2 KB of partials.
+- batch 32 over 8 adapters: 9 busy tiles (8 segments of 4 tokens, plus a boundary). qkv: 11
+  splits of 384 columns, 88 programs of 36 KB; down: 14 splits of 1024, 112 programs of 32 KB.
+  The expand: 4 blocks a chunk for qkv, 96 programs of 16 KB of B each.
 
 Tokens are grouped by adapter (S-LoRA / Punica's segments): ``rows[seg_start[s] :
 seg_start[s + 1]]`` are the token rows of slot ``s`` (built once a step on the host:
-``llmserve.lora.pool.lora_segments``). The grid is (column chunk, slot, tile of ``BLOCK_M`` of the
-slot's rows), so a program loads one adapter's A and B for up to ``BLOCK_M`` tokens at once (a
-batch of 32 over 8 adapters: one program per adapter and chunk, not per request); the tiles past
-a slot's rows, and so every slot without tokens and every token of the base model, exit at once.
+``llmserve.lora.pool.lora_segments``). A program loads one adapter's weights for up to
+``BLOCK_M`` tokens at once (a batch of 32 over 8 adapters: one program per adapter and split or
+chunk, not per request); the tiles past a slot's rows, and so every slot without tokens and every
+token of the base model, exit at once.
 
 The pool pads every adapter to its largest rank ``R`` with zeros; ``slot_rank`` masks the
 padding's loads (a masked load moves no memory). A stacks a group's projections' A
 (``[S, m * R, K]``), B their B as the fused output's columns (``[S, N, R]``).
 
-Everything the kernel reads is on the device, and its grid and blocks depend on shapes only, so
-a step replays from a CUDA graph with ``seg_start`` and ``rows`` graph inputs.
+Everything the kernels read is on the device, and their grids, blocks and the partials' shape
+depend on shapes only, so a step replays from a CUDA graph with ``seg_start`` and ``rows`` graph
+inputs.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,47 +63,91 @@ import triton.language as tl
 from .backend import dot_precision, launcher, next_pow2, use_triton
 
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
-# tiles for segments longer than DECODE_ROWS (prompts), which re-read A less often.
+# tiles for segments longer than DECODE_ROWS (prompts), which re-read A and B less often.
 BLOCK_M_DECODE, BLOCK_M_PREFILL, DECODE_ROWS = 16, 64, 256
+MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few KB at most
+SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
 _SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
+_SUM_TILE = 8192            # fp32 partials the expand loads at once (splits x rows x rank): 64 a thread
 
 
 @triton.jit
-def _lora_kernel(X, A, B, Y, Scaling, Rank, SegStart, Rows, Chunks, K, R_SUB,
-                 stride_xm, stride_as, stride_ar, stride_bs, stride_bn, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+def _segment_tile(SegStart, Rows, BLOCK_M: tl.constexpr):
+    """Program (., slot, tile)'s tokens: their positions in ``Rows``, a mask of the real ones
+    and their token rows; ``first >= seg_end`` when the tile holds none (the program exits)."""
     slot = tl.program_id(1)
     seg_end = tl.load(SegStart + slot + 1)
     first = tl.load(SegStart + slot) + tl.program_id(2) * BLOCK_M
-    if first >= seg_end:     # no tokens of this slot in this tile
-        return
     offs_m = first + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     rows = tl.load(Rows + offs_m, mask=m_mask, other=0).to(tl.int64)
-    rank = tl.load(Rank + slot)
+    return slot, first, seg_end, offs_m, m_mask, rows
+
+
+@triton.jit
+def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, R_SUB,
+                        stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """``P[split, i] = x[rows[i]] @ A[slot]^T`` over columns ``split * K_PER_SPLIT`` on (at most
+    K_PER_SPLIT of them) for the tile's positions i: ``m * R_SUB x K_PER_SPLIT`` of A read once."""
+    slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
+    if first >= seg_end:     # no tokens of this slot in this tile
+        return
+    # Every projection's A rows at once: projection j's are j * R_SUB on, the slot's first
+    # `rank` of them its adapter's (the rest is the pool's zero padding, not read).
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    # This program's columns: chunk program_id(0), of projection `proj` (its A rows start at
-    # proj * R_SUB), columns col_start up to col_end of y (a chunk never spans two projections).
+    r_in = offs_r < R_TOTAL
+    r_mask = r_in & (offs_r % R_SUB < tl.load(Rank + slot))
+    split = tl.program_id(0)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    a_ptrs = A + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
+    x_ptrs = X + rows[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_ptrs + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+    p_ptrs = P + split.to(tl.int64) * stride_ps + offs_m[:, None] * stride_pm + offs_r[None, :]
+    tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_in[None, :])
+
+
+@triton.jit
+def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Chunks, K_SPLITS, R_SUB,
+                        stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``y[rows[i], chunk] += (sum over splits of P[:, i]) @ B[slot, chunk]^T * scaling`` for the
+    tile's positions i: the chunk's ``R x cols`` of B read once, beside ``K_SPLITS x BLOCK_M x R``
+    partials."""
+    slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
+    if first >= seg_end:
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < tl.load(Rank + slot)
+    # This program's columns: chunk program_id(0), of projection `proj` (its partials' columns
+    # start at proj * R_SUB), columns col_start up to col_end of y (a chunk never spans two
+    # projections).
     chunk = Chunks + tl.program_id(0) * 3
     proj = tl.load(chunk)
     col_start = tl.load(chunk + 1)
     col_end = tl.load(chunk + 2)
 
-    # shrink: s = x @ A^T over the whole input, for this tile's tokens
-    a_ptrs = A + slot.to(tl.int64) * stride_as + (proj * R_SUB + offs_r)[None, :] * stride_ar
-    x_ptrs = X + rows[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(a_ptrs + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-    s = acc.to(B.dtype.element_ty)    # PEFT's lora_A(x) is in the activations' dtype too
+    # s = the sum of the shrink's partials, SPLIT_BLOCK splits a load
+    offs_sp = tl.arange(0, SPLIT_BLOCK)
+    p_ptrs = (P + offs_sp[:, None, None].to(tl.int64) * stride_ps + offs_m[None, :, None] * stride_pm
+              + (proj * R_SUB + offs_r)[None, None, :])
+    tile_mask = m_mask[None, :, None] & r_mask[None, None, :]
+    s = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for sp0 in range(0, K_SPLITS, SPLIT_BLOCK):
+        mask = ((sp0 + offs_sp) < K_SPLITS)[:, None, None] & tile_mask
+        s += tl.sum(tl.load(p_ptrs + sp0 * stride_ps, mask=mask, other=0.0), axis=0)
+    s = s.to(B.dtype.element_ty)    # PEFT's lora_A(x) is in the activations' dtype too
 
-    # expand: y += s @ B^T * scaling, block by block of the chunk's columns
+    # y += s @ B^T * scaling, block by block of the chunk's columns
     scaling = tl.load(Scaling + slot)
     b_ptrs = B + slot.to(tl.int64) * stride_bs + offs_r[:, None]
     for n0 in range(col_start, col_end, BLOCK_N):
@@ -121,34 +187,66 @@ def _chunk_table(splits: tuple[int, ...], block_n: int, blocks_per_chunk: int, d
     return _CHUNK_TABLES[key]
 
 
+@dataclass(frozen=True)
+class ShrinkPlan:
+    """How the shrink cuts K: ``k_splits`` programs a tile, each ``k_per_split`` columns (a whole
+    number of ``block_k`` blocks; the last split takes what is left), pipelined ``num_stages`` deep."""
+
+    block_k: int
+    k_per_split: int
+    k_splits: int
+    num_stages: int
+
+
+def shrink_plan(k: int, busy: int, block_m: int, block_r: int, elem_size: int, num_sms: int) -> ShrinkPlan:
+    """The K splits of a shrink whose ``busy`` tiles can hold tokens: enough that splits x tiles
+    fill about one wave of ``num_sms`` (at most MAX_K_SPLITS). A program's loads are what it waits
+    on, so its blocks are as wide as 3 pipelined stages of x's and A's tiles (``(block_m +
+    block_r) x block_k``) allow in _SHRINK_SMEM, up to SHRINK_BLOCK_K."""
+    stage_bytes = (block_m + block_r) * elem_size
+    block_k = max(16, min(SHRINK_BLOCK_K, next_pow2(k), next_pow2(_SHRINK_SMEM // (3 * stage_bytes) + 1) // 2))
+    blocks = triton.cdiv(k, block_k)
+    target = max(1, min(MAX_K_SPLITS, triton.cdiv(num_sms, busy)))
+    blocks_per_split = triton.cdiv(blocks, target)
+    num_stages = max(2, min(4, _SHRINK_SMEM // (stage_bytes * block_k)))
+    return ShrinkPlan(block_k, blocks_per_split * block_k, triton.cdiv(blocks, blocks_per_split), num_stages)
+
+
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
                     slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
                     splits: tuple[int, ...], r_sub: int) -> None:
-    """Triton version of `lora_add`."""
+    """Triton version of `lora_add`: a split shrink into fp32 partials, then the expand."""
     n, k = x.shape
     num_slots = seg_start.numel() - 1
     if n == 0 or num_slots == 0 or max_len == 0:
         return
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
+    sms = _num_sms(y.device)
     block_m = BLOCK_M_DECODE if max_len <= DECODE_ROWS else BLOCK_M_PREFILL
-    block_r = max(16, next_pow2(r_sub))
-    # The shrink's loads are what a program waits on (its latency is about one SM's share of
-    # bandwidth: A's R x K bytes over the bytes in flight), so it pipelines wide tiles over 3 or 4
-    # stages within 128 KiB of shared memory (a stage: x's and A's tiles, (BLOCK_M + BLOCK_R) x BLOCK_K).
-    stage_rows = (block_m + block_r) * x.element_size()
-    block_k = max(16, min(512, next_pow2(k), next_pow2(_SHRINK_SMEM // (3 * stage_rows) + 1) // 2))
-    num_stages = max(2, min(4, _SHRINK_SMEM // (stage_rows * block_k)))
-    block_n = min(128, max(16, next_pow2(min(splits))))
+    tiles = (num_slots, triton.cdiv(max_len, block_m))    # (slot, tile of its rows)
     # Tiles that can hold tokens: the rows' tiles, plus one per segment boundary.
     busy = min(num_slots, n) + triton.cdiv(n, block_m) - 1
+    r_total = len(splits) * r_sub
+    block_r = max(16, next_pow2(r_total))
+    plan = shrink_plan(k, busy, block_m, block_r, x.element_size(), sms)
+    partials = torch.empty((plan.k_splits, rows.numel(), r_total), dtype=torch.float32, device=y.device)
+    launcher(_lora_shrink_kernel, y)[(plan.k_splits, *tiles)](
+        x, a, partials, slot_rank, seg_start, rows, k, plan.k_per_split, r_total, r_sub,
+        x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
+        BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(y.dtype),
+        num_stages=plan.num_stages, num_warps=8 if block_m * block_r >= 8192 else 4,
+    )
+
+    block_rs = max(16, next_pow2(r_sub))
+    block_n = min(128, max(16, next_pow2(min(splits))))
     blocks = sum(triton.cdiv(c, block_n) for c in splits)
-    chunks = _chunk_table(tuple(splits), block_n, triton.cdiv(blocks * busy, _num_sms(y.device)), y.device)
-    grid = (chunks.shape[0], num_slots, triton.cdiv(max_len, block_m))
-    launcher(_lora_kernel, y)[grid](
-        x, a, b, y, scaling, slot_rank, seg_start, rows, chunks, k, r_sub,
-        x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(y.dtype),
-        num_stages=num_stages,
+    chunks = _chunk_table(tuple(splits), block_n, triton.cdiv(blocks * busy, sms), y.device)
+    split_block = max(2, min(next_pow2(plan.k_splits), _SUM_TILE // (block_m * block_rs)))
+    launcher(_lora_expand_kernel, y)[(chunks.shape[0], *tiles)](
+        partials, b, y, scaling, slot_rank, seg_start, rows, chunks, plan.k_splits, r_sub,
+        partials.stride(0), partials.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rs, SPLIT_BLOCK=split_block,
+        DOT_PRECISION=dot_precision(y.dtype),
     )
 
 

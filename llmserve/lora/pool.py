@@ -2,7 +2,7 @@
 and the per-forward view the layers add the adapters' products with (``LoraBatch``).
 
 Per projection group the pool holds A ``[slots, layers, m * R, in]`` (the m projections of a
-fused group stacked, so one kernel serves q, k and v) and B ``[slots, layers, out, R]`` (their B
+fused group stacked, so one shrink and one expand serve q, k and v) and B ``[slots, layers, out, R]`` (their B
 stacked as the fused output's columns), R = ``max_lora_rank``, an adapter of a lower rank padded
 with zeros. A slot's share of a tensor is contiguous, so putting an adapter in a slot (``load``)
 is one host-to-device copy per tensor, from the adapter packed on the host in the pool's layout
@@ -165,7 +165,7 @@ class LoraBatch:
 
     def add(self, layer_num: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out += `` each token's adapter's product for projection group ``group`` (``out`` is
-        the group's fused output, ``x`` its input): one kernel."""
+        the group's fused output, ``x`` its input): a shrink and an expand (``lora_add``)."""
         pool = self.pool
         a, b, splits = pool.layers[layer_num][group]
         lora_add(out, x, a, b, pool.scaling, pool.rank, self.seg_start, self.rows, self.max_len, splits, pool.max_rank)

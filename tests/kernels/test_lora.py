@@ -1,7 +1,9 @@
 """lora_add: the twin against a per-token fp64 reference, Triton against the twin (tokens of an
 adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
-below the pool's rank, stacked projections, an output that is a column slice of a wider one,
-column chunks of several blocks, decode and prompt-sized tiles); lora_segments' grouping."""
+below the pool's rank, stacked projections, an output that is a column slice of a wider one with
+tails in its projections' columns, column chunks of several blocks, decode and prompt-sized
+tiles, the shrink cut into many K splits with a short last one and the expand summing them a few
+at a time); shrink_plan's splits; lora_segments' grouping."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from kernel_test_utils import DEVICE_DTYPES, i32, randn, rng, tol
 
 from llmserve.kernels import lora as lora_kernels
-from llmserve.kernels.lora import lora_add_torch, lora_add_triton
+from llmserve.kernels.lora import MAX_K_SPLITS, lora_add_torch, lora_add_triton, shrink_plan
 from llmserve.lora.pool import lora_segments
 
 SLOTS, R_SUB = 4, 16                 # pool slots (slot 3 holds an adapter no token uses), rank block
@@ -84,3 +86,34 @@ def test_prompt_tiles_match_twin(device, dtype, monkeypatch):
     monkeypatch.setattr(lora_kernels, "DECODE_ROWS", 4)
     t = _inputs("mixed", 64, (96, 32, 32), dtype, device)
     torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_k_splits_match_twin(device, dtype, case, monkeypatch):
+    """K = 200 in blocks of 16 (13 blocks, the last one short) over 24 'SMs': 3 blocks a split, so
+    5 splits of which the last holds one short block, summed by the expand 2 splits a load."""
+    monkeypatch.setattr(lora_kernels, "SHRINK_BLOCK_K", 16)
+    monkeypatch.setattr(lora_kernels, "_num_sms", lambda device: 24)
+    monkeypatch.setattr(lora_kernels, "_SUM_TILE", 2 * 16 * R_SUB)
+    plan = shrink_plan(200, 4 if case == "decode" else 5, 16, 32, 4, 24)
+    assert (plan.block_k, plan.k_per_split, plan.k_splits) == (16, 48, 5)
+    t = _inputs(case, 200, (70, 33), dtype, device)
+    torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
+def test_shrink_plan_covers_k_and_fills_a_wave():
+    """Every plan cuts K into k_splits non-empty splits of whole blocks, at most MAX_K_SPLITS of
+    them and about one wave of programs; on Llama-3-8B's shapes (H100, bf16, rank 16) the splits
+    the module's docstring counts."""
+    for k in (16, 24, 130, 4096, 14336):
+        for busy in (1, 3, 9, 40, 200):
+            plan = shrink_plan(k, busy, 16, 64, 2, 132)
+            assert plan.k_per_split % plan.block_k == 0
+            assert (plan.k_splits - 1) * plan.k_per_split < k <= plan.k_splits * plan.k_per_split
+            assert plan.k_splits <= min(MAX_K_SPLITS, max(1, -(-132 // busy)))
+    llama = {("qkv", 1): (4096, 1, 64), ("down", 1): (14336, 1, 16), ("qkv", 32): (4096, 9, 64),
+             ("down", 32): (14336, 9, 16)}
+    splits = {key: (p.k_per_split, p.k_splits)
+              for key, (k, busy, block_r) in llama.items() for p in [shrink_plan(k, busy, 16, block_r, 2, 132)]}
+    assert splits == {("qkv", 1): (128, 32), ("down", 1): (512, 28), ("qkv", 32): (384, 11), ("down", 32): (1024, 14)}
