@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # spawned ranks re-import this file
 from common import environment, graph_us, markdown_table, remove_script_dir_from_sys_path, write_json
 
 remove_script_dir_from_sys_path()

@@ -85,8 +85,9 @@ class CustomAllReduce:
         # The two ops looked up now, so that a torch without them fails here, not in the first step.
         self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out
         self._two_shot = torch.ops.symm_mem.two_shot_all_reduce_out
-        if hasattr(symm_mem, "set_backend"):
-            symm_mem.set_backend("CUDA")   # peer-to-peer mappings of CUDA's virtual memory (not NVSHMEM's)
+        # The allocation backend is left at torch's default for CUDA (its own peer-to-peer mappings
+        # of CUDA virtual memory): asking for it by name with set_backend("CUDA") fails on torch 2.11
+        # ("does not find allocation backend CUDA", seen on two H200s; pytorch/pytorch#160289).
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None and not hasattr(enable, "__deprecated__"):
             enable(self.group_name)   # torch before 2.10 wants it; later ones deprecate it
