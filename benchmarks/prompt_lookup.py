@@ -12,8 +12,9 @@ Two modes.
   prefix cache, so that the timed runs prefill one token per request.
 
   Columns, over the decode phase (from the step that gave every request its first token):
-  tokens per forward (output tokens over the (request, step) pairs that made them), mean
-  accepted length (draft tokens accepted per verify), out tok/s on and off (medians), speed-up
+  tokens per forward (output tokens over the (request, step) pairs that made them), draft tokens
+  per verify, mean accepted length (draft tokens accepted per verify), the share of draft tokens
+  wasted (rejected: rows verified for nothing), out tok/s on and off (medians), speed-up
   (the median pair's, and the fastest off run's over the fastest on run's: a load can only add
   time), the same by the worker's CPU time, and the load average at each pair.
   On a machine whose cores others share, only pairs run at a steady load compare.
@@ -133,6 +134,8 @@ class Result:
     output_tokens: int
     tokens_per_forward_on: float
     mean_accepted_len: float         # draft tokens accepted per verify
+    mean_draft_len: float            # draft tokens verified per verify
+    wasted: float                    # share of the draft tokens rejected (rows verified for nothing)
     tok_per_s_off: float             # medians over the repeats
     tok_per_s_on: float
     speedup: float                   # median of the back-to-back pairs' off / on seconds
@@ -224,10 +227,10 @@ def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: 
     for _ in range(repeats):
         loads.append(load_average())
         out_off, s_off, _ = run_batch(engine, prompts, off)
-        accepted, verifies = engine.num_accepted_tokens, sum(engine.accepted_length_counts)
+        accepted, drafted, verifies = engine.num_accepted_tokens, engine.num_draft_tokens, sum(engine.accepted_length_counts)
         out_on, s_on, forwards = run_batch(engine, prompts, on)
         verifies = sum(engine.accepted_length_counts) - verifies
-        accepted = engine.num_accepted_tokens - accepted
+        accepted, drafted = engine.num_accepted_tokens - accepted, engine.num_draft_tokens - drafted
         if out_on != out_off:
             # Reported, not fatal: in half precision on a GPU a verify step's other kernels can
             # round a near-tie the other way (the CPU's float32 tables have always been equal).
@@ -237,6 +240,7 @@ def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: 
     tokens = sum(map(len, out_on)) - batch     # those after each request's first
     median = statistics.median
     return Result(name, batch, output_len, tokens, tokens / forwards, accepted / verifies if verifies else 0.0,
+                  drafted / verifies if verifies else 0.0, 1 - accepted / drafted if drafted else 0.0,
                   tokens / median(r[0] for r in runs), tokens / median(r[1] for r in runs),
                   median(r[0] / r[1] for r in runs), min(r[0] for r in runs) / min(r[1] for r in runs),
                   1e3 * median(r[2] for r in runs) / tokens,
@@ -315,7 +319,7 @@ def engine_mode(args: argparse.Namespace) -> tuple[list[Result], list[PeerResult
                     results.append(r)
                     pairs = ", ".join(f"{a:.1f}/{b:.1f} s, CPU {c:.1f}/{d:.1f} s" for a, b, c, d in r.runs)
                     print(f"{row_name} batch {batch}: {r.tokens_per_forward_on:.2f} tok/forward, accepted "
-                          f"{r.mean_accepted_len:.2f}, {r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x; "
+                          f"{r.mean_accepted_len:.2f} of {r.mean_draft_len:.2f} drafted ({r.wasted:.0%} wasted), {r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x; "
                           f"CPU {r.cpu_speedup:.2f}x; pairs {pairs}; load {r.load})", file=sys.stderr)
     finally:
         llm.close()
@@ -484,11 +488,12 @@ def main() -> int:
         print(f"\n### Prompt lookup, K = {args.speculate}, greedy, {args.repeats} off/on pair(s) a row; proposal at a "
               f"32k context: {proposal_us():.1f} us\n")
         print(markdown_table(["workload", "batch", "max tokens", "tokens", "from prompt / own output", "tokens / forward",
-                              "accepted / verify", "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off",
+                              "drafted / verify", "accepted / verify", "wasted", "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off",
                               "on", "CPU speed-up", "load (1 min)"],
                              [[r.workload, r.batch, r.output_len, r.output_tokens,
                                f"{r.from_prompt:.0%} / {r.from_own_output:.0%}", f"{r.tokens_per_forward_on:.2f}",
-                               f"{r.mean_accepted_len:.2f}", f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
+                               f"{r.mean_draft_len:.2f}", f"{r.mean_accepted_len:.2f}", f"{r.wasted:.0%}",
+                               f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
                                f"{r.speedup:.2f}x", f"{r.speedup_best:.2f}x", f"{r.cpu_ms_per_token_off:.0f}",
                                f"{r.cpu_ms_per_token_on:.0f}",
                                f"{r.cpu_speedup:.2f}x", r.load] for r in results]))
