@@ -50,10 +50,11 @@ class DraftCost:
     per_token: float = 0.0
 
     def best_length(self, acceptance: float, k: int) -> int:
-        """The draft length of at most ``k`` (at least 1) that emits the most tokens per decode
-        step's worth of time, if each draft token is accepted with chance ``acceptance`` given the
-        ones before it: 1 + a + ... + a^n tokens for 1 + per_step + n * per_token."""
-        best, best_rate, emitted = min(k, 1), 0.0, 1.0
+        """The draft length of at most ``k`` that emits the most tokens per decode step's worth of
+        time, if each draft token is accepted with chance ``acceptance`` given the ones before it:
+        1 + a + ... + a^n tokens for 1 + per_step + n * per_token; 0 where no draft beats a plain
+        decode (one token a step)."""
+        best, best_rate, emitted = 0, 1.0, 1.0
         for n in range(1, k + 1):
             emitted += acceptance ** n
             rate = emitted / (1 + self.per_step + n * self.per_token)
@@ -92,8 +93,15 @@ class DraftState:
                 / (self.accepted + self.rejected + PRIOR_WEIGHT))
 
     def judged(self, num_drafted: int, num_accepted: int) -> None:
-        self.accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
-        self.rejected = self.rejected * ACCEPTANCE_DECAY + (num_accepted < num_drafted)
+        self.fade()
+        self.accepted += num_accepted
+        self.rejected += num_accepted < num_drafted
+
+    def fade(self) -> None:
+        """Older evidence counts less: a request skipped for its low acceptance drifts back to
+        the prior, and so drafts again after a few steps."""
+        self.accepted *= ACCEPTANCE_DECAY
+        self.rejected *= ACCEPTANCE_DECAY
 
 
 class Drafter:
@@ -133,9 +141,17 @@ class Drafter:
             if req.num_pending_tokens:    # a token in flight (overlapped step) is not known yet: nothing can continue it
                 continue
             k = min(self.speculate, req.params.max_new_tokens - req.num_output_tokens - 1, room)
+            if k <= 0:
+                continue
             k = self.cost.best_length(state.acceptance, k)
+            if k == 0:
+                # At its recent acceptance no draft pays: it sits this step and the next out, its
+                # evidence fading (a copy may start later).
+                state.fade()
+                state.wait = max(state.wait, 1)
+                continue
             draft = self._lookup(req, state).propose(k)
-            if not draft.token_ids and k > 0:
+            if not draft.token_ids:
                 self._missed(state)
             s.draft_token_ids, s.draft_match_len = draft.token_ids, draft.match_len
             s.num_new_tokens += len(draft.token_ids)
