@@ -200,9 +200,9 @@ class Timing:
     @classmethod
     def now(cls, engine: LLMEngine) -> Timing:
         ticks = 0
-        for client in engine.workers.clients:
+        for pid in engine.workers.pids:
             # /proc/PID/stat fields 14 and 15 (after the ")" that ends the command name: 12 and 13)
-            fields = Path(f"/proc/{client.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])
         return cls(time.perf_counter(), ticks / os.sysconf("SC_CLK_TCK"))
 
