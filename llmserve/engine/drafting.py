@@ -60,7 +60,7 @@ class DraftCost:
             rate = emitted / (1 + self.per_step + n * self.per_token)
             if rate >= best_rate:      # ties keep the longer draft (a zero cost: all of k)
                 best, best_rate = n, rate
-            elif self.per_token and rate < best_rate:
+            elif self.per_token:
                 break                  # the rate rises, then falls: past its peak
         return best
 
