@@ -12,8 +12,9 @@ Two modes.
   prefix cache, so that the timed runs prefill one token per request.
 
   Columns, over the decode phase (from the step that gave every request its first token):
-  tokens per forward (output tokens over the (request, step) pairs that made them), mean
-  accepted length (draft tokens accepted per verify), out tok/s on and off (medians), speed-up
+  tokens per forward (output tokens over the (request, step) pairs that made them), draft tokens
+  per verify, mean accepted length (draft tokens accepted per verify), the share of draft tokens
+  wasted (rejected: rows verified for nothing), out tok/s on and off (medians), speed-up
   (the median pair's, and the fastest off run's over the fastest on run's: a load can only add
   time), the same by the worker's CPU time, and the load average at each pair.
   On a machine whose cores others share, only pairs run at a steady load compare.
@@ -54,6 +55,7 @@ import torch  # noqa: E402
 
 from llmserve import LLM  # noqa: E402
 from llmserve.engine.config import resolve_model_path  # noqa: E402
+from llmserve.engine.drafting import DraftCost  # noqa: E402
 from llmserve.engine.engine import LLMEngine  # noqa: E402
 from llmserve.engine.prompt_lookup import PromptLookup  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
@@ -133,6 +135,8 @@ class Result:
     output_tokens: int
     tokens_per_forward_on: float
     mean_accepted_len: float         # draft tokens accepted per verify
+    mean_draft_len: float            # draft tokens verified per verify
+    wasted: float                    # share of the draft tokens rejected (rows verified for nothing)
     tok_per_s_off: float             # medians over the repeats
     tok_per_s_on: float
     speedup: float                   # median of the back-to-back pairs' off / on seconds
@@ -147,6 +151,10 @@ class Result:
     # only earlier in their own output (a small model's loops), and new.
     from_prompt: float = 0.0
     from_own_output: float = 0.0
+    # --ab-sizing: a third run each repeat, drafts as long as their match allows (no cut to what
+    # pays): its median pair's speed-up over off, and its drafted / accepted per verify.
+    speedup_unsized: float = 0.0
+    unsized_drafted_accepted: str = ""
 
 
 @dataclass
@@ -192,9 +200,9 @@ class Timing:
     @classmethod
     def now(cls, engine: LLMEngine) -> Timing:
         ticks = 0
-        for client in engine.workers.clients:
+        for pid in engine.workers.pids:
             # /proc/PID/stat fields 14 and 15 (after the ")" that ends the command name: 12 and 13)
-            fields = Path(f"/proc/{client.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])
         return cls(time.perf_counter(), ticks / os.sysconf("SC_CLK_TCK"))
 
@@ -214,20 +222,37 @@ def warm_up(engine: LLMEngine, texts: list[list[int]]) -> None:
     run_batch(engine, texts, SamplingParams(max_new_tokens=8, temperature=0))
 
 
-def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: int, repeats: int) -> Result:
+def run_drafting(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+                  ) -> tuple[list[list[int]], Timing, int, tuple[int, int, int]]:
+    """``run_batch`` with drafts, and the draft tokens verified, accepted and the verifies it took."""
+    before = engine.num_draft_tokens, engine.num_accepted_tokens, sum(engine.accepted_length_counts)
+    out, took, forwards = run_batch(engine, prompts, params)
+    after = engine.num_draft_tokens, engine.num_accepted_tokens, sum(engine.accepted_length_counts)
+    return out, took, forwards, tuple(b - a for a, b in zip(before, after))
+
+
+def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: int, repeats: int,
+            ab_sizing: bool = False) -> Result:
     """``repeats`` back-to-back pairs of the batch without drafts, then with (off first, as a run
     can only warm the next): tokens per forward and acceptance are those of every "on" run (the
-    same greedy outputs each time), the tok/s medians, the speed-up the median of the pairs'."""
+    same greedy outputs each time), the tok/s medians, the speed-up the median of the pairs'.
+    ``ab_sizing``: each pair is followed by a run whose drafts are not cut to what pays."""
     on = SamplingParams(max_new_tokens=output_len, temperature=0)
     off = SamplingParams(max_new_tokens=output_len, temperature=0, speculate=False)
-    batch, runs, loads, unequal = len(prompts), [], [], 0
+    batch, runs, loads, unequal, unsized = len(prompts), [], [], 0, []
+    drafter = engine.scheduler.drafter
     for _ in range(repeats):
         loads.append(load_average())
         out_off, s_off, _ = run_batch(engine, prompts, off)
-        accepted, verifies = engine.num_accepted_tokens, sum(engine.accepted_length_counts)
-        out_on, s_on, forwards = run_batch(engine, prompts, on)
-        verifies = sum(engine.accepted_length_counts) - verifies
-        accepted = engine.num_accepted_tokens - accepted
+        out_on, s_on, forwards, (drafted, accepted, verifies) = run_drafting(engine, prompts, on)
+        if ab_sizing:
+            sized, drafter.cost = drafter.cost, DraftCost()
+            try:
+                out_unsized, s_unsized, _, counts = run_drafting(engine, prompts, on)
+            finally:
+                drafter.cost = sized
+            unequal += sum(a != b for a, b in zip(out_unsized, out_off))
+            unsized.append((s_off.wall / s_unsized.wall, counts))
         if out_on != out_off:
             # Reported, not fatal: in half precision on a GPU a verify step's other kernels can
             # round a near-tie the other way (the CPU's float32 tables have always been equal).
@@ -237,11 +262,20 @@ def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: 
     tokens = sum(map(len, out_on)) - batch     # those after each request's first
     median = statistics.median
     return Result(name, batch, output_len, tokens, tokens / forwards, accepted / verifies if verifies else 0.0,
+                  drafted / verifies if verifies else 0.0, 1 - accepted / drafted if drafted else 0.0,
                   tokens / median(r[0] for r in runs), tokens / median(r[1] for r in runs),
                   median(r[0] / r[1] for r in runs), min(r[0] for r in runs) / min(r[1] for r in runs),
                   1e3 * median(r[2] for r in runs) / tokens,
                   1e3 * median(r[3] for r in runs) / tokens, median(r[2] / max(r[3], 1e-9) for r in runs),
-                  "/".join(f"{x:.1f}" for x in loads), runs, unequal, *copy_profile(prompts, out_on))
+                  "/".join(f"{x:.1f}" for x in loads), runs, unequal, *copy_profile(prompts, out_on),
+                  *_unsized_columns(unsized))
+
+
+def _unsized_columns(unsized: list[tuple[float, tuple[int, int, int]]]) -> tuple[float, str]:
+    if not unsized:
+        return 0.0, ""
+    drafted, accepted, verifies = unsized[-1][1]
+    return statistics.median(r for r, _ in unsized), f"{drafted / max(verifies, 1):.2f} / {accepted / max(verifies, 1):.2f}"
 
 
 def copy_profile(prompts: list[list[int]], outputs: list[list[int]], n: int = 4) -> tuple[float, float]:
@@ -299,7 +333,7 @@ def engine_mode(args: argparse.Namespace) -> tuple[list[Result], list[PeerResult
         for name in args.workload_list:
             texts = [llm.tokenizer.encode(t) if name in COMPLETION_WORKLOADS else llm.chat_prompt([{"role": "user", "content": t}])
                      for t in WORKLOADS[name]()]
-            warm_up(engine, texts)
+            warm_up(engine, texts if args.each_prompt else texts[:max(args.batch_list)])   # those the rows run
             if args.peer == "hf" and 1 in args.batch_list:
                 peer_prompts[name] = texts[0]
                 length = args.output_lens[args.batch_list.index(1)]
@@ -311,12 +345,14 @@ def engine_mode(args: argparse.Namespace) -> tuple[list[Result], list[PeerResult
                 else:
                     rows = [(name, [texts[i % len(texts)] for i in range(batch)])]
                 for row_name, prompts in rows:
-                    r = measure(engine, row_name, prompts, output_len, args.repeats)
+                    r = measure(engine, row_name, prompts, output_len, args.repeats, args.ab_sizing)
                     results.append(r)
                     pairs = ", ".join(f"{a:.1f}/{b:.1f} s, CPU {c:.1f}/{d:.1f} s" for a, b, c, d in r.runs)
                     print(f"{row_name} batch {batch}: {r.tokens_per_forward_on:.2f} tok/forward, accepted "
-                          f"{r.mean_accepted_len:.2f}, {r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x; "
-                          f"CPU {r.cpu_speedup:.2f}x; pairs {pairs}; load {r.load})", file=sys.stderr)
+                          f"{r.mean_accepted_len:.2f} of {r.mean_draft_len:.2f} drafted ({r.wasted:.0%} wasted), {r.tok_per_s_off:.1f} -> {r.tok_per_s_on:.1f} tok/s ({r.speedup:.2f}x; "
+                          f"CPU {r.cpu_speedup:.2f}x; pairs {pairs}; load {r.load})"
+                          + (f"; unsized drafts {r.speedup_unsized:.2f}x, drafted / accepted per verify "
+                             f"{r.unsized_drafted_accepted}" if args.ab_sizing else ""), file=sys.stderr)
     finally:
         llm.close()
     return results, hf_peer(args, peer_prompts, results, ours) if peer_prompts else []
@@ -453,6 +489,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer", choices=["none", "hf"], default="none",
                    help="engine mode: also time HF transformers' generate on the same checkpoint at batch 1, plain "
                         "and with its own prompt lookup (prompt_lookup_num_tokens=K)")
+    p.add_argument("--ab-sizing", action="store_true",
+                   help="engine mode: after each off/on pair a third run whose drafts are as long as their match "
+                        "allows (not cut to the length that pays): its speed-up in the same process, alternating")
     p.add_argument("--json", default=None, help="also write every number here")
     args = p.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -484,14 +523,18 @@ def main() -> int:
         print(f"\n### Prompt lookup, K = {args.speculate}, greedy, {args.repeats} off/on pair(s) a row; proposal at a "
               f"32k context: {proposal_us():.1f} us\n")
         print(markdown_table(["workload", "batch", "max tokens", "tokens", "from prompt / own output", "tokens / forward",
-                              "accepted / verify", "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off",
-                              "on", "CPU speed-up", "load (1 min)"],
+                              "drafted / verify", "accepted / verify", "wasted", "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off",
+                              "on", "CPU speed-up", "load (1 min)",
+                              *(["unsized: speed-up", "drafted / accepted"] if args.ab_sizing else [])],
                              [[r.workload, r.batch, r.output_len, r.output_tokens,
                                f"{r.from_prompt:.0%} / {r.from_own_output:.0%}", f"{r.tokens_per_forward_on:.2f}",
-                               f"{r.mean_accepted_len:.2f}", f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
+                               f"{r.mean_draft_len:.2f}", f"{r.mean_accepted_len:.2f}", f"{r.wasted:.0%}",
+                               f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
                                f"{r.speedup:.2f}x", f"{r.speedup_best:.2f}x", f"{r.cpu_ms_per_token_off:.0f}",
                                f"{r.cpu_ms_per_token_on:.0f}",
-                               f"{r.cpu_speedup:.2f}x", r.load] for r in results]))
+                               f"{r.cpu_speedup:.2f}x", r.load,
+                               *([f"{r.speedup_unsized:.2f}x", r.unsized_drafted_accepted] if args.ab_sizing else [])]
+                              for r in results]))
         if any(r.unequal for r in results):
             print("\nNOT token for token: " + ", ".join(f"{r.workload} batch {r.batch}: {r.unequal} outputs differ"
                                                       for r in results if r.unequal))

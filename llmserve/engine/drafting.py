@@ -11,6 +11,12 @@ a preemption. A draft never takes a request past ``max_new_tokens`` (at most
 of more than ``max_batch`` decodes take no drafts: there, verifying costs the device more than
 the accepted tokens save. A request whose drafts keep gaining nothing (no n-gram of its end
 recurs, or the model accepts none of a well-matched draft) backs off: see ``Drafter.verified``.
+
+How long a draft: what its match supports (``prompt_lookup.py``: 2 tokens per matched token), cut
+to the length that pays best given what the request's recent drafts had accepted (``DraftCost``,
+``DraftState.acceptance``). A rejected draft token still costs its row of the verify step, so a
+request whose copy keeps diverging drafts a token or two, and one copying a passage drafts the
+whole ``speculate``.
 """
 
 from __future__ import annotations
@@ -27,23 +33,84 @@ if TYPE_CHECKING:
 
 # The most decode steps a request whose drafts gain nothing sits out between two lookups.
 MAX_DRAFT_WAIT = 15
+# A request's acceptance before its first verify (the chance that each next draft token is
+# accepted), as if seen over ``PRIOR_WEIGHT`` draft tokens, and how much each verify's evidence
+# fades per later verify: the estimate follows the last few drafts.
+PRIOR_ACCEPTANCE = 0.7
+PRIOR_WEIGHT = 1.0
+ACCEPTANCE_DECAY = 0.7
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What a verify step costs beyond a decode step, in decode steps: ``per_step`` for carrying
+    a draft at all, ``per_token`` for each draft token's row. Zero (a bare scheduler's): every
+    draft is as long as its match allows."""
+    per_step: float = 0.0
+    per_token: float = 0.0
+
+    def best_length(self, acceptance: float, k: int) -> int:
+        """The draft length of at most ``k`` that emits the most tokens per decode step's worth of
+        time, if each draft token is accepted with chance ``acceptance`` given the ones before it:
+        1 + a + ... + a^n tokens for 1 + per_step + n * per_token; 0 where no draft beats a plain
+        decode (one token a step)."""
+        best, best_rate, emitted = 0, 1.0, 1.0
+        for n in range(1, k + 1):
+            emitted += acceptance ** n
+            rate = emitted / (1 + self.per_step + n * self.per_token)
+            if rate >= best_rate:      # ties keep the longer draft (a zero cost: all of k)
+                best, best_rate = n, rate
+            elif self.per_token:
+                break                  # the rate rises, then falls: past its peak
+        return best
+
+
+# By device (EngineConfig's): a verify step against a decode step of the embedded model, batch 1.
+# CPU: 1 + 1 tokens cost about 1.3x, each further row 6-8% (the quantized kernel's rows, the
+# attention's queries, a row of logits). GPU: 1.16-1.19x whatever the draft's length
+# (benchmarks/README.md, "prompt_lookup.py").
+DRAFT_COSTS = {"cpu": DraftCost(per_step=0.2, per_token=0.08), "cuda": DraftCost(per_step=0.17, per_token=0.005)}
 
 
 @dataclass
 class DraftState:
     """One request's drafting: its n-gram index (made on its first draft), its draft attempts in
-    a row that gained nothing, and the decode steps it sits out before its next lookup."""
+    a row that gained nothing, the decode steps it sits out before its next lookup, and its
+    recent drafts' tokens accepted and rejections (each faded by ``ACCEPTANCE_DECAY`` a verify)."""
 
     lookup: PromptLookup | None = None
     num_misses: int = 0
     wait: int = 0
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that the next draft token is accepted, given the ones before it: accepted
+        tokens over the draft tokens the verifies judged (each accepted one, and the first
+        rejected one of a draft: the rows after it were never judged), with the prior's weight."""
+        return ((self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT)
+                / (self.accepted + self.rejected + PRIOR_WEIGHT))
+
+    def judged(self, num_drafted: int, num_accepted: int) -> None:
+        self.fade()
+        self.accepted += num_accepted
+        self.rejected += num_accepted < num_drafted
+
+    def fade(self) -> None:
+        """Older evidence counts less: a request skipped for its low acceptance drifts back to
+        the prior, and so drafts again after a few steps."""
+        self.accepted *= ACCEPTANCE_DECAY
+        self.rejected *= ACCEPTANCE_DECAY
 
 
 class Drafter:
-    def __init__(self, speculate: int, max_batch: int, min_ngram: int = 1, max_ngram: int = 3) -> None:
+    def __init__(self, speculate: int, max_batch: int, min_ngram: int = 1, max_ngram: int = 3,
+                 cost: DraftCost = DraftCost()) -> None:
         self.speculate = speculate      # draft tokens per decoding request per step, at most; 0: off
         self.max_batch = max_batch
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.cost = cost
         # The requests that have asked for a draft, until they finish (``forget``).
         self.states: defaultdict[Request, DraftState] = defaultdict(DraftState)
 
@@ -74,8 +141,17 @@ class Drafter:
             if req.num_pending_tokens:    # a token in flight (overlapped step) is not known yet: nothing can continue it
                 continue
             k = min(self.speculate, req.params.max_new_tokens - req.num_output_tokens - 1, room)
+            if k <= 0:
+                continue
+            k = self.cost.best_length(state.acceptance, k)
+            if k == 0:
+                # At its recent acceptance no draft pays: it sits this step and the next out, its
+                # evidence fading (a copy may start later).
+                state.fade()
+                state.wait = max(state.wait, 1)
+                continue
             draft = self._lookup(req, state).propose(k)
-            if not draft.token_ids and k > 0:
+            if not draft.token_ids:
                 self._missed(state)
             s.draft_token_ids, s.draft_match_len = draft.token_ids, draft.match_len
             s.num_new_tokens += len(draft.token_ids)
@@ -98,6 +174,7 @@ class Drafter:
         a lookup every 16 steps rather than a verify step (on a GPU also a step without the
         overlapped loop's look-ahead) every step, while one that copies in runs keeps drafting."""
         state = self.states[s.request]
+        state.judged(len(s.draft_token_ids), num_accepted)
         if num_accepted:
             state.num_misses = 0
         elif s.draft_match_len >= 2:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.engine.config import EngineConfig, ModelSpec, check_speculation, with_device_defaults
+from llmserve.engine.drafting import DRAFT_COSTS
 from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from llmserve.engine.worker_client import ModelWorkerGroup
@@ -71,7 +72,7 @@ class LLMEngine:
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
             prompt_lookup_min_ngram=config.prompt_lookup_min_ngram, prompt_lookup_max_ngram=config.prompt_lookup_max_ngram,
-            prefix_cache=config.prefix_cache, image_token_id=self.info.image_token_id,
+            draft_cost=DRAFT_COSTS[model.device], prefix_cache=config.prefix_cache, image_token_id=self.info.image_token_id,
             tokens_per_image=self.info.tokens_per_image, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras,
         ))

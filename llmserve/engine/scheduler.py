@@ -32,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmserve.engine.drafting import Drafter
+from llmserve.engine.drafting import DraftCost, Drafter
 from llmserve.engine.prefix_cache import PrefixCacheManager
 from llmserve.engine.request import FinishReason, Request, RequestStatus
 from llmserve.lora.manager import LoraManager
@@ -52,6 +52,9 @@ class SchedulerConfig:
     speculate_max_batch: int = 32
     prompt_lookup_min_ngram: int = 1
     prompt_lookup_max_ngram: int = 3
+    # What a verify step costs the device beyond a decode step (drafting.DRAFT_COSTS): drafts are
+    # cut to the length that pays. Zero: as long as their match allows.
+    draft_cost: DraftCost = DraftCost()
     # Keep requests' tokens in a radix tree (radix_cache.py) and start each request from its
     # longest cached prefix. (The engine's default is on; bare schedulers in tests run without.)
     prefix_cache: bool = False
@@ -115,7 +118,7 @@ class Scheduler:
         self.prefix_cache = PrefixCacheManager(config.prefix_cache, config.prefix_wait_steps,
                                                config.image_token_id, config.tokens_per_image)
         self.drafter = Drafter(config.speculate, config.speculate_max_batch,
-                               config.prompt_lookup_min_ngram, config.prompt_lookup_max_ngram)
+                               config.prompt_lookup_min_ngram, config.prompt_lookup_max_ngram, config.draft_cost)
         self.loras = LoraManager(config.lora_modules, config.max_loras)
 
     # ----------------------------------------------------------------------------------

@@ -132,6 +132,11 @@ class ModelWorkerGroup:
     def of(cls, config: EngineConfig) -> ModelWorkerGroup:
         return cls(config.tp, config.nnodes, config.dist_init_addr)
 
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of this node's ranks (benchmarks read their CPU time)."""
+        return [proc.pid for proc in self._started.values()]
+
     def init_model(self, args: WorkerInitArgs) -> WorkerInfo:
         """Connect to rank 0 and load the model in every rank (``args`` are rank 0's, the others
         take theirs from it); rank 0's ``WorkerInfo``."""

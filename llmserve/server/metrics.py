@@ -133,6 +133,8 @@ class ServerMetrics:
         self.spec_draft_tokens = counter("llmserve_spec_draft_tokens", "Prompt-lookup draft tokens verified.")
         self.spec_accepted_tokens = counter("llmserve_spec_accepted_tokens",
                                             "Draft tokens the model agreed with (emitted without a step of their own).")
+        self.spec_wasted_tokens = counter("llmserve_spec_wasted_tokens",
+                                          "Draft tokens the model rejected (verify rows computed for nothing).")
         self.spec_accepted_length = histogram("llmserve_spec_accepted_length",
                                               "Draft tokens accepted per verified draft (0 to --speculate).",
                                               _ACCEPTED_LENGTH_BUCKETS)
@@ -186,6 +188,7 @@ class ServerMetrics:
         self._count_growth(self.prefix_cache_hits, replica, stats.num_cache_hit_tokens)
         self._count_growth(self.spec_draft_tokens, replica, stats.num_draft_tokens)
         self._count_growth(self.spec_accepted_tokens, replica, stats.num_accepted_tokens)
+        self._count_growth(self.spec_wasted_tokens, replica, stats.num_draft_tokens - stats.num_accepted_tokens)
         self._count_growth(self._replica_cache_hits.labels(self.model_name, str(replica)), replica,
                            stats.num_cache_hit_tokens)
         self._observe_accepted_lengths(replica, stats)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from llmserve.engine.drafting import DRAFT_COSTS, DraftCost
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
@@ -111,6 +112,48 @@ def test_a_draft_is_as_long_as_its_evidence():
     scheduler = make_scheduler(1000, speculate=10)
     decoding(scheduler, make_request(0, 20, max_new_tokens=50))     # TOKEN repeated: a 20-token match
     assert drafts(scheduler.schedule()) == {0: 10}
+
+
+def test_the_draft_length_that_pays():
+    """Without a cost a draft is as long as k; with the CPU's, as long as the acceptance makes it
+    pay: the longer the likelier its tokens are kept, never past k, and none where no draft beats
+    a plain decode."""
+    assert [DraftCost().best_length(a, 10) for a in (0.05, 0.5, 1.0)] == [10, 10, 10]
+    cpu = DRAFT_COSTS["cpu"]
+    lengths = [cpu.best_length(a / 20, 10) for a in range(21)]
+    assert lengths == sorted(lengths) and lengths[0] == 0 and lengths[-1] == 10
+    assert 1 <= cpu.best_length(0.35, 10) <= 2 and cpu.best_length(0.95, 10) == 10
+    assert cpu.best_length(0.95, 4) == 4 and cpu.best_length(0.5, 0) == 0
+
+
+def test_a_requests_drafts_follow_what_it_accepted():
+    """A request whose drafts are rejected at their first token drafts shorter, then none for a
+    while (its evidence fading meanwhile); drafts accepted whole bring it back to all of k."""
+    scheduler = make_scheduler(1000, speculate=10, draft_cost=DRAFT_COSTS["cpu"])
+    req = make_request(0, 20, max_new_tokens=200)       # TOKEN repeated: every draft matches 20 tokens
+    decoding(scheduler, req)
+    lengths = []
+
+    def step(accept_all: bool) -> None:
+        output = scheduler.schedule()
+        [s] = output.scheduled
+        lengths.append(len(s.draft_token_ids))
+        scheduler.update_after_step(output)
+        num_accepted = len(s.draft_token_ids) if accept_all else 0
+        req.num_cached -= len(s.draft_token_ids) - num_accepted
+        if s.draft_token_ids:                            # (the engine reports verified drafts)
+            scheduler.drafter.verified(s, num_accepted)
+        scheduler.drafter.states[req].num_misses = 0     # (no back-off: the test above's)
+        for _ in range(num_accepted + 1):
+            req.append_token(TOKEN)
+
+    for _ in range(4):
+        step(accept_all=False)
+    assert lengths[0] > lengths[1] >= lengths[2] and lengths[2] <= 2 and lengths[3] == 0
+    for _ in range(12):
+        step(accept_all=True)
+    drafted = [n for n in lengths[4:] if n]
+    assert drafted == sorted(drafted) and drafted[-1] == 10
 
 
 @settings(max_examples=60, deadline=None)

@@ -146,6 +146,7 @@ def test_the_engines_totals_become_counter_increases():
     assert value("llmserve_prefix_cache_hit_tokens_total") == 40
     assert value("llmserve_spec_draft_tokens_total") == 10
     assert value("llmserve_spec_accepted_tokens_total") == 6
+    assert value("llmserve_spec_wasted_tokens_total") == 10 - 6
     assert value("llmserve_spec_accepted_length_count") == 4
     assert value("llmserve_spec_accepted_length_sum") == 0 + 1 + 2 + 3
     assert value("llmserve_spec_accepted_length_bucket", le="1.0") == 2

@@ -44,7 +44,9 @@ def test_tgi_stream_equals_plain_one_event_per_token(server):
     assert spec[-1]["generated_text"] == plain[-1]["generated_text"]
     assert len(spec) == spec[-1]["details"]["generated_tokens"] == MAX_NEW      # one event per token
     accepted = after["llmserve_spec_accepted_tokens_total"] - before["llmserve_spec_accepted_tokens_total"]
-    assert accepted > 0 and after["llmserve_spec_draft_tokens_total"] >= accepted
+    drafted = after["llmserve_spec_draft_tokens_total"] - before["llmserve_spec_draft_tokens_total"]
+    wasted = after["llmserve_spec_wasted_tokens_total"] - before["llmserve_spec_wasted_tokens_total"]
+    assert accepted > 0 and drafted == accepted + wasted
     assert after["llmserve_spec_accepted_length_count"] > before["llmserve_spec_accepted_length_count"]
 
     # A stop string from the middle of the answer, which an accepted run brings: the stream ends
