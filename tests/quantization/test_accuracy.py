@@ -40,11 +40,8 @@ KV_FP8_FLOOR = 0.95
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory, default_model_path, smollm2_tokenizer) -> Path:
-    from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
-    from llmserve.models.llama.gguf import GGUF_ARCHS
-
-    ckpt = load_gguf(default_model_path, GGUF_ARCHS, progress=False)
+def smollm2_dir(tmp_path_factory, default_model_checkpoint, smollm2_tokenizer) -> Path:
+    ckpt = default_model_checkpoint
     path = tmp_path_factory.mktemp("smollm2")
     (path / "config.json").write_text(json.dumps({**ckpt.config, "architectures": ["LlamaForCausalLM"]}))
     save_file({k: v.contiguous() for k, v in ckpt.tensors.items()}, str(path / "model.safetensors"))

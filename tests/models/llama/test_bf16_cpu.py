@@ -11,16 +11,12 @@ every layer's hidden state and the logits to within one bf16 unit in the last pl
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmserve.common.basemodel import TpPartBaseModel
-from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf
 from llmserve.kernels.backend import set_backend
-from llmserve.models.registry import GGUF_ARCHS
 from parity_utils import BatchDriver, build_tiny_hf_model, load_ours, random_prompts
 
 # SmolLM2's shape in miniature: head_dim 64, grouped-query attention, tied embeddings, rms eps 1e-5.
@@ -129,19 +125,12 @@ def test_bf16_cpu_hidden_states_match_hf_layer_by_layer(models, monkeypatch):
     assert not bad, "\n".join(bad)
 
 
-def test_embedded_gguf_in_bf16_has_hfs_weights():
+def test_embedded_gguf_in_bf16_has_hfs_weights(default_model_hf, default_model_checkpoint):
     """Our GGUF reader (dequantized to fp32, then cast) gives bitwise the bf16 weights that
-    transformers' GGUF loader gives, so the layer-by-layer parity above carries over to the
-    embedded model."""
-    from llmserve.default_model import ModelLoadError, default_model_path
-
-    try:
-        path = default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-    directory, name = os.path.split(path)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16).state_dict()
-    ours = load_gguf(path, GGUF_ARCHS, progress=False).tensors
+    transformers' GGUF loader gives (its float32 reading cast as its bf16 load casts, round to
+    nearest even), so the layer-by-layer parity above carries over to the embedded model."""
+    hf = {n: t.to(torch.bfloat16) for n, t in default_model_hf.state_dict().items()}
+    ours = default_model_checkpoint.tensors
     assert set(ours) <= set(hf) and len(ours) > 200
     differ = [n for n, t in ours.items() if not torch.equal(t.to(torch.bfloat16), hf[n])]
     assert not differ, f"{len(differ)} tensors differ from HF's bf16, e.g. {differ[:3]}"

@@ -34,23 +34,19 @@ def smollm_path(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def smollm(smollm_path: str) -> GGUFCheckpoint:
-    return load_gguf(smollm_path, GGUF_ARCHS, progress=False)
+def smollm(default_model_checkpoint: GGUFCheckpoint) -> GGUFCheckpoint:
+    return default_model_checkpoint     # conftest's: one load_gguf of the file for the suite
 
 
 @pytest.fixture(scope="module")
-def transformers_reference(smollm_path: str) -> dict:
+def transformers_reference(smollm_path: str, default_model_hf) -> dict:
     """transformers' own reading of the same file: the config it parses and the tensors it loads
-    (dequantized and un-permuted) into a LlamaForCausalLM. The model is built on the meta device:
-    only its parameter names are needed to map GGUF names."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    (dequantized and un-permuted) into its LlamaForCausalLM (conftest's, shared with the other
+    tests that hold ours against it; the tied lm_head is that same tensor, so listed once)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = load_gguf_checkpoint(smollm_path)["config"]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    parsed = load_gguf_checkpoint(smollm_path, return_tensors=True, model_to_load=model)
-    return {"config": config, "tensors": parsed["tensors"]}
+    return {"config": config, "tensors": {name: p.detach() for name, p in default_model_hf.named_parameters()}}
 
 
 # ---------------------------------------------------------------------------------------------
