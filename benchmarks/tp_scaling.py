@@ -9,8 +9,8 @@ What is measured, for each --tp value
   serving   ``llmserve serve --tp N`` started as a process, then ``serving.py`` at
             --max-concurrency 128 (4 x 128 requests, same lengths), its output tok/s.
 
-At tp > 1 each runs once per --all-reduce mode: ``custom`` (the default: small all-reduces over
-peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (``--disable-custom-all-reduce``).
+At tp > 1 each runs once per --all-reduce mode: ``custom`` (``--enable-custom-all-reduce``: small
+all-reduces over peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (the default).
 Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
 <= 0.62x at C=32, tp=4 <= 0.36x; C=128 throughput at tp=2 >= 1.7x).
 
@@ -77,8 +77,8 @@ def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int
 
 def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int) -> float:
     flags = ["--tp", str(tp), "--max-concurrent-requests", str(4 * concurrency)] + (["--dtype", args.dtype] if args.dtype else [])
-    if all_reduce == "nccl":
-        flags += ["--disable-custom-all-reduce"]
+    if all_reduce == "custom":
+        flags += ["--enable-custom-all-reduce"]
     if args.cuda_graph_max_bs is not None:
         flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     with llmserve_server(args.model, 18000 + tp, flags) as url:
@@ -98,8 +98,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-total-token-num", type=int, default=None)
     p.add_argument("--all-reduce", default="custom,nccl",
-                   help="at tp > 1, run once per mode: custom (peer-to-peer kernels for small messages), nccl "
-                        "(--disable-custom-all-reduce) (default: custom,nccl)")
+                   help="at tp > 1, run once per mode: custom (--enable-custom-all-reduce: peer-to-peer kernels "
+                        "for small messages), nccl (default: custom,nccl)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="decode graphs up to this batch (default: the engine's); smaller starts faster")
     p.add_argument("--json", default=None)

@@ -47,9 +47,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "to this many and --speculate-max-batch requests; 0 = none (default: 256)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly, capturing no CUDA graphs (as vLLM's flag)")
+    p.add_argument("--enable-custom-all-reduce", action="store_true",
+                   help="at --tp > 1 on the GPUs of one node, run small all-reduces (a decode step's) over "
+                        "peer-to-peer buffers in torch's symmetric memory instead of NCCL; off by default until "
+                        "its GPU tests have passed (see README, Tensor parallelism)")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="at --tp > 1 on the GPUs of one node, use NCCL for every all-reduce instead of the "
-                        "peer-to-peer kernels for small messages (a decode step's) (as vLLM's flag)")
+                   help="NCCL for every all-reduce (vLLM's flag; the default here)")
     p.add_argument("--dequantize", action="store_true",
                    help="on CPU, expand a GGUF model's Q4_0/Q4_1/Q8_0 matrices to float32 at load instead of "
                         "running them in their blocks with the quantized kernel (the same values; slower, "
@@ -123,7 +126,7 @@ def _step_options(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, quantized weights,
     speculation, the deadline."""
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
-                custom_all_reduce=not args.disable_custom_all_reduce,
+                custom_all_reduce=args.enable_custom_all_reduce and not args.disable_custom_all_reduce,
                 overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
                 prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,

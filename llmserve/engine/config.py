@@ -38,8 +38,9 @@ class EngineConfig:
     chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
     cuda_graph_max_bs: int = 256        # GPU decode steps up to this batch replay CUDA graphs; 0: eager
     # At tp > 1 on the GPUs of one node: small all-reduces (a decode step's) over peer-to-peer
-    # buffers instead of NCCL (common/custom_all_reduce.py). vLLM's --disable-custom-all-reduce.
-    custom_all_reduce: bool = True
+    # buffers instead of NCCL (common/custom_all_reduce.py); opt-in (--enable-custom-all-reduce) until
+    # its GPU tests have passed: see README, "Tensor parallelism".
+    custom_all_reduce: bool = False
     # Schedule step N+1 while the device runs step N (see LLMEngine.step). None: on for GPUs,
     # where it hides the host's work; True also on the CPU (tests: same tokens either way).
     overlap: bool | None = None

@@ -70,8 +70,8 @@ class WorkerInitArgs:
     max_cpu_loras: int | None = None
     quantization: str | None = None  # --quantization (ModelInitParams)
     # On GPUs of one node, small all-reduces over peer-to-peer buffers instead of NCCL
-    # (common/custom_all_reduce.py); off: --disable-custom-all-reduce.
-    custom_all_reduce: bool = True
+    # (common/custom_all_reduce.py); on: --enable-custom-all-reduce.
+    custom_all_reduce: bool = False
     kv_cache_dtype: str = "auto"     # --kv-cache-dtype (ModelInitParams)
 
     @property

@@ -138,7 +138,7 @@ def test_tp2_decodes_the_tokens_of_nccl_and_of_tp1(tiny_llama_dir):
             assert llm.engine.info.cuda_graph_max_bs > 0   # decode steps replay graphs
             return [out.token_ids for out in llm.generate(prompts, params)], llm.engine.info.all_reduce
 
-    custom, used = tokens(2, "bfloat16")
+    custom, used = tokens(2, "bfloat16", custom_all_reduce=True)
     assert used.startswith("custom"), used
     nccl, used = tokens(2, "bfloat16", custom_all_reduce=False)
     assert used == "NCCL", used
