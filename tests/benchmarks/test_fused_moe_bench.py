@@ -17,5 +17,6 @@ def test_fused_moe_benchmark_prints_a_row_per_batch_with_its_floor():
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines()
             if line.startswith("|") and line.split("|")[1].strip().isdigit()]
     assert [int(r[0]) for r in rows] == [1, 5]
-    assert int(rows[0][1]) == 2 and 2 <= int(rows[1][1]) <= 8   # one token hits its top 2 of 8 experts
-    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    assert [r[1] for r in rows] == ["gemv", "gemv"]            # up to GEMV_MAX_TOKENS tokens: the GEMV path
+    assert int(rows[0][2]) == 2 and 2 <= int(rows[1][2]) <= 8   # one token hits its top 2 of 8 experts
+    assert all(float(r[3]) > 0 and float(r[9]) > 0 for r in rows)   # ours us, floor us

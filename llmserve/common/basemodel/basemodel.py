@@ -90,6 +90,8 @@ class TpPartBaseModel:
         self._gguf_tensors: dict[str, torch.Tensor] | None = None
 
         self._init_config()
+        # after _init_config: a subclass may narrow the config to its decoder's (LLaVA's text config)
+        self.kv_cache_scales = KVCacheScales(self.network_config_.num_hidden_layers)
         self._verify_must()
         self._verify_params()
         self._init_weights()
@@ -119,7 +121,6 @@ class TpPartBaseModel:
         self.kv_cache_dtype_: torch.dtype | None = kv_cache_dtype(p.kv_cache_dtype, self.device)
         if self.kv_cache_dtype_ is not None:
             check_kv_cache_scheme(raw.get("quantization_config"))
-        self.kv_cache_scales = KVCacheScales(self.network_config_.num_hidden_layers)
 
     def _runs_quantized(self) -> bool:
         """Whether GGUF matrices stay in their blocks: on the CPU in float32, unless asked not to,
