@@ -7,6 +7,10 @@ token added to it. Two details make this harder than slicing:
 * A character may be split over several tokens (byte-level BPE spells many CJK characters
   and emoji as 2-4 byte tokens). Until its last byte arrives the window decodes to a
   trailing U+FFFD, and we emit nothing.
+* An output may end in the middle of a character (a length limit cut it, or the model
+  produced bytes that are not UTF-8). ``flush()`` at the end hands out that held-back tail
+  as a full decode renders it (with U+FFFD), so the streamed text always adds up to the
+  decoded output: nothing the model produced is dropped.
 * Decoders are context dependent: SentencePiece-style decoders drop the leading space of
   the first token they are given. The window therefore always keeps at least one already
   emitted token in front of the new ones, and the output's first token is preceded by the
@@ -39,6 +43,8 @@ _MAX_PROMPT_CONTEXT = 24
 
 class _StepDecoder(Protocol):
     def step(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -76,6 +82,11 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         return self._decoder.step(token_id)
 
+    def flush(self) -> str:
+        """The text of the tokens ``step`` has held back (an unfinished character at the end of
+        the output), decoded as they are; "" if nothing is held back. Call once, at the end."""
+        return self._decoder.flush()
+
 
 def _backend_tokenizer(tokenizer: Any) -> Tokenizer | None:
     """The Rust ``tokenizers.Tokenizer`` behind a transformers fast tokenizer, if any."""
@@ -98,14 +109,34 @@ def _prompt_context(prompt_token_ids: Sequence[int], decode: Callable[[list[int]
 
 
 class _DecodeStreamDecoder:
-    """Incremental decoding by the tokenizers library (fast tokenizers)."""
+    """Incremental decoding by the tokenizers library (fast tokenizers).
+
+    DecodeStream keeps its held-back tokens to itself, so we keep our own copy of them for
+    ``flush``: the tokens since the last one that produced text, and that one as context.
+    """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context: list[int] = []   # the last token that produced text
+        self._held_back: list[int] = []  # the tokens after it
 
     def step(self, token_id: int) -> str:
+        text = self._step(token_id)
+        if text:
+            self._context, self._held_back = [token_id], []
+        else:
+            self._held_back.append(token_id)
+        return text
+
+    def flush(self) -> str:
+        return _held_back_text(
+            partial(self._tokenizer.decode, skip_special_tokens=self._skip_special_tokens),
+            self._context, self._held_back,
+        )
+
+    def _step(self, token_id: int) -> str:
         try:
             text = self._stream.step(self._tokenizer, token_id)
         except Exception as error:
@@ -140,3 +171,17 @@ class _WindowDecoder:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return window_text[len(emitted_text) :]
+
+    def flush(self) -> str:
+        return _held_back_text(
+            self._decode, self._ids[self._prefix_offset : self._read_offset], self._ids[self._read_offset :]
+        )
+
+
+def _held_back_text(decode: Callable[[list[int]], str], context: list[int], held_back: list[int]) -> str:
+    """What ``held_back`` adds to the text of ``context``, invalid bytes rendered as U+FFFD."""
+    if not held_back:
+        return ""
+    context_text = decode(context)
+    text = decode(context + held_back)
+    return text[len(context_text) :] if text.startswith(context_text) else decode(held_back)

@@ -25,6 +25,8 @@ class Detokenizer(Protocol):
 
     def step(self, token_id: int) -> str: ...
 
+    def flush(self) -> str: ...
+
 
 @dataclass(eq=False)
 class ClientRequest:
@@ -90,12 +92,15 @@ class ClientRequest:
         3. the token is detokenized, unless the engine ended the request on it as a stop token or
            an EOS token (``Request.append_token``, rules 1 and 2), whose text is never shown; a
            detokenizer error fails the request, without the token;
-        4. the token is recorded with its own text, and its logprobs when the request asked for
+        4. if the engine ended the request with this delta, the text the detokenizer still holds
+           back (the end of the output is an unfinished character) is decoded as it is, U+FFFD
+           and all, and added to the last shown token's text: the output never loses its end;
+        5. the token is recorded with its own text, and its logprobs when the request asked for
            them, and its text is added to output_text;
-        5. past the first ``params.min_tokens`` tokens, a stop string in the text ends the
+        6. past the first ``params.min_tokens`` tokens, a stop string in the text ends the
            request (STOP_SEQUENCE, even on the engine's last allowed token) and the text is cut
            right before it;
-        6. otherwise the engine's finish reason, if any (LENGTH, ABORT), stands.
+        7. otherwise the engine's finish reason, if any (LENGTH, ABORT), stands.
         """
         assert not self.is_finished, f"request {self.req_id} got a delta after it finished"
         if delta.error is not None:
@@ -109,15 +114,23 @@ class ClientRequest:
         hidden = delta.finish_reason in (FinishReason.STOP_SEQUENCE, FinishReason.EOS_TOKEN)
         try:
             text_delta = "" if hidden else self.detokenizer.step(delta.token_id)
+            tail = self.detokenizer.flush() if delta.finish_reason is not None else ""
         except Exception as e:         # a tokenizer that cannot decode its tokens: this request's failure
             self.finish_reason, self.error = FinishReason.ERROR, f"its output could not be decoded: {error_line(e)}"
             return delta.finish_reason is None
+        if hidden:              # the tail is the text of the tokens before the hidden one
+            tail = tail if self.output_token_texts else ""     # (or of the prompt's end: not output)
+            if tail:
+                self.output_token_texts[-1] += tail
+        else:
+            text_delta += tail
         self.output_token_ids.append(delta.token_id)
         self.output_token_texts.append(text_delta)
         if self.params.logprobs is not None:
             self.output_logprobs.append(delta.logprob)
             self.output_top_logprobs.append(delta.top_logprobs or [])
         if hidden:
+            self.output_text += tail
             self.finish_reason = delta.finish_reason
             return False
         self.output_text += text_delta

@@ -23,6 +23,9 @@ class Pieces:
     def step(self, token_id: int) -> str:
         return self.next
 
+    def flush(self) -> str:
+        return ""
+
 
 class Pair:
     """An engine ``Request`` and its ``ClientRequest``: a token goes through the engine's rules,
@@ -246,6 +249,25 @@ def test_a_start_request_decodes_its_first_token_in_the_prompts_context(smollm2_
     for token_id in ids[-2:]:
         client.apply(RequestDelta(0, token_id))
     assert client.output_text == smollm2_tokenizer.decode(ids)[len(smollm2_tokenizer.decode(ids[:-2])):]
+
+
+@pytest.mark.parametrize("reason", [FinishReason.LENGTH, FinishReason.EOS_TOKEN])
+def test_an_output_ending_inside_a_character_keeps_its_end(smollm2_tokenizer, reason: FinishReason):
+    """A length limit (or an EOS) right after the first bytes of a character: the held-back
+    bytes are in the output as a full decode shows them, not dropped."""
+    tok = smollm2_tokenizer
+    prompt = tok("Party time").input_ids
+    ids = tok(" 🎉🎉").input_ids
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    client = ClientRequest.start(0, prompt, SamplingParams(max_new_tokens=cut), tok)
+    for n, token_id in enumerate(ids[:cut], start=1):
+        client.apply(RequestDelta(0, token_id, finish_reason=FinishReason.LENGTH if n == cut and reason is FinishReason.LENGTH else None))
+    if reason is FinishReason.EOS_TOKEN:
+        client.apply(RequestDelta(0, tok.eos_token_id, finish_reason=FinishReason.EOS_TOKEN))
+    assert client.finish_reason is reason
+    assert client.output_text == tok.decode(ids[:cut]) and client.output_text.endswith("\ufffd")
+    assert "".join(client.output_token_texts) == client.output_text
+    assert client.take_stream_delta() == client.output_text
 
 
 def test_each_tokens_own_text_is_kept_whatever_the_stop_string_does():
