@@ -43,6 +43,8 @@ import triton.language as tl
 
 from . import autotune
 from .backend import dot_precision, next_pow2, use_triton
+from .gemv import ACTIVATIONS
+from .triton_math import gelu_tanh, silu
 
 @triton.jit
 def _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
@@ -102,28 +104,101 @@ def _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _dequant_gemv_kernel(
-    X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n,
-    SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr, EVEN_K: tl.constexpr,
-):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_x = tl.arange(0, NG)[:, None] * GK + tl.arange(0, GK)[None, :]      # the tile's [NG, GK] order
-    acc = tl.zeros([BLOCK_N, NG, GK], tl.float32)
+def _int4_values(raw):
+    """The eight 4-bit values of each int32 word of ``raw`` as exact float32 integers 0..15,
+    joined so that reshaping the result's last three axes gives them in column order.
+
+    Value i (bits 4i..4i+3) is OR-ed, where it lies, into the mantissa of the power of two whose
+    unit there is 1 (2^23 for bits 0-3, 2^19 for 4-7, ... 2^7 for 16-19), and that power is
+    subtracted: one LOP3 and one FADD a value, the INT pipe (64 lanes an SM, half the FP32
+    pipe's) being what bounds a 4-bit GEMV. Values 5-7 are first shifted down 12 bits (one
+    shift a word) to use the masks of values 2-4."""
+    hi = raw >> 12
+    q0 = ((raw & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q1 = ((raw & 0xF0) | 0x49000000).to(tl.float32, bitcast=True) - 524288.0
+    q2 = ((raw & 0xF00) | 0x47000000).to(tl.float32, bitcast=True) - 32768.0
+    q3 = ((raw & 0xF000) | 0x45000000).to(tl.float32, bitcast=True) - 2048.0
+    q4 = ((raw & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True) - 128.0
+    q5 = ((hi & 0xF00) | 0x47000000).to(tl.float32, bitcast=True) - 32768.0
+    q6 = ((hi & 0xF000) | 0x45000000).to(tl.float32, bitcast=True) - 2048.0
+    q7 = ((hi & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True) - 128.0
+    # tl.join appends an axis: value 4c + 2a + b of a word lands at [c, a, b].
+    return tl.join(tl.join(tl.join(q0, q4), tl.join(q2, q6)), tl.join(tl.join(q1, q5), tl.join(q3, q7)))
+
+
+@triton.jit
+def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n,
+               SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr):
+    """x . W[n] for the rows ``offs_n``, float32 ``[BLOCK_N]``, scales applied.
+
+    The K step is C chunks of CV columns, each chunk one 16-byte load of a row (16 FP8 values or
+    four words of 4-bit ones) held by one thread, so a chunk's products are summed inside the
+    thread (an FMA chain: one FMA a value) and the accumulator is one float a (row, chunk): the
+    registers a thread spends on accumulating no longer grow with the values it has in flight,
+    so a tile can keep as many bytes in flight as the bf16 GEMV does (128-256 a thread). A chunk
+    lies in one scale group (CV <= GROUP), so its scale and zero point multiply its sum:
+    s * (sum q x - z * sum x), sum x computed once a chunk for every row."""
+    C: tl.constexpr = BLOCK_K // CV
+    V: tl.constexpr = CV // PACK                                   # stored elements a chunk
+    chunk = tl.arange(0, C)
+    stored = chunk[:, None] * V + tl.arange(0, V)[None, :]        # [C, V], from k0 / PACK
+    w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_w_n + stored[None, :, :]
+    x_offs = chunk[:, None] * CV + tl.arange(0, CV)[None, :]      # [C, CV]
+    acc = tl.zeros([BLOCK_N, C], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
-                         SCALE_ROWS, GROUP, PACK, HAS_ZERO, EVEN_K, NG, GK)
         if EVEN_K:
-            x = tl.load(X + k0 + offs_x).to(tl.float32)
+            raw = tl.load(w_ptrs, mask=n_mask[:, None, None], other=0.0)
+            x = tl.load(X + k0 + x_offs).to(tl.float32)
         else:
-            x = tl.load(X + k0 + offs_x, mask=k0 + offs_x < K, other=0.0).to(tl.float32)
-        # Accumulated elementwise (one FMA a value) and reduced once at the end: a sum per group
-        # in the loop would cost a multiply and an add a value, and shuffles.
-        acc += w * x[None, :, :]
-    y = tl.sum(tl.sum(acc, 2), 1)
+            raw = tl.load(w_ptrs, mask=n_mask[:, None, None] & (k0 // PACK + stored < KW)[None, :, :], other=0.0)
+            x = tl.load(X + k0 + x_offs, mask=k0 + x_offs < K, other=0.0).to(tl.float32)
+        if PACK == 8:
+            q = tl.reshape(_int4_values(raw), [BLOCK_N, C, CV])
+        else:
+            q = raw.to(tl.float32)
+        part = tl.sum(q * x[None, :, :], 2)                        # [BLOCK_N, C], inside threads
+        in_k = n_mask[:, None] & (k0 + chunk * CV < K)[None, :]
+        if HAS_ZERO:
+            if GROUP == 0:
+                z = tl.load(Z + offs_n.to(tl.int64) * stride_z_n, mask=n_mask, other=0)[:, None]
+            else:
+                z = tl.load(Z + offs_n[:, None].to(tl.int64) * stride_z_n + ((k0 + chunk * CV) // GROUP)[None, :],
+                            mask=in_k, other=0)
+            part -= z.to(tl.float32) * tl.sum(x, 1)[None, :]
+        if GROUP != 0:
+            s = tl.load(S + (offs_n // SCALE_ROWS)[:, None].to(tl.int64) * stride_s_n
+                        + ((k0 + chunk * CV) // GROUP)[None, :], mask=in_k, other=0.0).to(tl.float32)
+            part *= s
+        acc += part
+        w_ptrs += BLOCK_K // PACK
+    y = tl.sum(acc, 1)
     if GROUP == 0:
         y = y * _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS)
+    return y
+
+
+@triton.jit
+def _dequant_gemv_kernel(
+    X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n,
+    SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # ACT "": Y[n] = x . W[n] for n < N. ACT "silu" / "gelu_tanh" (a gated MLP's gate_up, W of
+    # 2N rows): Y[n] = act(x . W[n]) * (x . W[N + n]), rounded as `gemv.py`'s act-and-mul is.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    y = _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                   SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K)
+    if ACT != "":
+        up = _gemv_rows(X, W, S, Z, offs_n + N, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n,
+                        SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K)
+        gate = y.to(Y.dtype.element_ty).to(tl.float32)
+        if ACT == "gelu_tanh":
+            act = gelu_tanh(gate)
+        else:
+            act = silu(gate)
+        y = act.to(Y.dtype.element_ty).to(tl.float32) * up.to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
@@ -164,10 +239,18 @@ def _config(block_n: int, block_k: int, num_warps: int, num_stages: int, block_m
     return triton.Config(sizes, num_warps=num_warps, num_stages=num_stages)
 
 
-# One row: (BLOCK_N, BLOCK_K, num_warps, num_stages). Each keeps 64 stored values a thread in flight
-# (as gemv.py's bf16 tile does), from 4 rows x 2048 columns to 32 x 256, plus one pipelined.
-GEMV_CONFIGS = [_config(*t) for t in [(4, 2048, 4, 1), (8, 1024, 4, 1), (16, 1024, 8, 1), (16, 512, 4, 1),
-                                      (4, 4096, 8, 1), (8, 1024, 4, 3)]]
+# One row, by PACK (values a stored element): (BLOCK_N, BLOCK_K, num_warps). A thread holds one
+# 16-byte chunk of each of BLOCK_N * C / (32 * num_warps) rows (C = BLOCK_K / CV chunks a step),
+# so the first entries keep 128 bytes a thread in flight, as gemv.py's bf16 tile (4 x 2048 x 2
+# bytes over 128 threads) does, with 8 accumulators instead of 64; the next 256, then the old
+# 64 (4 rows). BLOCK_N 8 leaves 512 programs for a 4096-row weight (~4 an SM), 16 leaves 256.
+GEMV_TILES = {
+    1: [(8, 2048, 4), (16, 2048, 4), (16, 1024, 4), (16, 2048, 8), (32, 1024, 8), (8, 1024, 4), (4, 2048, 4)],
+    8: [(8, 4096, 4), (16, 4096, 4), (16, 2048, 4), (16, 4096, 8), (32, 2048, 8), (8, 2048, 4), (4, 4096, 4)],
+}
+_GEMV_BY_PACK = {pack: [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1) for n, k, w in tiles]
+                 for pack, tiles in GEMV_TILES.items()}
+GEMV_CONFIGS = [c for configs in _GEMV_BY_PACK.values() for c in configs]
 # More rows, by row bucket (`autotune.rows_bucket`): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
 # num_stages). Up to 64 rows BLOCK_M is the bucket; few rows want small BLOCK_N (programs enough
 # for 132 SMs) and deep pipelines; 128 rows and more (the last entry) the usual GEMM tiles.
@@ -192,19 +275,34 @@ def _complete(configs: list[triton.Config], K: int, GROUP: int, PACK: int, **_) 
         gk = min(block_k, GROUP) if GROUP else block_k
         sizes = {"NG": block_k // gk, "GK": gk, "EVEN_K": K % block_k == 0}
         out.append(triton.Config({**c.kwargs, **sizes}, num_warps=c.num_warps, num_stages=c.num_stages))
-    narrow = [c for c in out if c.kwargs["BLOCK_K"] <= max(64, next_pow2(K))]
-    return narrow or [min(out, key=lambda c: c.kwargs["BLOCK_K"])]
+    return _fitting(out, K)
 
 
-def _prune_gemv(configs, nargs, **constexprs):
-    return _complete(configs, nargs["K"], **constexprs)
+def _fitting(configs: list[triton.Config], K: int) -> list[triton.Config]:
+    """Of ``configs``, those whose K step is not far wider than K, or else the narrowest."""
+    narrow = [c for c in configs if c.kwargs["BLOCK_K"] <= max(64, next_pow2(K))]
+    return narrow or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
+
+
+# Columns a GEMV chunk (one 16-byte load of a row) holds, by PACK.
+CHUNK = {1: 16, 8: 32}
+
+
+def _prune_gemv(configs, nargs, GROUP: int, PACK: int, **_):
+    """This format's tiles whose K step suits K (as `_complete`'s), with their chunk width and
+    whether K needs no mask."""
+    K = nargs["K"]
+    cv = min(CHUNK[PACK], GROUP) if GROUP else CHUNK[PACK]
+    out = [triton.Config({**c.kwargs, "CV": cv, "EVEN_K": K % c.kwargs["BLOCK_K"] == 0},
+                         num_warps=c.num_warps, num_stages=c.num_stages) for c in _GEMV_BY_PACK[PACK]]
+    return _fitting(out, K)
 
 
 def _prune_gemm(configs, nargs, **constexprs):
     return _complete(_GEMM_BY_ROWS[min(nargs["ROWS"], max(GEMM_TILES))], nargs["K"], **constexprs)
 
 
-_gemv = autotune.autotune(GEMV_CONFIGS, key=["N", "K", "GROUP", "SCALE_ROWS"], prune=_prune_gemv)(_dequant_gemv_kernel)
+_gemv = autotune.autotune(GEMV_CONFIGS, key=["N", "K", "GROUP", "SCALE_ROWS", "ACT"], prune=_prune_gemv)(_dequant_gemv_kernel)
 _gemm = autotune.autotune(GEMM_CONFIGS, key=["N", "K", "ROWS", "GROUP", "SCALE_ROWS"], prune=_prune_gemm)(_dequant_gemm_kernel)
 
 
@@ -229,6 +327,17 @@ def stored(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.int32) if w.dtype == torch.uint8 else w
 
 
+def _launch_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
+                 constexprs: dict, y: torch.Tensor, act: str, config: triton.Config | None) -> None:
+    """`_dequant_gemv_kernel` on the row ``x`` (unit stride) into ``y``'s ``N`` features."""
+    N, K = y.shape[-1], x.shape[-1]
+    zs = zeros if zeros is not None else scale
+    args = {"X": x, "W": w, "S": scale, "Z": zs, "Y": y, "N": N, "K": K, "KW": w.shape[1],
+            "stride_w_n": w.stride(0), "stride_s_n": scale.stride(0), "stride_z_n": zs.stride(0)}
+    constexprs = constexprs | {"HAS_ZERO": zeros is not None, "ACT": act}
+    autotune.launch(_gemv, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),), args, constexprs, config)
+
+
 def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
                           block: tuple[int, int], *, config: triton.Config | None = None) -> torch.Tensor:
     """Triton version of `dequant_linear` (the twin where `kernel_layout` says the kernels cannot);
@@ -245,21 +354,50 @@ def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
+    if M == 1:
+        _launch_gemv(rows, w, scale, zeros, constexprs, y, "", config)
+        return y.view(*x.shape[:-1], N)
     zs = zeros if zeros is not None else scale
     constexprs["HAS_ZERO"] = zeros is not None
-    common = {"X": rows, "W": w, "S": scale, "Z": zs, "Y": y}
-    if M == 1:
-        args = common | {"N": N, "K": K, "KW": w.shape[1], "stride_w_n": w.stride(0),
-                         "stride_s_n": scale.stride(0), "stride_z_n": zs.stride(0)}
-        autotune.launch(_gemv, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),), args, constexprs, config)
-    else:
-        args = common | {"M": M, "N": N, "K": K, "KW": w.shape[1], "ROWS": autotune.rows_bucket(M),
-                         "stride_x_m": rows.stride(0), "stride_w_n": w.stride(0), "stride_s_n": scale.stride(0),
-                         "stride_z_n": zs.stride(0), "stride_y_m": y.stride(0)}
-        constexprs["PRECISION"] = dot_precision(x.dtype)
-        autotune.launch(_gemm, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"])),
-                        args, constexprs, config)
+    args = {"X": rows, "W": w, "S": scale, "Z": zs, "Y": y, "M": M, "N": N, "K": K, "KW": w.shape[1],
+            "ROWS": autotune.rows_bucket(M), "stride_x_m": rows.stride(0), "stride_w_n": w.stride(0),
+            "stride_s_n": scale.stride(0), "stride_z_n": zs.stride(0), "stride_y_m": y.stride(0)}
+    constexprs["PRECISION"] = dot_precision(x.dtype)
+    autotune.launch(_gemm, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"])),
+                    args, constexprs, config)
     return y.view(*x.shape[:-1], N)
+
+
+def dequant_gemv_act_and_mul_torch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                                   zeros: torch.Tensor | None, block: tuple[int, int], act: str) -> torch.Tensor:
+    """Torch twin of `dequant_gemv_act_and_mul`: the linear layer, then the activation's twin."""
+    return ACTIVATIONS[act](dequant_linear_torch(x, w, scale, zeros, block))
+
+
+def dequant_gemv_act_and_mul_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                                    zeros: torch.Tensor | None, block: tuple[int, int], act: str, *,
+                                    config: triton.Config | None = None) -> torch.Tensor:
+    """Triton version of `dequant_gemv_act_and_mul` (the twin where `kernel_layout` says the
+    kernel cannot, or where a scale block would hold rows of both gate and up)."""
+    assert act in ACTIVATIONS, act
+    constexprs = kernel_layout(w, block)
+    I = w.shape[0] // 2
+    if constexprs is None or I % block[0]:
+        return dequant_gemv_act_and_mul_torch(x, w, scale, zeros, block, act)
+    assert x.numel() == x.shape[-1] and x.stride(-1) == 1, "one unit-stride row"
+    y = torch.empty(*x.shape[:-1], I, dtype=x.dtype, device=x.device)
+    _launch_gemv(x.reshape(1, -1), stored(w), scale, zeros, constexprs, y.view(1, I), act, config)
+    return y
+
+
+def dequant_gemv_act_and_mul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
+                             block: tuple[int, int], act: str) -> torch.Tensor:
+    """``act(gate) * up`` of the one-row `dequant_linear` with ``w`` ``[2I, K]`` (gate's rows, then
+    up's), act ``"silu"`` or ``"gelu_tanh"``: `gemv.gemv_act_and_mul` for quantized weights, one
+    launch where the linear layer and `silu_and_mul_fwd` took two. Returns ``[..., I]``."""
+    if use_triton(x):
+        return dequant_gemv_act_and_mul_triton(x, w, scale, zeros, block, act)
+    return dequant_gemv_act_and_mul_torch(x, w, scale, zeros, block, act)
 
 
 def configs_for(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> list[triton.Config]:
