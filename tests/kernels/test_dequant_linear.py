@@ -215,3 +215,31 @@ def test_w8a8_gemms_match_the_twin(gemm, M):
     want = fp8_linear_torch(x, q, ws, None)
     assert got.dtype == torch.bfloat16 and got.shape == (M, 4096)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("device,dtype", [p for p in DEVICE_DTYPES if p.values[1] != torch.float32])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_and_mul_gemv_is_the_linear_then_the_activation(device, dtype, fmt, act):
+    # gate_up of 2 x 40 rows: every tile's ragged last program holds rows of gate and of up.
+    from llmserve.kernels.dequant_linear import dequant_gemv_act_and_mul_triton
+    from llmserve.kernels.gemv import ACTIVATIONS
+
+    K = 512
+    g = rng(K + len(fmt))
+    (w, scale, zeros, block), dense = format_weight(fmt, g, 80, K, device)
+    if fmt == "fp8-block":      # a gate_up fused from two block-FP8 weights has a scale a row
+        w8 = BlockFp8Weight(w, scale, block).per_row()
+        scale, block = w8.scale, w8.block
+    if scale.is_floating_point() and w.dtype == torch.uint8:
+        scale = scale.to(dtype)
+    x = randn(g, 1, K, dtype=dtype, device=device)
+    # What the unfused path computes: the GEMV (rounded to x's dtype), then the activation's twin.
+    want = ACTIVATIONS[act](dequant_linear_triton(x, w, scale, zeros, block).cpu())
+    configs = configs_for(x, w, scale, block)
+    for config in configs:
+        got = dequant_gemv_act_and_mul_triton(x, w, scale, zeros, block, act, config=config).cpu()
+        assert got.shape == (1, 40)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    ref = ACTIVATIONS[act]((x.double().cpu() @ dense.t()).to(dtype))
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
