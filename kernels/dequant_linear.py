@@ -103,31 +103,60 @@ def _row_scales(S, offs_n, n_mask, stride_s_n, SCALE_ROWS: tl.constexpr):
     return tl.load(S + (offs_n // SCALE_ROWS).to(tl.int64) * stride_s_n, mask=n_mask, other=0.0).to(tl.float32)
 
 
+# 2^7's bits, passed to the GEMV at run time (see `_int4_values`).
+TWO_TO_7 = 0x43000000
+
+
 @triton.jit
-def _int4_values(raw):
+def _int4_values(raw, two_to_7):
     """The eight 4-bit values of each int32 word of ``raw`` as exact float32 integers 0..15,
     joined so that reshaping the result's last three axes gives them in column order.
 
     Value i (bits 4i..4i+3) is OR-ed, where it lies, into the mantissa of the power of two whose
     unit there is 1 (2^23 for bits 0-3, 2^19 for 4-7, ... 2^7 for 16-19), and that power is
-    subtracted: one LOP3 and one FADD a value, the INT pipe (64 lanes an SM, half the FP32
-    pipe's) being what bounds a 4-bit GEMV. Values 5-7 are first shifted down 12 bits (one
-    shift a word) to use the masks of values 2-4."""
+    subtracted: one LOP3 and one FADD a value, where a shift, two logic ops and an FMA were
+    (the INT pipe, 64 lanes an SM against the FP32 pipe's 128, bounds a 4-bit GEMV). Values 5-7
+    are first shifted down 12 bits (one shift a word) to reuse the masks of values 2-4. The
+    powers' bits come from ``two_to_7``, a run-time argument (`TWO_TO_7`): a LOP3 takes one
+    immediate, and with both the mask and the power constant the compiler emits an AND and an OR."""
     hi = raw >> 12
-    q0 = ((raw & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q1 = ((raw & 0xF0) | 0x49000000).to(tl.float32, bitcast=True) - 524288.0
-    q2 = ((raw & 0xF00) | 0x47000000).to(tl.float32, bitcast=True) - 32768.0
-    q3 = ((raw & 0xF000) | 0x45000000).to(tl.float32, bitcast=True) - 2048.0
-    q4 = ((raw & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True) - 128.0
-    q5 = ((hi & 0xF00) | 0x47000000).to(tl.float32, bitcast=True) - 32768.0
-    q6 = ((hi & 0xF000) | 0x45000000).to(tl.float32, bitcast=True) - 2048.0
-    q7 = ((hi & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True) - 128.0
+    p11 = two_to_7 + (4 << 23)
+    p15 = two_to_7 + (8 << 23)
+    p19 = two_to_7 + (12 << 23)
+    p23 = two_to_7 + (16 << 23)
+    q0 = ((raw & 0xF) | p23).to(tl.float32, bitcast=True) - 8388608.0
+    q1 = ((raw & 0xF0) | p19).to(tl.float32, bitcast=True) - 524288.0
+    q2 = ((raw & 0xF00) | p15).to(tl.float32, bitcast=True) - 32768.0
+    q3 = ((raw & 0xF000) | p11).to(tl.float32, bitcast=True) - 2048.0
+    q4 = ((raw & 0xF0000) | two_to_7).to(tl.float32, bitcast=True) - 128.0
+    q5 = ((hi & 0xF00) | p15).to(tl.float32, bitcast=True) - 32768.0
+    q6 = ((hi & 0xF000) | p11).to(tl.float32, bitcast=True) - 2048.0
+    q7 = ((hi & 0xF0000) | two_to_7).to(tl.float32, bitcast=True) - 128.0
     # tl.join appends an axis: value 4c + 2a + b of a word lands at [c, a, b].
     return tl.join(tl.join(tl.join(q0, q4), tl.join(q2, q6)), tl.join(tl.join(q1, q5), tl.join(q3, q7)))
 
 
 @triton.jit
-def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n,
+def _x_chunks(X, k0, K, chunk, CV: tl.constexpr, START: tl.constexpr, WIDTH: tl.constexpr, EVEN_K: tl.constexpr):
+    """x's columns START .. START + WIDTH of each chunk of CV columns from k0, float32 ``[C, WIDTH]``."""
+    offs = k0 + chunk[:, None] * CV + START + tl.arange(0, WIDTH)[None, :]
+    if EVEN_K:
+        return tl.load(X + offs).to(tl.float32)
+    return tl.load(X + offs, mask=offs < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _word_dot(word, X, k0, K, chunk, index: tl.constexpr, two_to_7, BLOCK_N: tl.constexpr, C: tl.constexpr,
+              CV: tl.constexpr, EVEN_K: tl.constexpr):
+    """Word ``index`` of each chunk (``word`` ``[BLOCK_N, C]``, columns 8 * index .. + 8 of the
+    chunk) against x: sum q x ``[BLOCK_N, C]`` and sum x ``[C]``."""
+    x = _x_chunks(X, k0, K, chunk, CV, 8 * index, 8, EVEN_K)
+    q = tl.reshape(_int4_values(word, two_to_7), [BLOCK_N, C, 8])
+    return tl.sum(q * x[None, :, :], 2), tl.sum(x, 1)
+
+
+@triton.jit
+def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n, two_to_7,
                SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr):
     """x . W[n] for the rows ``offs_n``, float32 ``[BLOCK_N]``, scales applied.
@@ -144,20 +173,30 @@ def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride
     chunk = tl.arange(0, C)
     stored = chunk[:, None] * V + tl.arange(0, V)[None, :]        # [C, V], from k0 / PACK
     w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_w_n + stored[None, :, :]
-    x_offs = chunk[:, None] * CV + tl.arange(0, CV)[None, :]      # [C, CV]
     acc = tl.zeros([BLOCK_N, C], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             raw = tl.load(w_ptrs, mask=n_mask[:, None, None], other=0.0)
-            x = tl.load(X + k0 + x_offs).to(tl.float32)
         else:
             raw = tl.load(w_ptrs, mask=n_mask[:, None, None] & (k0 // PACK + stored < KW)[None, :, :], other=0.0)
-            x = tl.load(X + k0 + x_offs, mask=k0 + x_offs < K, other=0.0).to(tl.float32)
         if PACK == 8:
-            q = tl.reshape(_int4_values(raw), [BLOCK_N, C, CV])
+            # x as four [C, 8] loads, one a word: each is 16 bytes of a thread (as the weight
+            # tile's layout wants them), where one [C, 32] load would be spread over four
+            # threads and moved through shared memory every step. The words likewise: split
+            # inside the thread.
+            pair0, pair1 = tl.split(tl.reshape(raw, [BLOCK_N, C, 2, 2]))     # words (0, 2), (1, 3)
+            word0, word2 = tl.split(pair0)
+            word1, word3 = tl.split(pair1)
+            part, xsum = _word_dot(word0, X, k0, K, chunk, 0, two_to_7, BLOCK_N, C, CV, EVEN_K)
+            p1, s1 = _word_dot(word1, X, k0, K, chunk, 1, two_to_7, BLOCK_N, C, CV, EVEN_K)
+            p2, s2 = _word_dot(word2, X, k0, K, chunk, 2, two_to_7, BLOCK_N, C, CV, EVEN_K)
+            p3, s3 = _word_dot(word3, X, k0, K, chunk, 3, two_to_7, BLOCK_N, C, CV, EVEN_K)
+            part += p1 + p2 + p3
+            xsum += s1 + s2 + s3
         else:
-            q = raw.to(tl.float32)
-        part = tl.sum(q * x[None, :, :], 2)                        # [BLOCK_N, C], inside threads
+            x = _x_chunks(X, k0, K, chunk, CV, 0, CV, EVEN_K)
+            part = tl.sum(raw.to(tl.float32) * x[None, :, :], 2)    # [BLOCK_N, C], inside threads
+            xsum = tl.sum(x, 1)
         in_k = n_mask[:, None] & (k0 + chunk * CV < K)[None, :]
         if HAS_ZERO:
             if GROUP == 0:
@@ -165,7 +204,7 @@ def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride
             else:
                 z = tl.load(Z + offs_n[:, None].to(tl.int64) * stride_z_n + ((k0 + chunk * CV) // GROUP)[None, :],
                             mask=in_k, other=0)
-            part -= z.to(tl.float32) * tl.sum(x, 1)[None, :]
+            part -= z.to(tl.float32) * xsum[None, :]
         if GROUP != 0:
             s = tl.load(S + (offs_n // SCALE_ROWS)[:, None].to(tl.int64) * stride_s_n
                         + ((k0 + chunk * CV) // GROUP)[None, :], mask=in_k, other=0.0).to(tl.float32)
@@ -180,7 +219,7 @@ def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride
 
 @triton.jit
 def _dequant_gemv_kernel(
-    X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n,
+    X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
     SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr, ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr,
 ):
@@ -188,10 +227,10 @@ def _dequant_gemv_kernel(
     # 2N rows): Y[n] = act(x . W[n]) * (x . W[N + n]), rounded as `gemv.py`'s act-and-mul is.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    y = _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n,
+    y = _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
                    SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K)
     if ACT != "":
-        up = _gemv_rows(X, W, S, Z, offs_n + N, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n,
+        up = _gemv_rows(X, W, S, Z, offs_n + N, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
                         SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K)
         gate = y.to(Y.dtype.element_ty).to(tl.float32)
         if ACT == "gelu_tanh":
@@ -284,8 +323,14 @@ def _fitting(configs: list[triton.Config], K: int) -> list[triton.Config]:
     return narrow or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
 
 
-# Columns a GEMV chunk (one 16-byte load of a row) holds, by PACK.
+# Columns a GEMV chunk (one 16-byte load of a row) holds, by PACK. A 4-bit chunk is four words
+# and must lie in one scale group: groups of 8 or 16 columns take the GEMM (`takes_gemv`).
 CHUNK = {1: 16, 8: 32}
+
+
+def takes_gemv(constexprs: dict) -> bool:
+    """Whether `_dequant_gemv_kernel` takes a weight of this `kernel_layout`."""
+    return constexprs["PACK"] == 1 or not constexprs["GROUP"] or constexprs["GROUP"] >= CHUNK[8]
 
 
 def _prune_gemv(configs, nargs, GROUP: int, PACK: int, **_):
@@ -333,7 +378,7 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: t
     N, K = y.shape[-1], x.shape[-1]
     zs = zeros if zeros is not None else scale
     args = {"X": x, "W": w, "S": scale, "Z": zs, "Y": y, "N": N, "K": K, "KW": w.shape[1],
-            "stride_w_n": w.stride(0), "stride_s_n": scale.stride(0), "stride_z_n": zs.stride(0)}
+            "stride_w_n": w.stride(0), "stride_s_n": scale.stride(0), "stride_z_n": zs.stride(0), "TWO_TO_7": TWO_TO_7}
     constexprs = constexprs | {"HAS_ZERO": zeros is not None, "ACT": act}
     autotune.launch(_gemv, x, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),), args, constexprs, config)
 
@@ -354,7 +399,7 @@ def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    if M == 1:
+    if M == 1 and takes_gemv(constexprs):
         _launch_gemv(rows, w, scale, zeros, constexprs, y, "", config)
         return y.view(*x.shape[:-1], N)
     zs = zeros if zeros is not None else scale
@@ -382,8 +427,8 @@ def dequant_gemv_act_and_mul_triton(x: torch.Tensor, w: torch.Tensor, scale: tor
     assert act in ACTIVATIONS, act
     constexprs = kernel_layout(w, block)
     I = w.shape[0] // 2
-    if constexprs is None or I % block[0]:
-        return dequant_gemv_act_and_mul_torch(x, w, scale, zeros, block, act)
+    if constexprs is None or not takes_gemv(constexprs) or I % block[0]:
+        return ACTIVATIONS[act](dequant_linear_triton(x, w, scale, zeros, block))
     assert x.numel() == x.shape[-1] and x.stride(-1) == 1, "one unit-stride row"
     y = torch.empty(*x.shape[:-1], I, dtype=x.dtype, device=x.device)
     _launch_gemv(x.reshape(1, -1), stored(w), scale, zeros, constexprs, y.view(1, I), act, config)
@@ -405,7 +450,7 @@ def configs_for(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tu
     constexprs = kernel_layout(w, block)
     K = stored(w).shape[1] * constexprs["PACK"]
     M = x.numel() // K
-    if M == 1:
+    if M == 1 and takes_gemv(constexprs):
         return _prune_gemv(_gemv.configs, {"K": K}, **constexprs)
     return _prune_gemm(_gemm.configs, {"K": K, "ROWS": autotune.rows_bucket(M)}, **constexprs)
 

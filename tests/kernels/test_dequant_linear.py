@@ -36,7 +36,7 @@ def block_fp8_weight(g, n: int, k: int, block: tuple[int, int], device: str) -> 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("M", ROWS)
-@pytest.mark.parametrize("N,K,group", [(48, 256, 128), (40, 96, 32), (8, 64, 64)])
+@pytest.mark.parametrize("N,K,group", [(48, 256, 128), (40, 96, 32), (8, 64, 64), (16, 64, 16)])
 def test_int4_kernel_matches_twin_and_reference(device, dtype, M, N, K, group):
     g = rng(M * N + K)
     w, dense = int4_weight(g, N, K, group, device)
