@@ -11,27 +11,27 @@ column 2j in byte j's low nibble and 2j + 1 in its high one; ``S`` the scales ``
 ceil(K / BK)]``, one per ``(BN, BK)`` block; ``Z`` (4-bit only) integer zero points ``[N, K / BK]``.
 Value = (q - z) * s.
 
-Two kernels, both reading the weight in its own layout, both tiling K as ``[NG, GK]``: NG scale
-groups of GK columns (or one group as wide as the K step where a scale covers a whole row), so a
-group's scale and zero point are loaded once per row and broadcast over its columns:
+Two kernels, both reading the weight in its own layout:
 
-- one row (`_dequant_gemv_kernel`, a batch-1 decode step): the weight's read is the whole cost, so
-  it is written as `gemv.py` is: programs of a few output rows each (hundreds to thousands of
-  programs for every Llama-3-8B shape, enough to fill 132 SMs without splitting K), wide vector
-  loads along K, one fp32 FMA a value into a tile reduced once at the end; one scale a row
-  (per-channel FP8) multiplies the row's sum. What is particular to quantized weights is the
-  arithmetic a loaded byte costs, which at 4 bits rivals the read (~4.3 instructions a value
-  leave an H200 at its bandwidth): 4-bit values are read as int32 words of eight, and each is
-  shifted and OR-ed into the mantissa of 1024.0, giving 1024 + q exactly (an integer-to-float
-  conversion is a quarter-rate instruction), and one FMA with the group's scale and
-  (1024 + z) * s (exact for a half-precision scale) gives (q - z) * s rounded once.
+- one row (`_dequant_gemv_kernel`, a batch-1 decode step): the weight's read is the whole cost,
+  and a read is as fast as the bytes a program keeps in flight. A thread holds one 16-byte chunk
+  of each of its rows (16 FP8 values, or four words of eight 4-bit ones) and sums the chunk's
+  products inside the thread, into one float a (row, chunk), reduced across threads once at the
+  end; the scale of a chunk's group multiplies its sum, a per-channel scale the row's. (An
+  accumulator a value, as `gemv.py`'s bf16 tile has, capped a thread at 64 values in flight:
+  64 bytes of FP8, 32 of 4-bit, against bf16's 128.) 4-bit values are unpacked with one LOP3
+  and one FADD each (`_int4_values`), and their zero point comes off the chunk's sum
+  (s * (sum q x - z * sum x)). With ``ACT`` the kernel is a gated MLP's gate_up with its
+  activation (`dequant_gemv_act_and_mul`), as `gemv.gemv_act_and_mul` is for bf16.
 - more rows (`_dequant_gemm_kernel`): each weight tile is dequantized once into the activations'
   dtype and multiplied on the tensor cores (`tl.dot`) by every row of x. The weight tile is the
   dot's first operand (y^T = W x^T), so a step of a few rows still fills the MMA's 64-row side.
 
 Their tiles are autotuned per shape, format and row bucket (`kernels/autotune.py`). Compiled for
-sm_90 every config has no register spills; 4-bit tiles cost ~2 integer instructions and 2 FMAs a
-value, and the GEMM's tiles of 64+ weight rows run on wgmma.
+sm_90 (Triton 3.7's ptxas, on a CPU) no config spills registers; the GEMV's FP8 tiles take 66-168
+registers, its 4-bit ones 126-255 with ~1.2 integer and ~2.4 FP32 instructions a value and no
+shared memory in the loop; the GEMM's 4-bit tiles ~2 integer instructions and 2 FMAs a value, and
+its tiles of 64+ weight rows run on wgmma.
 """
 
 from __future__ import annotations
