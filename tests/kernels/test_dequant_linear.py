@@ -243,3 +243,26 @@ def test_act_and_mul_gemv_is_the_linear_then_the_activation(device, dtype, fmt, 
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     ref = ACTIVATIONS[act]((x.double().cpu() @ dense.t()).to(dtype))
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("device,dtype", [p for p in DEVICE_DTYPES if p.values[1] != torch.float32])
+def test_each_weight_class_fuses_its_gate_up_activation_at_one_row(device, dtype):
+    # What the llama MLP calls for a quantized gate_up at one row on the Triton backend: the
+    # fused kernel, which must be the linear layer then the activation.
+    from llmserve.kernels import backend
+    from llmserve.kernels.gemv import ACTIVATIONS
+    from llmserve.quantization.config import quantize_fp8, quantize_fp8_blocks, quantize_int4
+
+    g = rng(5)
+    dense = torch.randn(256, 128, generator=g) * 0.05
+    x = randn(g, 1, 128, dtype=dtype, device=device)
+    backend.set_backend("triton")
+    try:
+        for quantize in (quantize_int4, quantize_fp8, quantize_fp8_blocks):
+            halves = [quantize(dense[:128]), quantize(dense[128:])]
+            w = type(halves[0]).cat(halves).to(torch.device(device), dtype)
+            got = w.act_and_mul(x, "silu")
+            assert got.shape == (1, 128)
+            torch.testing.assert_close(got.float(), ACTIVATIONS["silu"](w.apply(x)).float(), atol=2e-2, rtol=2e-2)
+    finally:
+        backend.set_backend(None)
