@@ -17,6 +17,9 @@ product on our autotuned FP8 GEMM instead of `_scaled_mm` (`fp8_linear.W8A8_GEMM
 activation quantization kernel alone. "rel err" is each format's output against the product with
 its dequantized weight (for fp8 from two rows on it includes the activations' FP8 rounding, ~2%).
 
+At one row gate_up is also timed as the model runs it, fused with SiLU (`gemv_act_and_mul` for
+bf16, `PackedWeight.act_and_mul` for the formats): the last table.
+
     python benchmarks/quantized_gemv.py [--rows 1,8,32,128] [--formats fp8,fp8-block,int4]
 """
 
@@ -35,6 +38,7 @@ remove_script_dir_from_sys_path()
 
 from llmserve.kernels.dequant_linear import dequant_linear_triton  # noqa: E402
 from llmserve.kernels.fp8_linear import fp8_linear_w8a8, quantize_fp8_rows_triton  # noqa: E402
+from llmserve.kernels.gemv import gemv_act_and_mul  # noqa: E402
 from llmserve.kernels.quantized_linear import linear  # noqa: E402
 from llmserve.quantization.config import quantize_fp8, quantize_fp8_blocks, quantize_int4  # noqa: E402
 
@@ -74,7 +78,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"L2 {l2 >> 20} MiB")
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    table, step = [], {}
+    table, step, fused = [], {}, {}
     for name, (N, K) in SHAPES.items():
         dense = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16, generator=g) * K ** -0.5
         weights = {"bf16": dense} | {f: QUANTIZE[f](dense).to(dense.device, dense.dtype) for f in formats}
@@ -88,6 +92,11 @@ def main() -> None:
                 if f != "bf16":
                     want = x.float() @ ws[0].dequantize(torch.float32).t()
                     errs[f] = ((linear(x, ws[0]).float() - want).norm() / want.norm()).item()
+            if name == "gate_up" and M == 1:
+                for f, ws in copies.items():
+                    us = rotating_us(lambda w: gemv_act_and_mul(x, w, "silu") if f == "bf16"
+                                     else w.act_and_mul(x, "silu"), ws)
+                    fused[f] = (us, us / ((weight_bytes(ws[0]) + (K + N // 2) * 2) / bw * 1e6))
             if "fp8" in copies:
                 fp8 = copies["fp8"]
                 times["fp8 w8a16"] = rotating_us(
@@ -124,6 +133,9 @@ def main() -> None:
         srows.append(line)
     sh = ["rows", "bf16 ms"] + [h for f in formats for h in (f"{f} ms", "x floor", "x bf16")]
     print(markdown_table(sh + (["fp8 w8a16 ms", "fp8 triton ms"] if "fp8" in formats else []), srows))
+    if fused:
+        print("\ngate_up fused with SiLU at one row, µs (x floor: the weight's bytes over the copy bandwidth):")
+        print(markdown_table(["format", "µs", "x floor"], [[f, f"{us:.1f}", f"{ratio:.2f}"] for f, (us, ratio) in fused.items()]))
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 

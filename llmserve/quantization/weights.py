@@ -26,8 +26,10 @@ import torch
 
 from llmserve.common.errors import ModelLoadError
 from llmserve.kernels.autotune import ROW_BUCKETS
-from llmserve.kernels.dequant_linear import dequant_linear, dequantize_blocks
+from llmserve.kernels.backend import use_triton
+from llmserve.kernels.dequant_linear import dequant_gemv_act_and_mul, dequant_linear, dequantize_blocks
 from llmserve.kernels.fp8_linear import fp8_linear
+from llmserve.kernels.gemv import ACTIVATIONS
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448
@@ -77,6 +79,20 @@ class PackedWeight:
         """``x @ self.T``, ``x`` of any leading dims, in x's dtype."""
         raise NotImplementedError
 
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """``act(gate) * up`` of ``x @ self.T`` for a gated MLP's fused gate_up weight (gate's
+        rows, then up's), act a key of `gemv.ACTIVATIONS`. One row on the Triton backend is one
+        launch (`dequant_gemv_act_and_mul`: the GEMV `apply` runs there, with the activation);
+        anything else is `apply` and the activation's kernel."""
+        if x.numel() == x.shape[-1] and x.stride(-1) == 1 and use_triton(x):
+            return dequant_gemv_act_and_mul(x, *self._gemv_operands(), act)
+        return ACTIVATIONS[act](self.apply(x))
+
+    def _gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int]]:
+        """(values, scales, zero points, block) as `dequant_linear` takes them: what `apply` runs
+        at one row on the Triton backend."""
+        raise NotImplementedError
+
 
 def _aligned(what: str, start: int, length: int, unit: int) -> None:
     if start % unit or length % unit:
@@ -119,6 +135,10 @@ class Fp8Weight(PackedWeight):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale)
 
+    def _gemv_operands(self):
+        # One row runs W8A16 (fp8_linear's module doc): the scale a row, one block as wide as K.
+        return self.weight, self.weight_scale.view(-1, 1), None, (1, self.shape[1])
+
 
 @dataclass(frozen=True)
 class BlockFp8Weight(PackedWeight):
@@ -158,6 +178,9 @@ class BlockFp8Weight(PackedWeight):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return dequant_linear(x, self.weight, self.scale, None, self.block)
+
+    def _gemv_operands(self):
+        return self.weight, self.scale, None, self.block
 
 
 @dataclass(frozen=True)
@@ -199,6 +222,9 @@ class Int4Weight(PackedWeight):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return dequant_linear(x, self.qweight, self.scales, self.zeros, (1, self.group))
 
+    def _gemv_operands(self):
+        return self.qweight, self.scales, self.zeros, (1, self.group)
+
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, K / 2]`` from 4-bit values ``[N, K]`` (column 2j low nibble, 2j + 1 high)."""
@@ -206,10 +232,12 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
-def warm_up(weights: Iterable[object], dtype: torch.dtype) -> int:
+def warm_up(weights: Iterable[object], dtype: torch.dtype, gate_ups: Iterable[tuple[object, str]] = ()) -> int:
     """Run each distinct quantized weight among ``weights`` (anything else is skipped) at one row
-    and at every row bucket, so that its kernels compile and autotune (`kernels/autotune.py`) at
-    start-up rather than inside a served step; returns how many distinct weights ran."""
+    and at every row bucket, and each distinct one of ``gate_ups`` (a gated MLP's fused weight and
+    its activation) through `PackedWeight.act_and_mul` at one row, so that their kernels compile
+    and autotune (`kernels/autotune.py`) at start-up rather than inside a served step; returns how
+    many distinct weights of ``weights`` ran."""
     seen = set()
     for w in weights:
         if not isinstance(w, PackedWeight) or (key := (type(w), w.format, tuple(w.shape))) in seen:
@@ -217,4 +245,9 @@ def warm_up(weights: Iterable[object], dtype: torch.dtype) -> int:
         seen.add(key)
         for rows in (1, *ROW_BUCKETS):
             w.apply(torch.zeros(rows, w.shape[1], dtype=dtype, device=w.device))
+    fused = set()
+    for w, act in gate_ups:
+        if isinstance(w, PackedWeight) and (key := (type(w), w.format, tuple(w.shape), act)) not in fused:
+            fused.add(key)
+            w.act_and_mul(torch.zeros(1, w.shape[1], dtype=dtype, device=w.device), act)
     return len(seen)

@@ -36,7 +36,7 @@ def block_fp8_weight(g, n: int, k: int, block: tuple[int, int], device: str) -> 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("M", ROWS)
-@pytest.mark.parametrize("N,K,group", [(48, 256, 128), (40, 96, 32), (8, 64, 64)])
+@pytest.mark.parametrize("N,K,group", [(48, 256, 128), (40, 96, 32), (8, 64, 64), (16, 64, 16)])
 def test_int4_kernel_matches_twin_and_reference(device, dtype, M, N, K, group):
     g = rng(M * N + K)
     w, dense = int4_weight(g, N, K, group, device)
@@ -215,3 +215,54 @@ def test_w8a8_gemms_match_the_twin(gemm, M):
     want = fp8_linear_torch(x, q, ws, None)
     assert got.dtype == torch.bfloat16 and got.shape == (M, 4096)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("device,dtype", [p for p in DEVICE_DTYPES if p.values[1] != torch.float32])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_and_mul_gemv_is_the_linear_then_the_activation(device, dtype, fmt, act):
+    # gate_up of 2 x 40 rows: every tile's ragged last program holds rows of gate and of up.
+    from llmserve.kernels.dequant_linear import dequant_gemv_act_and_mul_triton
+    from llmserve.kernels.gemv import ACTIVATIONS
+
+    K = 512
+    g = rng(K + len(fmt))
+    (w, scale, zeros, block), dense = format_weight(fmt, g, 80, K, device)
+    if fmt == "fp8-block":      # a gate_up fused from two block-FP8 weights has a scale a row
+        w8 = BlockFp8Weight(w, scale, block).per_row()
+        scale, block = w8.scale, w8.block
+    if scale.is_floating_point() and w.dtype == torch.uint8:
+        scale = scale.to(dtype)
+    x = randn(g, 1, K, dtype=dtype, device=device)
+    # What the unfused path computes: the GEMV (rounded to x's dtype), then the activation's twin.
+    want = ACTIVATIONS[act](dequant_linear_triton(x, w, scale, zeros, block).cpu())
+    configs = configs_for(x, w, scale, block)
+    for config in configs:
+        got = dequant_gemv_act_and_mul_triton(x, w, scale, zeros, block, act, config=config).cpu()
+        assert got.shape == (1, 40)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    ref = ACTIVATIONS[act]((x.double().cpu() @ dense.t()).to(dtype))
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("device,dtype", [p for p in DEVICE_DTYPES if p.values[1] != torch.float32])
+def test_each_weight_class_fuses_its_gate_up_activation_at_one_row(device, dtype):
+    # What the llama MLP calls for a quantized gate_up at one row on the Triton backend: the
+    # fused kernel, which must be the linear layer then the activation.
+    from llmserve.kernels import backend
+    from llmserve.kernels.gemv import ACTIVATIONS
+    from llmserve.quantization.config import quantize_fp8, quantize_fp8_blocks, quantize_int4
+
+    g = rng(5)
+    dense = torch.randn(256, 128, generator=g) * 0.05
+    x = randn(g, 1, 128, dtype=dtype, device=device)
+    backend.set_backend("triton")
+    try:
+        for quantize in (quantize_int4, quantize_fp8, quantize_fp8_blocks):
+            halves = [quantize(dense[:128]), quantize(dense[128:])]
+            w = type(halves[0]).cat(halves).to(torch.device(device), dtype)
+            got = w.act_and_mul(x, "silu")
+            assert got.shape == (1, 128)
+            torch.testing.assert_close(got.float(), ACTIVATIONS["silu"](w.apply(x)).float(), atol=2e-2, rtol=2e-2)
+    finally:
+        backend.set_backend(None)

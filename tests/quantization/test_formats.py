@@ -194,3 +194,16 @@ def test_warm_up_runs_each_distinct_weight_at_every_row_bucket(monkeypatch):
     assert weights.warm_up([int4, fp8, quantize_int4(w), quantize_fp8(w), w, 3], torch.float32) == 2
     assert [(f, s[0]) for f, s in calls] == [(f, m) for f in ("int4", "fp8") for m in (1, *ROW_BUCKETS)]
     assert all(s[1] == 256 for _, s in calls)
+
+
+def test_warm_up_runs_each_distinct_gate_up_fused_with_its_activation(monkeypatch):
+    from llmserve.quantization import weights
+    from llmserve.quantization.config import quantize_fp8
+
+    calls = []
+    monkeypatch.setattr(weights.Fp8Weight, "apply", lambda self, x: None)
+    monkeypatch.setattr(weights.Fp8Weight, "act_and_mul", lambda self, x, act: calls.append((act, tuple(x.shape))))
+    w = quantize_fp8(torch.randn(64, 256))
+    gate_ups = [(w, "silu"), (quantize_fp8(torch.randn(64, 256)), "silu"), (w, "gelu_tanh"), (torch.randn(64, 256), "silu")]
+    weights.warm_up([w], torch.float32, gate_ups=gate_ups)
+    assert calls == [("silu", (1, 256)), ("gelu_tanh", (1, 256))]

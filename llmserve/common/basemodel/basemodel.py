@@ -401,7 +401,11 @@ class TpPartBaseModel:
                     # Every row bucket of every quantized weight tunes its tiles now: an eager
                     # decode step of a batch size not seen above would tune inside serving.
                     from llmserve.quantization.weights import warm_up as warm_up_weights
-                    warm_up_weights((v for w in self.trans_layers_weight for v in vars(w).values()), self.data_type)
+                    # A gated MLP's gate_up also runs fused with its activation at one row.
+                    layers = zip(self.trans_layers_weight, self.layers_infer)
+                    warm_up_weights((v for w in self.trans_layers_weight for v in vars(w).values()), self.data_type,
+                                    gate_ups=((w.gate_up_weight_, infer.mlp_act) for w, infer in layers
+                                              if hasattr(w, "gate_up_weight_") and hasattr(infer, "mlp_act")))
                 torch.cuda.synchronize(self.device)
         finally:
             for row in rows:

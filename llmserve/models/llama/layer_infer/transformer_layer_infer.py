@@ -13,6 +13,7 @@ from llmserve.kernels import (
 )
 from llmserve.kernels.gemv import gemv_act_and_mul, takes_gemv
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
+from llmserve.quantization.weights import PackedWeight
 
 
 # A gated MLP's activation of ``[gate | up]``, by `gemv_act_and_mul`'s names.
@@ -53,6 +54,9 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
         if infer_state.lora is None and takes_gemv(x, layer_weight.gate_up_weight_):
             # One row (a batch-1 decode step): the gate_up GEMV computes the activation too.
             act = gemv_act_and_mul(x, layer_weight.gate_up_weight_, self.mlp_act)
+        elif infer_state.lora is None and isinstance(layer_weight.gate_up_weight_, PackedWeight):
+            # A quantized gate_up fuses the activation itself where it can (one row, Triton).
+            act = layer_weight.gate_up_weight_.act_and_mul(x, self.mlp_act)
         else:
             gate_up = linear(x, layer_weight.gate_up_weight_)
             if infer_state.lora is not None:
