@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.lora import lora_add
+from llmserve.kernels.gemv import gemv_triton, takes_gemv
+from llmserve.kernels.lora import RowLora, lora_add, lora_row
+from llmserve.kernels.quantized_linear import linear
 from llmserve.lora.adapter import LoraAdapter, projection_shape
 
 # The layer's projection groups, in the fused output's column order (the layer weights' fusing).
@@ -162,6 +164,22 @@ class LoraBatch:
     seg_start: torch.Tensor     # [slots + 1] int32 on the device
     rows: torch.Tensor          # int32
     max_len: int
+
+    def linear(self, layer_num: int, group: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight^T (+ bias)`` with each token's adapter's product for projection group
+        ``group`` added: at one row a GEMV adds it in its epilogue after a one-row shrink (`row`),
+        at more `linear` then a shrink and an expand (`add`)."""
+        if takes_gemv(x, weight):
+            return gemv_triton(x, weight, bias, lora=self.row(layer_num, group, x))
+        out = linear(x, weight, bias)
+        self.add(layer_num, group, x, out)
+        return out
+
+    def row(self, layer_num: int, group: str, x: torch.Tensor) -> RowLora:
+        """A one-row batch's shrink for ``group`` (Triton: the row's GEMV takes it, `takes_gemv`)."""
+        pool = self.pool
+        a, b, splits = pool.layers[layer_num][group]
+        return lora_row(x, a, b, pool.scaling, pool.rank, self.seg_start, splits, pool.max_rank)
 
     def add(self, layer_num: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out += `` each token's adapter's product for projection group ``group`` (``out`` is
