@@ -69,6 +69,7 @@ MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few K
 SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
 _SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
 _SUM_TILE = 8192            # fp32 partials the expand loads at once (splits x rows x rank): 64 a thread
+EXPAND_WAVES = 4            # busy expand programs a 256-column block must leave (else 128): SMs x this
 
 
 @triton.jit
@@ -173,17 +174,27 @@ def row_slot(SegStart, NUM_SLOTS, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def slot_value(Values, slot, NUM_SLOTS, BLOCK_S: tl.constexpr):
+    """``Values[slot]``, read as all slots' values at once: the load goes out beside `row_slot`'s
+    rather than after it (one latency less on the program's way)."""
+    offs = tl.arange(0, BLOCK_S)
+    values = tl.load(Values + offs, mask=offs < NUM_SLOTS, other=0)
+    return tl.sum(tl.where(offs == slot, values, 0), 0)
+
+
+@triton.jit
 def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SUB, stride_as, stride_ar,
                             BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
     """``S[j] = x . A[slot, j]`` (rounded to x's dtype, stored in fp32) for BLOCK_J rows j of A:
     a GEMV over A's rows, each program reading its rows whole, so s is final (no partials to sum
     downstream). Padding rows past the slot's rank read nothing and store 0."""
     slot, has = row_slot(SegStart, NUM_SLOTS, BLOCK_S)
+    rank = slot_value(Rank, slot, NUM_SLOTS, BLOCK_S)
     if not has:
         return
     offs_j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
     j_in = offs_j < R_TOTAL
-    j_mask = j_in & (offs_j % R_SUB < tl.load(Rank + slot))
+    j_mask = j_in & (offs_j % R_SUB < rank)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = A + slot.to(tl.int64) * stride_as + offs_j[:, None] * stride_ar + offs_k[None, :]
     acc = tl.zeros([BLOCK_J, BLOCK_K], tl.float32)
@@ -211,7 +222,7 @@ def row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, cols, proj, n_mas
     s = tl.load(LoraS + proj[:, None] * R_SUB + offs_r[None, :], mask=mask, other=0.0)
     b = tl.load(LoraB + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
                 mask=mask, other=0.0)
-    return s, b, tl.load(Scaling + slot)
+    return s, b, slot_value(Scaling, slot, NUM_SLOTS, BLOCK_S)
 
 
 @triton.jit
@@ -327,6 +338,15 @@ def shrink_plan(k: int, busy: int, block_m: int, block_r: int, elem_size: int, n
     return ShrinkPlan(block_k, blocks_per_split * block_k, triton.cdiv(blocks, blocks_per_split), num_stages)
 
 
+def expand_block_n(splits: tuple[int, ...], busy: int, num_sms: int) -> int:
+    """The expand's columns a program: 128 (4 KB of B at rank 16), 256 when that still leaves at
+    least EXPAND_WAVES waves of busy programs (each program re-reads its tile's partials, so
+    fewer, wider ones read less of them), never wider than the narrowest projection needs."""
+    widest = max(16, next_pow2(min(splits)))
+    blocks = sum(triton.cdiv(n, 256) for n in splits)
+    return min(widest, 256 if blocks * busy >= EXPAND_WAVES * num_sms else 128)
+
+
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
                     slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
                     splits: tuple[int, ...], r_sub: int) -> None:
@@ -353,7 +373,7 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     )
 
     block_rs = max(16, next_pow2(r_sub))
-    block_n = min(128, max(16, next_pow2(min(splits))))
+    block_n = expand_block_n(splits, busy, sms)
     blocks = _block_table(tuple(splits), block_n, y.device)
     split_block = max(2, min(next_pow2(plan.k_splits), _SUM_TILE // (block_m * block_rs)))
     launcher(_lora_expand_kernel, y)[(blocks.shape[0], *tiles)](

@@ -104,6 +104,16 @@ def test_k_splits_match_twin(device, dtype, case, monkeypatch):
     torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_wide_expand_blocks_match_twin(device, dtype, monkeypatch):
+    """The expand's 256-column blocks (taken when they leave enough programs): two projections of
+    more than one block, each with a short last one."""
+    monkeypatch.setattr(lora_kernels, "EXPAND_WAVES", 0)
+    assert lora_kernels.expand_block_n((300, 260), 5, 4) == 256
+    t = _inputs("mixed", 64, (300, 260), dtype, device)
+    torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
 def _one_row(slot: int, K: int, splits: tuple[int, ...], dtype, device: str) -> dict:
     """`_inputs` for a batch of one token on ``slot`` (-1: the base model's), and a base weight."""
     t = _inputs("decode", K, splits, dtype, device)
