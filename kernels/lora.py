@@ -11,35 +11,48 @@ shrinks inside every column chunk (``s = x @ A^T`` over the whole width K, then 
 16), 459 KB for down (16 x 14336 x 2 B), several microseconds on one SM however many programs
 run beside it, and the chunks re-read the same A from L2. So:
 
+Several rows (``lora_add``):
+
 1. ``_lora_shrink_kernel``, grid (K split, slot, tile of ``BLOCK_M`` of the slot's rows): each
    program reads a ``K / k_splits`` slice of its slot's A once (every projection of the group:
    x's slice is read once too) and writes its tiles' partial sums ``P[split, i, :]`` (fp32,
    ``[k_splits, rows, m * R]``, i the position in ``rows``). Every partial the expand reads is
    written, so nothing is zeroed first and nothing is added atomically.
-2. ``_lora_expand_kernel``, grid (column chunk, slot, tile): sums its tokens' partials over the
+2. ``_lora_expand_kernel``, grid (column block, slot, tile): sums its tokens' partials over the
    splits (``k_splits x BLOCK_M x R`` floats, a few KB), rounds the sum to the activations' dtype
-   (PEFT's ``lora_A(x)`` is in it too) and adds ``s @ B^T * scaling`` to each ``BLOCK_N`` block of
-   its chunk of y, in place.
+   (PEFT's ``lora_A(x)`` is in it too) and adds ``s @ B^T * scaling`` to its ``BLOCK_N`` columns
+   of y, in place. One block a program and no loop: a program waits on three loads in a row
+   (the segment's bounds; its rows, partials and B; y), and a launch's many programs wait side by
+   side. (Chunks of several blocks a program, looped over, cost 11 us a launch at batch 32.)
 
 Each launch reads A or B once in all. The host picks ``k_splits`` so that the shrink's busy
 programs (splits x tiles that can hold tokens) fill about one wave of SMs, at most
 ``MAX_K_SPLITS`` (the expand's sum grows with them), each split a whole number of ``BLOCK_K``
-blocks; and the expand's chunks so that its busy programs fill about one wave. On an H100 (132
-SMs), Llama-3-8B, rank 16, bf16:
+blocks; the expand's blocks are 128 columns, 256 where that leaves ``EXPAND_WAVES`` waves (fewer
+programs re-read the partials). On an H100 (132 SMs), Llama-3-8B, rank 16, bf16, batch 32 over 8
+adapters: 9 busy tiles (8 segments of 4 tokens, plus a boundary). The shrink: qkv 11 splits of
+384 columns, 88 programs of 36 KB of A; down 14 splits of 1024, 112 programs of 32 KB. The
+expand: qkv 48 blocks x 8 segments = 384 busy programs of 4 KB of B (plus 2.8 KB of partials
+from L2); gate_up 112 blocks of 256 x 8 = 896 programs of 8 KB; o and down 256 of 4 KB.
 
-- batch 1, one adapter: one busy tile. qkv: 32 splits of 128 columns, 32 programs reading 12 KB
-  of A each (48 x 128 x 2 B); down: 28 splits of 512, 16 KB each; o: 32 of 128, 4 KB; gate_up:
-  32 of 128, 8 KB. The expand: 48 (qkv), 32 (o, down) or 112 (gate_up, 2 blocks a chunk)
-  programs, each reading 4-8 KB of B and 2 KB of partials.
-- batch 32 over 8 adapters: 9 busy tiles (8 segments of 4 tokens, plus a boundary). qkv: 11
-  splits of 384 columns, 88 programs of 36 KB; down: 14 splits of 1024, 112 programs of 32 KB.
-  The expand: 4 blocks a chunk for qkv, 96 programs of 16 KB of B each.
+One row (a batch-1 decode step, where the base projection is our GEMV, ``kernels/gemv.py``):
+the expand is the GEMV's epilogue, so a projection group costs one launch more than the base
+model's, not two, and gate_up keeps its activation in the same launch:
+
+3. ``_lora_shrink_row_kernel`` (``lora_row``), a GEMV over A's rows: one program per row of A
+   (``m * R``: 48 for qkv at rank 16), each reading its row whole (8 KB; 28 KB for down), writes
+   the final ``s`` ``[m * R]`` (no partials: the GEMV's programs read R floats of it each).
+4. The GEMV (``RowLora``) asks for its columns' rows of B (``BLOCK_N x R``: 128 bytes at rank 16
+   beside 32 KB of weight) and of s before its weight loop, and adds ``s @ B^T * scaling`` to the
+   rounded projection output after it, before the activation for gate and up.
+
+The row's slot is read from ``seg_start`` itself (``row_slot``), so the graph inputs are the same.
 
 Tokens are grouped by adapter (S-LoRA / Punica's segments): ``rows[seg_start[s] :
 seg_start[s + 1]]`` are the token rows of slot ``s`` (built once a step on the host:
 ``llmserve.lora.pool.lora_segments``). A program loads one adapter's weights for up to
 ``BLOCK_M`` tokens at once (a batch of 32 over 8 adapters: one program per adapter and split or
-chunk, not per request); the tiles past a slot's rows, and so every slot without tokens and every
+block, not per request); the tiles past a slot's rows, and so every slot without tokens and every
 token of the base model, exit at once.
 
 The pool pads every adapter to its largest rank ``R`` with zeros; ``slot_rank`` masks the
@@ -289,7 +302,7 @@ def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.T
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Programs in one wave (the interpreter's CPU gets a few, so its tests loop over chunks)."""
+    """Programs in one wave (the interpreter's CPU gets a few, so its tests take many K splits)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,7 +1,7 @@
 """lora_add: the twin against a per-token fp64 reference, Triton against the twin (tokens of an
 adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
 below the pool's rank, stacked projections, an output that is a column slice of a wider one with
-tails in its projections' columns, column chunks of several blocks, decode and prompt-sized
+tails in its projections' columns, 256-column expand blocks, decode and prompt-sized
 tiles, the shrink cut into many K splits with a short last one and the expand summing them a few
 at a time); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
 shrink_plan's splits; lora_segments' grouping."""
