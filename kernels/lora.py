@@ -122,8 +122,10 @@ def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, 
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        # A first: its address waits on no load, x's on the tile's rows (A's trip to memory
+        # then overlaps theirs)
         a = tl.load(a_ptrs + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
     p_ptrs = P + split.to(tl.int64) * stride_ps + offs_m[:, None] * stride_pm + offs_r[None, :]
     tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_in[None, :])
