@@ -66,6 +66,7 @@ inputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -362,41 +363,72 @@ def expand_block_n(splits: tuple[int, ...], busy: int, num_sms: int) -> int:
     return min(widest, 256 if blocks * busy >= EXPAND_WAVES * num_sms else 128)
 
 
-def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-                    slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
-                    splits: tuple[int, ...], r_sub: int) -> None:
-    """Triton version of `lora_add`: a split shrink into fp32 partials, then the expand."""
+@dataclass(frozen=True)
+class Shrunk:
+    """A shrink's fp32 partials ``[k_splits, rows, m * R]`` and the launch shape its expand shares."""
+
+    partials: torch.Tensor
+    block_m: int
+    tiles: tuple[int, int]      # (slot, tile of its rows)
+    busy: int                   # tiles that can hold tokens
+
+
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor,
+                       rows: torch.Tensor, max_len: int, splits: tuple[int, ...], r_sub: int,
+                       stream: torch.cuda.Stream | None = None) -> Shrunk | None:
+    """`lora_add`'s first half: the shrink split over K, into fp32 partials (None: no tokens have
+    an adapter's segment to be in). ``stream``: launch it there (the partials are allocated on
+    the current stream, which the caller joins before the expand)."""
     n, k = x.shape
     num_slots = seg_start.numel() - 1
     if n == 0 or num_slots == 0 or max_len == 0:
-        return
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
-    sms = _num_sms(y.device)
+        return None
+    assert x.stride(1) == 1 and a.stride(2) == 1
+    sms = _num_sms(x.device)
     block_m = BLOCK_M_DECODE if max_len <= DECODE_ROWS else BLOCK_M_PREFILL
-    tiles = (num_slots, triton.cdiv(max_len, block_m))    # (slot, tile of its rows)
+    tiles = (num_slots, triton.cdiv(max_len, block_m))
     # Tiles that can hold tokens: the rows' tiles, plus one per segment boundary.
     busy = min(num_slots, n) + triton.cdiv(n, block_m) - 1
     r_total = len(splits) * r_sub
     block_r = max(16, next_pow2(r_total))
     plan = shrink_plan(k, busy, block_m, block_r, x.element_size(), sms)
-    partials = torch.empty((plan.k_splits, rows.numel(), r_total), dtype=torch.float32, device=y.device)
-    launcher(_lora_shrink_kernel, y)[(plan.k_splits, *tiles)](
-        x, a, partials, slot_rank, seg_start, rows, k, plan.k_per_split, r_total, r_sub,
-        x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
-        BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(y.dtype),
-        num_stages=plan.num_stages, num_warps=8 if block_m * block_r >= 8192 else 4,
-    )
+    partials = torch.empty((plan.k_splits, rows.numel(), r_total), dtype=torch.float32, device=x.device)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        launcher(_lora_shrink_kernel, x)[(plan.k_splits, *tiles)](
+            x, a, partials, slot_rank, seg_start, rows, k, plan.k_per_split, r_total, r_sub,
+            x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
+            BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(x.dtype),
+            num_stages=plan.num_stages, num_warps=8 if block_m * block_r >= 8192 else 4,
+        )
+    return Shrunk(partials, block_m, tiles, busy)
 
+
+def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling: torch.Tensor,
+                       slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor,
+                       splits: tuple[int, ...], r_sub: int) -> None:
+    """`lora_add`'s second half: ``y += `` the sum of the shrink's partials ``@ B^T * scaling``."""
+    assert y.stride(1) == 1 and b.stride(2) == 1
+    partials, block_m = shrunk.partials, shrunk.block_m
+    k_splits = partials.shape[0]
     block_rs = max(16, next_pow2(r_sub))
-    block_n = expand_block_n(splits, busy, sms)
+    block_n = expand_block_n(splits, shrunk.busy, _num_sms(y.device))
     blocks = _block_table(tuple(splits), block_n, y.device)
-    split_block = max(2, min(next_pow2(plan.k_splits), _SUM_TILE // (block_m * block_rs)))
-    launcher(_lora_expand_kernel, y)[(blocks.shape[0], *tiles)](
-        partials, b, y, scaling, slot_rank, seg_start, rows, blocks, plan.k_splits, r_sub,
+    split_block = max(2, min(next_pow2(k_splits), _SUM_TILE // (block_m * block_rs)))
+    launcher(_lora_expand_kernel, y)[(blocks.shape[0], *shrunk.tiles)](
+        partials, b, y, scaling, slot_rank, seg_start, rows, blocks, k_splits, r_sub,
         partials.stride(0), partials.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rs, SPLIT_BLOCK=split_block,
         DOT_PRECISION=dot_precision(y.dtype),
     )
+
+
+def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+                    slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
+                    splits: tuple[int, ...], r_sub: int) -> None:
+    """Triton version of `lora_add`: a split shrink into fp32 partials, then the expand."""
+    shrunk = lora_shrink_triton(x, a, slot_rank, seg_start, rows, max_len, splits, r_sub)
+    if shrunk is not None:
+        lora_expand_triton(y, shrunk, b, scaling, slot_rank, seg_start, rows, splits, r_sub)
 
 
 def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
