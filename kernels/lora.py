@@ -11,7 +11,9 @@ shrinks inside every column chunk (``s = x @ A^T`` over the whole width K, then 
 16), 459 KB for down (16 x 14336 x 2 B), several microseconds on one SM however many programs
 run beside it, and the chunks re-read the same A from L2. So:
 
-Several rows (``lora_add``):
+Several rows (``lora_add``; its halves ``lora_shrink_triton`` and ``lora_expand_triton``, so
+that ``LoraBatch.linear`` can run the shrink, which reads x only, on a side stream beside the
+base projection):
 
 1. ``_lora_shrink_kernel``, grid (K split, slot, tile of ``BLOCK_M`` of the slot's rows): each
    program reads a ``K / k_splits`` slice of its slot's A once (every projection of the group:
