@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
 from .gelu_and_mul import gelu_and_mul_fwd_torch
+from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
 from .silu_and_mul import silu_and_mul_fwd_torch
 from .triton_math import gelu_tanh, silu
 
@@ -39,10 +40,16 @@ TILES = (4, 2048, 4)
 @triton.jit
 def _gemv_kernel(
     X, W, Bias, Y, N, K, stride_w_n,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if HAS_LORA:    # the adapter's few bytes are asked for first, and waited on after the loop
+        proj = (offs_n >= SPLIT1).to(tl.int32) + (offs_n >= SPLIT2).to(tl.int32)
+        lora_s, lora_b, lora_scaling = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, offs_n, proj,
+                                                      n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
     # int64: row * stride can pass 2**31 in a large LM head (256k rows x 8192 columns).
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w_n + offs_k[None, :]
@@ -60,20 +67,31 @@ def _gemv_kernel(
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_LORA:    # as lora_add: the linear layer's output rounds, then the product adds to it
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + row_lora_delta(lora_s, lora_b, lora_scaling)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _gemv_act_and_mul_kernel(
     X, W, Y, ExpertIds, I, K, ROWS_PER_X, stride_xm, stride_we, stride_wn,
-    ACT: tl.constexpr, HAS_EXPERTS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn,
+    ACT: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Y[r, n] = act(X[r // ROWS_PER_X] . W[n]) * (X[r // ROWS_PER_X] . W[I + n]) for the output row
     # r = program_id(0) and BLOCK_N features n; with HAS_EXPERTS, W is expert ExpertIds[r]'s.
+    # With HAS_LORA (one row, no experts), gate and up each get the adapter's product first.
     row = tl.program_id(0)
     x_row = X + (row // ROWS_PER_X).to(tl.int64) * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
+    if HAS_LORA:    # gate is projection 0 (columns n), up projection 1 (columns I + n)
+        zero = tl.zeros([BLOCK_N], tl.int32)
+        gate_s, gate_b, lora_scaling = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, offs_n, zero,
+                                                      n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
+        up_s, up_b, _ = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, I + offs_n, zero + 1,
+                                       n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     if HAS_EXPERTS:
@@ -95,6 +113,9 @@ def _gemv_act_and_mul_kernel(
     # rounds, then the product
     gate = tl.sum(acc_gate, 1).to(Y.dtype.element_ty).to(tl.float32)
     up = tl.sum(acc_up, 1).to(Y.dtype.element_ty).to(tl.float32)
+    if HAS_LORA:    # as lora_add on gate_up: each adds its product and rounds again
+        gate = (gate + row_lora_delta(gate_s, gate_b, lora_scaling)).to(Y.dtype.element_ty).to(tl.float32)
+        up = (up + row_lora_delta(up_s, up_b, lora_scaling)).to(Y.dtype.element_ty).to(tl.float32)
     if ACT == "gelu_tanh":
         act = gelu_tanh(gate)
     else:
@@ -103,18 +124,28 @@ def _gemv_act_and_mul_kernel(
     tl.store(Y + row.to(tl.int64) * I + offs_n, act.to(Y.dtype.element_ty), mask=n_mask)
 
 
+def _lora_args(lora: RowLora | None, t: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernels' LoRA arguments: ``lora``'s, or unread ones (HAS_LORA off compiles them out)."""
+    if lora is None:
+        return no_row_lora(t)
+    return lora.kernel_args(), lora.constexprs()
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                *, tiles: tuple[int, int, int] = TILES) -> torch.Tensor:
-    """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) for the benchmark's sweep."""
+                *, lora: RowLora | None = None, tiles: tuple[int, int, int] = TILES) -> torch.Tensor:
+    """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) for the benchmark's
+    sweep. ``lora``: the row's adapter product for weight's output columns, added in the epilogue
+    (what `lora_add` would add after it, without its launches)."""
     N, K = weight.shape
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
     block_n, max_block_k, num_warps = tiles
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     block_k = min(max_block_k, max(16, next_pow2(K)))
+    lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=1,
+        x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args,
+        HAS_BIAS=bias is not None, HAS_LORA=lora is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=1, **lora_constexprs,
     )
     return y
 
@@ -138,11 +169,15 @@ def gemv_block_k(K: int, largest: int) -> int:
 
 def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
                             expert_ids: torch.Tensor | None = None, rows_per_x: int = 1,
+                            lora: RowLora | None = None,
                             tiles: tuple[int, int, int] = ACT_AND_MUL_TILES) -> torch.Tensor:
     """Triton version of `gemv_act_and_mul`. With ``expert_ids`` ``[P]`` the weight is
     ``[E, 2I, K]`` and the output ``[P, I]``: row p through expert ``expert_ids[p]`` from x's row
-    ``p // rows_per_x`` (x ``[n, K]``, unit-stride rows). `tiles` as `gemv_triton`'s."""
+    ``p // rows_per_x`` (x ``[n, K]``, unit-stride rows). ``lora`` (one row, no experts): the
+    adapter product of gate and up (a group of two projections), added before the activation.
+    `tiles` as `gemv_triton`'s."""
     assert act in ACTIVATIONS, act
+    assert lora is None or (expert_ids is None and len(lora.splits) == 2), "LoRA on one row's gate and up"
     I, K = weight.shape[-2] // 2, weight.shape[-1]
     assert weight.stride(-1) == 1 and x.stride(-1) == 1, "unit-stride rows"
     if expert_ids is None:
@@ -154,21 +189,25 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
         y = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     block_n, largest_k, num_warps = tiles
     block_k = gemv_block_k(K, largest_k)
+    lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_act_and_mul_kernel, x)[(rows, triton.cdiv(I, block_n))](
         x, weight, y, ids, I, K, rows_per_x, x.stride(-2) if x.dim() > 1 else K, stride_we, weight.stride(-2),
-        ACT=act, HAS_EXPERTS=expert_ids is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=1,
+        *lora_args, ACT=act, HAS_EXPERTS=expert_ids is not None, HAS_LORA=lora is not None,
+        EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1,
+        **lora_constexprs,
     )
     return y
 
 
-def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.Tensor:
+def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str, lora: RowLora | None = None) -> torch.Tensor:
     """``act(gate) * up`` of the one-row linear layer ``x @ weight^T`` (x ``[..., K]``, leading dims
     of size 1; weight ``[2I, K]``: gate's rows, then up's), act ``"silu"`` (SwiGLU) or
     ``"gelu_tanh"`` (GeGLU): what `linear` then `silu_and_mul_fwd` / `gelu_and_mul_fwd` give,
-    in one launch. Returns a new ``[..., I]`` tensor in x's dtype."""
+    in one launch. ``lora`` (Triton only: `LoraBatch.row`): an adapter's product added to gate and
+    up first. Returns a new ``[..., I]`` tensor in x's dtype."""
     if use_triton(x):
-        return gemv_act_and_mul_triton(x, weight, act)
+        return gemv_act_and_mul_triton(x, weight, act, lora=lora)
+    assert lora is None, "the twins add adapters with lora_add"
     return ACTIVATIONS[act](F.linear(x, weight))
 
 

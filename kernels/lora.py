@@ -11,35 +11,50 @@ shrinks inside every column chunk (``s = x @ A^T`` over the whole width K, then 
 16), 459 KB for down (16 x 14336 x 2 B), several microseconds on one SM however many programs
 run beside it, and the chunks re-read the same A from L2. So:
 
+Several rows (``lora_add``; its halves ``lora_shrink_triton`` and ``lora_expand_triton``, so
+that ``LoraBatch.linear`` can run the shrink, which reads x only, on a side stream beside the
+base projection):
+
 1. ``_lora_shrink_kernel``, grid (K split, slot, tile of ``BLOCK_M`` of the slot's rows): each
    program reads a ``K / k_splits`` slice of its slot's A once (every projection of the group:
    x's slice is read once too) and writes its tiles' partial sums ``P[split, i, :]`` (fp32,
    ``[k_splits, rows, m * R]``, i the position in ``rows``). Every partial the expand reads is
    written, so nothing is zeroed first and nothing is added atomically.
-2. ``_lora_expand_kernel``, grid (column chunk, slot, tile): sums its tokens' partials over the
+2. ``_lora_expand_kernel``, grid (column block, slot, tile): sums its tokens' partials over the
    splits (``k_splits x BLOCK_M x R`` floats, a few KB), rounds the sum to the activations' dtype
-   (PEFT's ``lora_A(x)`` is in it too) and adds ``s @ B^T * scaling`` to each ``BLOCK_N`` block of
-   its chunk of y, in place.
+   (PEFT's ``lora_A(x)`` is in it too) and adds ``s @ B^T * scaling`` to its ``BLOCK_N`` columns
+   of y, in place. One block a program and no loop: a program waits on three loads in a row
+   (the segment's bounds; its rows, partials and B; y), and a launch's many programs wait side by
+   side. (Chunks of several blocks a program, looped over, cost 11 us a launch at batch 32.)
 
 Each launch reads A or B once in all. The host picks ``k_splits`` so that the shrink's busy
 programs (splits x tiles that can hold tokens) fill about one wave of SMs, at most
 ``MAX_K_SPLITS`` (the expand's sum grows with them), each split a whole number of ``BLOCK_K``
-blocks; and the expand's chunks so that its busy programs fill about one wave. On an H100 (132
-SMs), Llama-3-8B, rank 16, bf16:
+blocks; the expand's blocks are 128 columns, 256 where that leaves ``EXPAND_WAVES`` waves (fewer
+programs re-read the partials). On an H100 (132 SMs), Llama-3-8B, rank 16, bf16, batch 32 over 8
+adapters: 9 busy tiles (8 segments of 4 tokens, plus a boundary). The shrink: qkv 11 splits of
+384 columns, 88 programs of 36 KB of A; down 14 splits of 1024, 112 programs of 32 KB. The
+expand: qkv 48 blocks x 8 segments = 384 busy programs of 4 KB of B (plus 2.8 KB of partials
+from L2); gate_up 112 blocks of 256 x 8 = 896 programs of 8 KB; o and down 256 of 4 KB.
 
-- batch 1, one adapter: one busy tile. qkv: 32 splits of 128 columns, 32 programs reading 12 KB
-  of A each (48 x 128 x 2 B); down: 28 splits of 512, 16 KB each; o: 32 of 128, 4 KB; gate_up:
-  32 of 128, 8 KB. The expand: 48 (qkv), 32 (o, down) or 112 (gate_up, 2 blocks a chunk)
-  programs, each reading 4-8 KB of B and 2 KB of partials.
-- batch 32 over 8 adapters: 9 busy tiles (8 segments of 4 tokens, plus a boundary). qkv: 11
-  splits of 384 columns, 88 programs of 36 KB; down: 14 splits of 1024, 112 programs of 32 KB.
-  The expand: 4 blocks a chunk for qkv, 96 programs of 16 KB of B each.
+One row (a batch-1 decode step, where the base projection is our GEMV, ``kernels/gemv.py``):
+the expand is the GEMV's epilogue, so a projection group costs one launch more than the base
+model's, not two, and gate_up keeps its activation in the same launch:
+
+3. ``_lora_shrink_row_kernel`` (``lora_row``), a GEMV over A's rows: one program per row of A
+   (``m * R``: 48 for qkv at rank 16), each reading its row whole (8 KB; 28 KB for down), writes
+   the final ``s`` ``[m * R]`` (no partials: the GEMV's programs read R floats of it each).
+4. The GEMV (``RowLora``) asks for its columns' rows of B (``BLOCK_N x R``: 128 bytes at rank 16
+   beside 32 KB of weight) and of s before its weight loop, and adds ``s @ B^T * scaling`` to the
+   rounded projection output after it, before the activation for gate and up.
+
+The row's slot is read from ``seg_start`` itself (``row_slot``), so the graph inputs are the same.
 
 Tokens are grouped by adapter (S-LoRA / Punica's segments): ``rows[seg_start[s] :
 seg_start[s + 1]]`` are the token rows of slot ``s`` (built once a step on the host:
 ``llmserve.lora.pool.lora_segments``). A program loads one adapter's weights for up to
 ``BLOCK_M`` tokens at once (a batch of 32 over 8 adapters: one program per adapter and split or
-chunk, not per request); the tiles past a slot's rows, and so every slot without tokens and every
+block, not per request); the tiles past a slot's rows, and so every slot without tokens and every
 token of the base model, exit at once.
 
 The pool pads every adapter to its largest rank ``R`` with zeros; ``slot_rank`` masks the
@@ -53,6 +68,7 @@ inputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -69,6 +85,7 @@ MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few K
 SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
 _SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
 _SUM_TILE = 8192            # fp32 partials the expand loads at once (splits x rows x rank): 64 a thread
+EXPAND_WAVES = 4            # busy expand programs a 256-column block must leave (else 128): SMs x this
 
 
 @triton.jit
@@ -108,33 +125,40 @@ def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, 
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        # A first: its address waits on no load, x's on the tile's rows (A's trip to memory
+        # then overlaps theirs)
         a = tl.load(a_ptrs + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
     p_ptrs = P + split.to(tl.int64) * stride_ps + offs_m[:, None] * stride_pm + offs_r[None, :]
     tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_in[None, :])
 
 
 @triton.jit
-def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Chunks, K_SPLITS, R_SUB,
+def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Blocks, K_SPLITS, R_SUB,
                         stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``y[rows[i], chunk] += (sum over splits of P[:, i]) @ B[slot, chunk]^T * scaling`` for the
-    tile's positions i: the chunk's ``R x cols`` of B read once, beside ``K_SPLITS x BLOCK_M x R``
-    partials."""
+    """``y[rows[i], block] += (sum over splits of P[:, i]) @ B[slot, block]^T * scaling`` for the
+    tile's positions i and one column block: ``R x BLOCK_N`` of B, ``K_SPLITS x BLOCK_M x R``
+    partials. No loop over blocks: a program waits on three loads in a row (the segment's bounds;
+    its rows, partials and B together; y), and the many programs of a launch wait side by side."""
+    # This program's columns: block program_id(0), of projection `proj` (its partials' columns
+    # start at proj * R_SUB), columns col_start up to col_end of y (a block never spans two
+    # projections). Loaded before the segment's bounds: they do not depend on them.
+    block = Blocks + tl.program_id(0) * 3
+    proj = tl.load(block)
+    col_start = tl.load(block + 1)
+    col_end = tl.load(block + 2)
     slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
     if first >= seg_end:
         return
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < tl.load(Rank + slot)
-    # This program's columns: chunk program_id(0), of projection `proj` (its partials' columns
-    # start at proj * R_SUB), columns col_start up to col_end of y (a chunk never spans two
-    # projections).
-    chunk = Chunks + tl.program_id(0) * 3
-    proj = tl.load(chunk)
-    col_start = tl.load(chunk + 1)
-    col_end = tl.load(chunk + 2)
+    offs_n = col_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < col_end
+    b = tl.load(B + slot.to(tl.int64) * stride_bs + offs_r[:, None] + offs_n[None, :] * stride_bn,
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
 
     # s = the sum of the shrink's partials, SPLIT_BLOCK splits a load
     offs_sp = tl.arange(0, SPLIT_BLOCK)
@@ -147,44 +171,164 @@ def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Chunks, K_SPLITS
         s += tl.sum(tl.load(p_ptrs + sp0 * stride_ps, mask=mask, other=0.0), axis=0)
     s = s.to(B.dtype.element_ty)    # PEFT's lora_A(x) is in the activations' dtype too
 
-    # y += s @ B^T * scaling, block by block of the chunk's columns
-    scaling = tl.load(Scaling + slot)
-    b_ptrs = B + slot.to(tl.int64) * stride_bs + offs_r[:, None]
-    for n0 in range(col_start, col_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < col_end
-        b = tl.load(b_ptrs + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        delta = tl.dot(s, b, input_precision=DOT_PRECISION) * scaling
-        y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
+    delta = tl.dot(s, b, input_precision=DOT_PRECISION) * tl.load(Scaling + slot)
+    y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
+
+
+# -- one row: the shrink alone, the expand in the GEMV's epilogue (kernels/gemv.py) -------------
+
+@triton.jit
+def row_slot(SegStart, NUM_SLOTS, BLOCK_S: tl.constexpr):
+    """The slot of a one-row batch's row, clamped to a valid index, and whether it has one (the
+    base model's row is in no segment). ``seg_start`` is 0 up to the row's slot and 1 after it,
+    so the slot is the count of zeros in ``seg_start[1:]``: one load, none depending on it."""
+    offs = tl.arange(0, BLOCK_S)
+    later = tl.load(SegStart + 1 + offs, mask=offs < NUM_SLOTS, other=1)
+    slot = tl.sum((later == 0).to(tl.int32), 0)
+    return tl.minimum(slot, NUM_SLOTS - 1), slot < NUM_SLOTS
+
+
+@triton.jit
+def slot_value(Values, slot, NUM_SLOTS, BLOCK_S: tl.constexpr):
+    """``Values[slot]``, read as all slots' values at once: the load goes out beside `row_slot`'s
+    rather than after it (one latency less on the program's way)."""
+    offs = tl.arange(0, BLOCK_S)
+    values = tl.load(Values + offs, mask=offs < NUM_SLOTS, other=0)
+    return tl.sum(tl.where(offs == slot, values, 0), 0)
+
+
+@triton.jit
+def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SUB, stride_as, stride_ar,
+                            BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``S[j] = x . A[slot, j]`` (rounded to x's dtype, stored in fp32) for BLOCK_J rows j of A:
+    a GEMV over A's rows, each program reading its rows whole, so s is final (no partials to sum
+    downstream). Padding rows past the slot's rank read nothing and store 0."""
+    slot, has = row_slot(SegStart, NUM_SLOTS, BLOCK_S)
+    rank = slot_value(Rank, slot, NUM_SLOTS, BLOCK_S)
+    if not has:
+        return
+    offs_j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_in = offs_j < R_TOTAL
+    j_mask = j_in & (offs_j % R_SUB < rank)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + slot.to(tl.int64) * stride_as + offs_j[:, None] * stride_ar + offs_k[None, :]
+    acc = tl.zeros([BLOCK_J, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        x = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        a = tl.load(a_ptrs + k0, mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    s = tl.sum(acc, 1).to(X.dtype.element_ty)    # PEFT's lora_A(x) is in the activations' dtype
+    tl.store(S + offs_j, s.to(tl.float32), mask=j_in)
+
+
+@triton.jit
+def row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, cols, proj, n_mask, R_SUB, stride_bs, stride_bn,
+                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """What a one-row GEMV program needs to add the adapter's product to its output columns
+    ``cols`` (of projections ``proj``): s's rows ``[BLOCK_N, BLOCK_R]``, B's ``[BLOCK_N,
+    BLOCK_R]`` and the slot's scaling, zeros when the row has no adapter. Loads only, so that a
+    GEMV issues them before its weight's and waits on them after (`row_lora_delta`)."""
+    slot, has = row_slot(SegStart, NUM_SLOTS, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    # The pool keeps A's rows and B's columns past an adapter's rank at zero, so s @ B^T needs no
+    # rank mask (at most R_SUB x BLOCK_N of B a program, a few hundred bytes).
+    mask = n_mask[:, None] & (offs_r < R_SUB)[None, :] & has
+    s = tl.load(LoraS + proj[:, None] * R_SUB + offs_r[None, :], mask=mask, other=0.0)
+    b = tl.load(LoraB + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
+                mask=mask, other=0.0)
+    return s, b, slot_value(Scaling, slot, NUM_SLOTS, BLOCK_S)
+
+
+@triton.jit
+def row_lora_delta(s, b, scaling):
+    """``s @ B^T * scaling`` for a GEMV program's columns, in fp32 (the loads of `row_lora_loads`)."""
+    return tl.sum(s * b.to(tl.float32), 1) * scaling
+
+
+@dataclass(frozen=True)
+class RowLora:
+    """A one-row batch's adapter product, for a GEMV to add in its epilogue (`gemv_triton`,
+    `gemv_act_and_mul_triton`): the shrink's output ``s`` ``[m * r_sub]`` (fp32, `lora_row`),
+    the group's B ``[S, N, R]`` and ``scaling`` ``[S]``, and ``seg_start`` (which slot the row
+    is in: none, and nothing is added). ``splits``: the projections' output widths."""
+
+    s: torch.Tensor
+    b: torch.Tensor
+    scaling: torch.Tensor
+    seg_start: torch.Tensor
+    splits: tuple[int, ...]
+    r_sub: int
+
+    def kernel_args(self) -> tuple:
+        """The GEMV kernels' LoRA arguments: ``LoraS, LoraB, Scaling, SegStart, NUM_SLOTS,
+        SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn`` (output column n is of projection
+        ``(n >= SPLIT1) + (n >= SPLIT2)``)."""
+        assert len(self.splits) <= 3 and self.b.stride(2) == 1, "at most 3 projections, unit-stride B rows"
+        n = sum(self.splits)
+        bounds = [sum(self.splits[: j + 1]) for j in range(len(self.splits) - 1)] + [n, n]
+        return (self.s, self.b, self.scaling, self.seg_start, self.seg_start.numel() - 1, bounds[0], bounds[1],
+                self.r_sub, self.b.stride(0), self.b.stride(1))
+
+    def constexprs(self) -> dict:
+        return dict(BLOCK_R=max(16, next_pow2(self.r_sub)), BLOCK_S=max(2, next_pow2(self.seg_start.numel() - 1)))
+
+
+def no_row_lora(t: torch.Tensor) -> tuple[tuple, dict]:
+    """The GEMV kernels' LoRA arguments without an adapter: pointers never read (``t``), zeros."""
+    return (t, t, t, t, 1, 0, 0, 1, 0, 0), dict(BLOCK_R=16, BLOCK_S=2)
+
+
+# The one-row shrink's widest K block (16 KB of bf16 A in flight a program) and its rows of A a program.
+ROW_SHRINK_BLOCK_K, ROW_SHRINK_ROWS = 8192, 1
+
+
+def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slot_rank: torch.Tensor,
+             seg_start: torch.Tensor, splits: tuple[int, ...], r_sub: int) -> RowLora:
+    """The shrink of a one-row batch ``x`` ``[1, K]`` (`lora_add`'s arguments, Triton only): one
+    program per row of A (``m * r_sub`` of them, the padding's exiting after one load of the
+    rank), each reading its row whole; returns what the GEMV's epilogue adds (`RowLora`)."""
+    k = x.shape[-1]
+    assert x.numel() == k and x.stride(-1) == 1 and a.stride(2) == 1, "one unit-stride row"
+    r_total = a.shape[1]
+    s = torch.empty(r_total, dtype=torch.float32, device=x.device)
+    num_slots = seg_start.numel() - 1
+    block_k = min(ROW_SHRINK_BLOCK_K, max(16, next_pow2(k)))
+    launcher(_lora_shrink_row_kernel, x)[(triton.cdiv(r_total, ROW_SHRINK_ROWS),)](
+        x, a, s, slot_rank, seg_start, num_slots, k, r_total, r_sub, a.stride(0), a.stride(1),
+        BLOCK_J=ROW_SHRINK_ROWS, BLOCK_K=block_k, BLOCK_S=max(2, next_pow2(num_slots)),
+        num_warps=8 if block_k >= 8192 else 4,
+    )
+    return RowLora(s, b, scaling, seg_start, tuple(splits), r_sub)
 
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Programs in one wave (the interpreter's CPU gets a few, so its tests loop over chunks)."""
+    """Programs in one wave (the interpreter's CPU gets a few, so its tests take many K splits)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_CHUNK_TABLES: dict[tuple, torch.Tensor] = {}
+_BLOCK_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _chunk_table(splits: tuple[int, ...], block_n: int, blocks_per_chunk: int, device: torch.device) -> torch.Tensor:
-    """(projection, first column, end column) of each chunk of ``blocks_per_chunk`` column blocks
-    of an output made of projections of ``splits`` columns: made once per shape and device, so a
-    step replayed from a CUDA graph reads a tensor that lives as long as the process (the first,
-    uncaptured run makes it)."""
-    key = (splits, block_n, blocks_per_chunk, str(device))
-    if key not in _CHUNK_TABLES:
-        rows, start, width = [], 0, block_n * blocks_per_chunk
+def _block_table(splits: tuple[int, ...], block_n: int, device: torch.device) -> torch.Tensor:
+    """(projection, first column, end column) of each ``block_n``-column block of an output made
+    of projections of ``splits`` columns (a projection's last block may be short): made once per
+    shape and device, so a step replayed from a CUDA graph reads a tensor that lives as long as
+    the process (the first, uncaptured run makes it)."""
+    key = (splits, block_n, str(device))
+    if key not in _BLOCK_TABLES:
+        rows, start = [], 0
         for j, n in enumerate(splits):
-            rows += [(j, c, min(c + width, start + n)) for c in range(start, start + n, width)]
+            rows += [(j, c, min(c + block_n, start + n)) for c in range(start, start + n, block_n)]
             start += n
-        _CHUNK_TABLES[key] = torch.tensor(rows, dtype=torch.int32).to(device)
-    return _CHUNK_TABLES[key]
+        _BLOCK_TABLES[key] = torch.tensor(rows, dtype=torch.int32).to(device)
+    return _BLOCK_TABLES[key]
 
 
 @dataclass(frozen=True)
@@ -212,42 +356,81 @@ def shrink_plan(k: int, busy: int, block_m: int, block_r: int, elem_size: int, n
     return ShrinkPlan(block_k, blocks_per_split * block_k, triton.cdiv(blocks, blocks_per_split), num_stages)
 
 
-def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-                    slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
-                    splits: tuple[int, ...], r_sub: int) -> None:
-    """Triton version of `lora_add`: a split shrink into fp32 partials, then the expand."""
+def expand_block_n(splits: tuple[int, ...], busy: int, num_sms: int) -> int:
+    """The expand's columns a program: 128 (4 KB of B at rank 16), 256 when that still leaves at
+    least EXPAND_WAVES waves of busy programs (each program re-reads its tile's partials, so
+    fewer, wider ones read less of them), never wider than the narrowest projection needs."""
+    widest = max(16, next_pow2(min(splits)))
+    blocks = sum(triton.cdiv(n, 256) for n in splits)
+    return min(widest, 256 if blocks * busy >= EXPAND_WAVES * num_sms else 128)
+
+
+@dataclass(frozen=True)
+class Shrunk:
+    """A shrink's fp32 partials ``[k_splits, rows, m * R]`` and the launch shape its expand shares."""
+
+    partials: torch.Tensor
+    block_m: int
+    tiles: tuple[int, int]      # (slot, tile of its rows)
+    busy: int                   # tiles that can hold tokens
+
+
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor,
+                       rows: torch.Tensor, max_len: int, splits: tuple[int, ...], r_sub: int,
+                       stream: torch.cuda.Stream | None = None) -> Shrunk | None:
+    """`lora_add`'s first half: the shrink split over K, into fp32 partials (None: no tokens have
+    an adapter's segment to be in). ``stream``: launch it there (the partials are allocated on
+    the current stream, which the caller joins before the expand)."""
     n, k = x.shape
     num_slots = seg_start.numel() - 1
     if n == 0 or num_slots == 0 or max_len == 0:
-        return
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
-    sms = _num_sms(y.device)
+        return None
+    assert x.stride(1) == 1 and a.stride(2) == 1
+    sms = _num_sms(x.device)
     block_m = BLOCK_M_DECODE if max_len <= DECODE_ROWS else BLOCK_M_PREFILL
-    tiles = (num_slots, triton.cdiv(max_len, block_m))    # (slot, tile of its rows)
+    tiles = (num_slots, triton.cdiv(max_len, block_m))
     # Tiles that can hold tokens: the rows' tiles, plus one per segment boundary.
     busy = min(num_slots, n) + triton.cdiv(n, block_m) - 1
     r_total = len(splits) * r_sub
     block_r = max(16, next_pow2(r_total))
     plan = shrink_plan(k, busy, block_m, block_r, x.element_size(), sms)
-    partials = torch.empty((plan.k_splits, rows.numel(), r_total), dtype=torch.float32, device=y.device)
-    launcher(_lora_shrink_kernel, y)[(plan.k_splits, *tiles)](
-        x, a, partials, slot_rank, seg_start, rows, k, plan.k_per_split, r_total, r_sub,
-        x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
-        BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(y.dtype),
-        num_stages=plan.num_stages, num_warps=8 if block_m * block_r >= 8192 else 4,
-    )
+    partials = torch.empty((plan.k_splits, rows.numel(), r_total), dtype=torch.float32, device=x.device)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        launcher(_lora_shrink_kernel, x)[(plan.k_splits, *tiles)](
+            x, a, partials, slot_rank, seg_start, rows, k, plan.k_per_split, r_total, r_sub,
+            x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
+            BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(x.dtype),
+            num_stages=plan.num_stages, num_warps=8 if block_m * block_r >= 8192 else 4,
+        )
+    return Shrunk(partials, block_m, tiles, busy)
 
+
+def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling: torch.Tensor,
+                       slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor,
+                       splits: tuple[int, ...], r_sub: int) -> None:
+    """`lora_add`'s second half: ``y += `` the sum of the shrink's partials ``@ B^T * scaling``."""
+    assert y.stride(1) == 1 and b.stride(2) == 1
+    partials, block_m = shrunk.partials, shrunk.block_m
+    k_splits = partials.shape[0]
     block_rs = max(16, next_pow2(r_sub))
-    block_n = min(128, max(16, next_pow2(min(splits))))
-    blocks = sum(triton.cdiv(c, block_n) for c in splits)
-    chunks = _chunk_table(tuple(splits), block_n, triton.cdiv(blocks * busy, sms), y.device)
-    split_block = max(2, min(next_pow2(plan.k_splits), _SUM_TILE // (block_m * block_rs)))
-    launcher(_lora_expand_kernel, y)[(chunks.shape[0], *tiles)](
-        partials, b, y, scaling, slot_rank, seg_start, rows, chunks, plan.k_splits, r_sub,
+    block_n = expand_block_n(splits, shrunk.busy, _num_sms(y.device))
+    blocks = _block_table(tuple(splits), block_n, y.device)
+    split_block = max(2, min(next_pow2(k_splits), _SUM_TILE // (block_m * block_rs)))
+    launcher(_lora_expand_kernel, y)[(blocks.shape[0], *shrunk.tiles)](
+        partials, b, y, scaling, slot_rank, seg_start, rows, blocks, k_splits, r_sub,
         partials.stride(0), partials.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rs, SPLIT_BLOCK=split_block,
         DOT_PRECISION=dot_precision(y.dtype),
     )
+
+
+def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+                    slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
+                    splits: tuple[int, ...], r_sub: int) -> None:
+    """Triton version of `lora_add`: a split shrink into fp32 partials, then the expand."""
+    shrunk = lora_shrink_triton(x, a, slot_rank, seg_start, rows, max_len, splits, r_sub)
+    if shrunk is not None:
+        lora_expand_triton(y, shrunk, b, scaling, slot_rank, seg_start, rows, splits, r_sub)
 
 
 def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.kernels.lora import lora_add
+from llmserve.kernels.backend import use_triton
+from llmserve.kernels.gemv import gemv_triton, takes_gemv
+from llmserve.kernels.lora import RowLora, lora_add, lora_expand_triton, lora_row, lora_shrink_triton
+from llmserve.kernels.quantized_linear import linear
 from llmserve.lora.adapter import LoraAdapter, projection_shape
 
 # The layer's projection groups, in the fused output's column order (the layer weights' fusing).
@@ -56,6 +59,9 @@ class LoraPool:
         self.config = network_config
         self.dtype, self.device = dtype, torch.device(device)
         self.rank = torch.zeros(max_loras, dtype=torch.int32, device=device)        # 0: an empty slot
+        # Where a shrink runs beside its base projection (LoraBatch.linear); the worker's thread
+        # that runs forwards is its only user.
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.names: list[str | None] = [None] * max_loras
         self.groups: dict[str, _GroupWeights] = {}
@@ -162,6 +168,38 @@ class LoraBatch:
     seg_start: torch.Tensor     # [slots + 1] int32 on the device
     rows: torch.Tensor          # int32
     max_len: int
+
+    def linear(self, layer_num: int, group: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight^T (+ bias)`` with each token's adapter's product for projection group
+        ``group`` added: at one row a GEMV adds it in its epilogue after a one-row shrink (`row`),
+        at more `linear` beside the shrink, then the expand (`add`'s halves)."""
+        if takes_gemv(x, weight):
+            return gemv_triton(x, weight, bias, lora=self.row(layer_num, group, x))
+        pool = self.pool
+        side = pool.side_stream
+        if side is None or not use_triton(x):
+            out = linear(x, weight, bias)
+            self.add(layer_num, group, x, out)
+            return out
+        # The shrink reads x only, so it runs on a side stream beside the base projection (at a
+        # decode batch a GEMM of few tiles, which leaves SMs to it); the expand waits for both.
+        # A CUDA graph captures the fork and the join as they are.
+        a, b, splits = pool.layers[layer_num][group]
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        shrunk = lora_shrink_triton(x, a, pool.rank, self.seg_start, self.rows, self.max_len, splits, pool.max_rank,
+                                    stream=side)
+        out = linear(x, weight, bias)
+        main.wait_stream(side)
+        if shrunk is not None:
+            lora_expand_triton(out, shrunk, b, pool.scaling, pool.rank, self.seg_start, self.rows, splits, pool.max_rank)
+        return out
+
+    def row(self, layer_num: int, group: str, x: torch.Tensor) -> RowLora:
+        """A one-row batch's shrink for ``group`` (Triton: the row's GEMV takes it, `takes_gemv`)."""
+        pool = self.pool
+        a, b, splits = pool.layers[layer_num][group]
+        return lora_row(x, a, b, pool.scaling, pool.rank, self.seg_start, splits, pool.max_rank)
 
     def add(self, layer_num: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out += `` each token's adapter's product for projection group ``group`` (``out`` is

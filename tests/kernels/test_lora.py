@@ -1,18 +1,20 @@
 """lora_add: the twin against a per-token fp64 reference, Triton against the twin (tokens of an
 adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
 below the pool's rank, stacked projections, an output that is a column slice of a wider one with
-tails in its projections' columns, column chunks of several blocks, decode and prompt-sized
+tails in its projections' columns, 256-column expand blocks, decode and prompt-sized
 tiles, the shrink cut into many K splits with a short last one and the expand summing them a few
-at a time); shrink_plan's splits; lora_segments' grouping."""
+at a time); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
+shrink_plan's splits; lora_segments' grouping."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import DEVICE_DTYPES, i32, randn, rng, tol
+from kernel_test_utils import DEVICE_DTYPES, i32, linear_reference, randn, rng, tol
 
 from llmserve.kernels import lora as lora_kernels
-from llmserve.kernels.lora import MAX_K_SPLITS, lora_add_torch, lora_add_triton, shrink_plan
+from llmserve.kernels.gemv import ACTIVATIONS, gemv_act_and_mul_triton, gemv_triton
+from llmserve.kernels.lora import MAX_K_SPLITS, lora_add_torch, lora_add_triton, lora_row, shrink_plan
 from llmserve.lora.pool import lora_segments
 
 SLOTS, R_SUB = 4, 16                 # pool slots (slot 3 holds an adapter no token uses), rank block
@@ -100,6 +102,58 @@ def test_k_splits_match_twin(device, dtype, case, monkeypatch):
     assert (plan.block_k, plan.k_per_split, plan.k_splits) == (16, 48, 5)
     t = _inputs(case, 200, (70, 33), dtype, device)
     torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_wide_expand_blocks_match_twin(device, dtype, monkeypatch):
+    """The expand's 256-column blocks (taken when they leave enough programs): two projections of
+    more than one block, each with a short last one."""
+    monkeypatch.setattr(lora_kernels, "EXPAND_WAVES", 0)
+    assert lora_kernels.expand_block_n((300, 260), 5, 4) == 256
+    t = _inputs("mixed", 64, (300, 260), dtype, device)
+    torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
+def _one_row(slot: int, K: int, splits: tuple[int, ...], dtype, device: str) -> dict:
+    """`_inputs` for a batch of one token on ``slot`` (-1: the base model's), and a base weight."""
+    t = _inputs("decode", K, splits, dtype, device)
+    seg_start, rows, max_len = lora_segments([slot], [1], SLOTS)
+    t.update(x=t["x"][:1].contiguous(), seg_start=i32(seg_start, device), rows=i32(rows, device), max_len=max_len,
+             w=randn(rng(K), sum(splits), K, dtype=dtype, device=device, scale=K ** -0.5))
+    t["row"] = lora_row(t["x"], t["a"], t["b"], t["scaling"], t["slot_rank"], t["seg_start"], splits, R_SUB)
+    return t
+
+
+def _twin_after(y: torch.Tensor, t: dict) -> torch.Tensor:
+    """``y`` (the base projection's output) with the twin's adapter product added."""
+    lora_add_torch(y, t["x"], t["a"], t["b"], t["scaling"], t["slot_rank"], t["seg_start"], t["rows"],
+                   t["max_len"], t["splits"], R_SUB)
+    return y
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("slot", [0, 1, -1])
+@pytest.mark.parametrize("K,splits", [(64, (96, 32, 32)), (130, (70,)), (24, (21, 6))])
+def test_gemv_epilogue_matches_linear_then_twin(device, dtype, slot, K, splits):
+    """One row: the shrink of `lora_row`, then the GEMV adding s @ B^T in its epilogue (blocks
+    that span two projections, a rank below the pool's, the base model's row: nothing added)."""
+    t = _one_row(slot, K, splits, dtype, device)
+    bias = randn(rng(7), sum(splits), dtype=dtype, device=device)
+    got = gemv_triton(t["x"], t["w"], bias, lora=t["row"])
+    torch.testing.assert_close(got, _twin_after(linear_reference(t["x"], t["w"], bias), t), **tol(dtype))
+    if slot < 0:
+        torch.testing.assert_close(got, gemv_triton(t["x"], t["w"], bias), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("slot", [2, -1])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_act_and_mul_epilogue_matches_linear_then_twin(device, dtype, slot, act):
+    """gate_up at one row: gate and up each get their projection's product before the activation."""
+    t = _one_row(slot, 40, (37, 37), dtype, device)
+    got = gemv_act_and_mul_triton(t["x"], t["w"], act, lora=t["row"])
+    want = ACTIVATIONS[act](_twin_after(linear_reference(t["x"], t["w"], None), t))
+    torch.testing.assert_close(got, want, **tol(dtype))
 
 
 def test_shrink_plan_covers_k_and_fills_a_wave():

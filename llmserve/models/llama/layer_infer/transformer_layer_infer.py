@@ -51,15 +51,19 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
                            infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state))
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
-        if infer_state.lora is None and takes_gemv(x, layer_weight.gate_up_weight_):
-            # One row (a batch-1 decode step): the gate_up GEMV computes the activation too.
-            act = gemv_act_and_mul(x, layer_weight.gate_up_weight_, self.mlp_act)
-        elif infer_state.lora is None and isinstance(layer_weight.gate_up_weight_, PackedWeight):
+        lora = infer_state.lora
+        if takes_gemv(x, layer_weight.gate_up_weight_):
+            # One row (a batch-1 decode step): the gate_up GEMV computes the activation too, after
+            # adding the row's adapter product to gate and up.
+            row = lora.row(self.layer_num_, "gate_up", x) if lora is not None else None
+            act = gemv_act_and_mul(x, layer_weight.gate_up_weight_, self.mlp_act, lora=row)
+        elif lora is None and isinstance(layer_weight.gate_up_weight_, PackedWeight):
             # A quantized gate_up fuses the activation itself where it can (one row, Triton).
             act = layer_weight.gate_up_weight_.act_and_mul(x, self.mlp_act)
         else:
-            gate_up = linear(x, layer_weight.gate_up_weight_)
-            if infer_state.lora is not None:
-                infer_state.lora.add(self.layer_num_, "gate_up", x, gate_up)
+            if lora is None:
+                gate_up = linear(x, layer_weight.gate_up_weight_)
+            else:
+                gate_up = lora.linear(self.layer_num_, "gate_up", x, layer_weight.gate_up_weight_)
             act = ACT_AND_MUL[self.mlp_act](gate_up)
         return self._row_parallel_linear(act, layer_weight.down_weight_, None, infer_state, "down")

@@ -66,9 +66,10 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _get_qkv(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[n, Hq, D]`` and kv ``[n, 2 * Hkv, D]`` (K heads then V heads): strided views of
         one fused projection, laid out like a KV-cache slot so one scatter stores both."""
-        qkv = linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
-        if infer_state.lora is not None:
-            infer_state.lora.add(self.layer_num_, "qkv", x, qkv)
+        if infer_state.lora is None:
+            qkv = linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
+        else:
+            qkv = infer_state.lora.linear(self.layer_num_, "qkv", x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
         q_size = self.tp_q_head_num_ * self.head_dim_
         q = qkv[:, :q_size].view(-1, self.tp_q_head_num_, self.head_dim_)
         kv = qkv[:, q_size:].view(-1, 2 * self.tp_kv_head_num_, self.head_dim_)
@@ -150,8 +151,9 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         The bias is added once, after the reduction. With adapters in the batch (``infer_state.lora``),
         their products for ``lora_group`` are partial sums too (A is cut as the weight), added before
         the reduction."""
-        y = linear(x, weight)
-        if infer_state is not None and infer_state.lora is not None:
-            infer_state.lora.add(self.layer_num_, lora_group, x, y)
+        if infer_state is None or infer_state.lora is None:
+            y = linear(x, weight)
+        else:
+            y = infer_state.lora.linear(self.layer_num_, lora_group, x, weight)
         y = all_reduce(y)
         return y if bias is None else y.add_(bias)
