@@ -60,7 +60,9 @@ def algorithm_for(nbytes: int, dtype: torch.dtype, world_size: int, one_shot_max
         return "nccl"
     if nbytes <= one_shot_max:
         return "one_shot"
-    if nbytes <= two_shot_max and world_size in TWO_SHOT_WORLD_SIZES:
+    # Two-shot hands each rank 1/N of the message: only where every share is whole 16-byte vectors
+    # (any decode message of a hidden size divisible by 64 is).
+    if nbytes <= two_shot_max and world_size in TWO_SHOT_WORLD_SIZES and nbytes % (ALIGNMENT * world_size) == 0:
         return "two_shot"
     return "nccl"
 
