@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from common import markdown_table, remove_script_dir_from_sys_path, write_json
+import torch
+from common import environment, markdown_table, measure_copy_bandwidth, remove_script_dir_from_sys_path, write_json
 from server_process import llmserve_server, serving_load
 from engine import random_prompts, run_requests  # last: importing it takes this folder off sys.path
 
@@ -75,6 +77,13 @@ def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int
     return numbers
 
 
+def step_floor_ms(model: str, tp: int, bandwidth: float) -> float:
+    """The decode step's floor at one request: each rank reads its 1/tp of the weights (the
+    checkpoint's safetensors bytes) at the copy bandwidth GPU 0 measured."""
+    weight_bytes = sum(f.stat().st_size for f in Path(resolve_model_path(model)).glob("*.safetensors"))
+    return weight_bytes / tp / bandwidth * 1e3
+
+
 def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int) -> float:
     flags = ["--tp", str(tp), "--max-concurrent-requests", str(4 * concurrency)] + (["--dtype", args.dtype] if args.dtype else [])
     if all_reduce == "custom":
@@ -113,6 +122,8 @@ def main() -> int:
     modes = args.all_reduce.split(",")
     if not set(modes) <= {"custom", "nccl"}:
         raise SystemExit(f"--all-reduce takes custom and nccl, got {args.all_reduce!r}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bandwidth = measure_copy_bandwidth(device)
     results = []
     for tp in tps:
         for all_reduce in modes if tp > 1 else [""]:
@@ -130,12 +141,17 @@ def main() -> int:
             goal = GOALS.get((r.tp, m))
             verdict = "" if goal is None else f"{goal[0]} {goal[1]}: " + (
                 "met" if (ratio <= goal[1] if goal[0] == "<=" else ratio >= goal[1]) else "MISSED")
-            rows.append([r.label, m, f"{r.numbers[m]:.2f}", f"{ratio:.3f}", verdict])
+            floor = step_floor_ms(args.model, r.tp, bandwidth) if m == "tpot C=1" else None
+            rows.append([r.label, m, f"{r.numbers[m]:.2f}", f"{ratio:.3f}", "" if floor is None else f"{floor:.2f}",
+                         "" if floor is None else f"{r.numbers[m] / floor:.2f}", verdict])
     print(f"\n### Tensor-parallel scaling, in {args.input_len} / out {args.output_len}\n")
-    print(markdown_table(["tp", "metric", "value", f"/ tp={tps[0]}", "goal"], rows))
+    print(markdown_table(["tp", "metric", "value", f"/ tp={tps[0]}", "floor ms", "x floor", "goal"], rows))
     if args.json:
-        write_json(args.json, {"benchmark": "tp_scaling", "model": args.model, "input_len": args.input_len,
-                               "output_len": args.output_len, "results": [asdict(r) for r in results]})
+        write_json(args.json, {"benchmark": "tp_scaling", "environment": environment(device), "model": args.model,
+                               "input_len": args.input_len, "output_len": args.output_len,
+                               "copy_bandwidth_bytes_per_s": bandwidth,
+                               "step_floor_ms_c1": {tp: step_floor_ms(args.model, tp, bandwidth) for tp in tps},
+                               "results": [asdict(r) for r in results]})
     return 0
 
 
