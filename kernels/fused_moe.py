@@ -21,9 +21,12 @@ walks all of K in wide chunks), two launches and nothing else: `gemv_act_and_mul
 program per (pair, block of I), reads the pair's expert's gate and up rows and writes SiLU-and-mul;
 ``_moe_down_gemv_kernel``, one program per (token, block of H), reads the down rows of all k of
 the token's experts at once, applies the routing weights and sums over the k in registers (no
-``[n*k, H]`` buffer, no separate sum). A pair's expert is read by its own programs, so two tokens
-routed to one expert read it twice (from L2 when the programs run together); at a few tokens
-that costs less than the sorting and the mostly-empty blocks.
+``[n*k, H]`` buffer, no separate sum). Both GEMV kernels sum each chunk's products a 16-byte
+vector at a time in registers and across lanes once at the end (see `gemv`), which halves their
+registers and so doubles the programs, and the bytes in flight, an SM holds. A pair's expert is
+read by its own programs, so two tokens routed to one expert read it twice (from L2 when the
+programs run together); at a few tokens that costs less than the sorting and the mostly-empty
+blocks.
 
 Rounded as HF's ``MixtralExperts``: gate, up, the SiLU output and their product round to the
 activation dtype; the routing weights (float32, from ``moe_route``) multiply the down
@@ -41,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .backend import dot_precision, launcher, next_pow2, use_triton
-from .gemv import ACT_AND_MUL_TILES, gemv_act_and_mul_triton, gemv_block_k
+from .gemv import ACT_AND_MUL_TILES, gemv_act_and_mul_triton, gemv_block_k, vector_width
 from .triton_math import silu
 
 
@@ -129,11 +132,19 @@ def _fused_moe_kernel(A, W, C, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 
 @triton.jit
 def _moe_down_gemv_kernel(Act, W2, Out, TopkWeights, TopkIds, H, I, stride_we, stride_wn, stride_om,
-                          TOP_K: tl.constexpr, K_P2: tl.constexpr, EVEN_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          TOP_K: tl.constexpr, K_P2: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     # Out[t, n] = sum over slots s of weight[t, s] * (Act[t * TOP_K + s] . W2[e_s, n]) for the
     # token program_id(0) and BLOCK_N features n: the k experts' tiles are one [K_P2, BLOCK_N,
-    # BLOCK_K] load, so a program has k times a GEMV's bytes in flight.
+    # BLOCK_K] load, so a program has k times a GEMV's bytes in flight. Each chunk's products are
+    # summed VEC at a time (a thread's own 16-byte vector) into a [K_P2, BLOCK_N, BLOCK_K / VEC]
+    # accumulator, an eighth of a full tile's in half precision. With Triton 3.6 (the GPU
+    # machine's) at Qwen3-30B-A3B's default tiles, sm_90: 80 registers a thread against 140 with
+    # the full tile, so 6 programs an SM instead of 3: all 512 of a token's programs are resident
+    # at once (8 MB in flight), where 3 an SM left a second, mostly empty wave. (Triton 3.7 lays
+    # the tile out with the warps along the features instead: 128 registers, 4 programs an SM,
+    # and the activations pass between warps through shared memory each chunk; the [BLOCK_N,
+    # K_P2, BLOCK_K] order swaps the two versions' outcomes.)
     token = tl.program_id(0)
     slots = tl.arange(0, K_P2)
     slot_mask = slots < TOP_K
@@ -145,17 +156,33 @@ def _moe_down_gemv_kernel(Act, W2, Out, TopkWeights, TopkIds, H, I, stride_we, s
     w_ptrs = (W2 + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
               + offs_k[None, None, :])
     a_ptrs = Act + pairs.to(tl.int64)[:, None] * I + offs_k[None, :]
-    w_mask = slot_mask[:, None, None] & n_mask[None, :, None]
-    acc = tl.zeros([K_P2, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    if EVEN_N:
+        w_mask = slot_mask[:, None, None]
+    else:
+        w_mask = slot_mask[:, None, None] & n_mask[None, :, None]
+    acc = tl.zeros([K_P2, BLOCK_N, BLOCK_K // VEC], tl.float32)
+    # Each chunk's loads go out before the previous chunk's sums (the chunk past I: all masked
+    # off, no traffic). Without this, Triton 3.6's schedule splits a chunk's loads into two or
+    # three waits on memory; with it, one burst a chunk.
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=slot_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=slot_mask[:, None] & (offs_k < I)[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask & (offs_k < I)[None, None, :], other=0.0)
+    for k0 in range(BLOCK_K, I + BLOCK_K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=slot_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+            more = k0 < I
+            a_next = tl.load(a_ptrs + k0, mask=slot_mask[:, None] & more, other=0.0)
+            w_next = tl.load(w_ptrs + k0, mask=w_mask & more, other=0.0)
         else:
             k_mask = (k0 + offs_k) < I
-            a = tl.load(a_ptrs + k0, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=w_mask & k_mask[None, None, :], other=0.0)
-        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+            a_next = tl.load(a_ptrs + k0, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+            w_next = tl.load(w_ptrs + k0, mask=w_mask & k_mask[None, None, :], other=0.0)
+        prod = w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        acc += tl.sum(tl.reshape(prod, [K_P2, BLOCK_N, BLOCK_K // VEC, VEC]), 3)
+        a = a_next
+        w = w_next
     # as HF: each expert's output rounds to the dtype, and again once its routing weight multiplies it
     h = tl.sum(acc, 2).to(Out.dtype.element_ty).to(tl.float32)
     h = (h * tl.load(TopkWeights + pairs, mask=slot_mask, other=0.0)[:, None]).to(Out.dtype.element_ty)
@@ -270,8 +297,9 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     block_k = gemv_block_k(I, largest_k)
     launcher(_moe_down_gemv_kernel, x)[(n, triton.cdiv(H, block_n))](
         act, w2, out, weights, ids, H, I, w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=k, K_P2=max(2, next_pow2(k)), EVEN_K=I % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=1,
+        TOP_K=k, K_P2=max(2, next_pow2(k)), EVEN_N=H % block_n == 0, EVEN_K=I % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        VEC=vector_width(x, block_k), num_warps=num_warps, num_stages=1,
     )
     return out
 

@@ -8,10 +8,17 @@ Llama-3-8B step reads its 15 GB of weights ~0.55 ms sooner: 5.08 instead of 5.63
 pay: `skinny_gemm` takes 2 to 64 rows.
 
 Program p owns BLOCK_N output features and walks the whole of K in BLOCK_K-wide chunks: each
-iteration loads a [BLOCK_N, BLOCK_K] weight tile (16 KB in flight a program) and adds its products
-into an fp32 tile of the same shape, reduced over K once at the end. Summing each chunk as it
-arrives would put a cross-lane reduction in the loop; a single pass over K needs no second kernel
-and makes every output feature's sum order independent of the grid.
+iteration loads a [BLOCK_N, BLOCK_K] weight tile (16 KB in flight a program), the next chunk's
+loads issued before this chunk's sums, and sums its products in registers, each thread its own
+16-byte groups of columns (``VEC`` elements: 8 in half precision), into a [BLOCK_N, BLOCK_K / VEC]
+fp32 accumulator, reduced across lanes once at the end. Summing a whole chunk as it arrives would
+put a cross-lane reduction in the loop; keeping every product until the end (a full-tile
+accumulator, as this kernel did up to the 2026-11-27 runs) costs a tile of registers more: at the
+default tiles (sm_90, bf16, Triton 3.6 and 3.7) 79 registers a thread against 120, 6 programs an
+SM against 4, so 1.5x the bytes in flight. An H200 streams about 1.4x an H100's bytes with the
+same SMs, so it needs the more in flight (the GEMVs read ~90% of the copy bandwidth on an H100 but
+~70% on an H200 in the 2026-11-27 runs). A single pass over K needs no second kernel and makes
+every output feature's sum order independent of the grid.
 
 `gemv_act_and_mul` is a gated MLP's first half at one row: the fused gate_up projection and the
 activation, ``act(x W_gate^T) * (x W_up^T)``, in one launch instead of two. A program owns BLOCK_N
@@ -33,7 +40,8 @@ from .silu_and_mul import silu_and_mul_fwd_torch
 from .triton_math import gelu_tanh, silu
 
 # (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
-# Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up.
+# Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up
+# (swept with the full-tile accumulator, before the 16-byte-group sums).
 TILES = (4, 2048, 4)
 
 
@@ -42,7 +50,7 @@ def _gemv_kernel(
     X, W, Bias, Y, N, K, stride_w_n,
     LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -53,17 +61,27 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # int64: row * stride can pass 2**31 in a large LM head (256k rows x 8192 columns).
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w_n + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            x = tl.load(X + k0 + offs_k)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    # Each chunk's loads go out before the previous chunk's sums (the chunk past K: all masked
+    # off, no traffic): one burst of loads a chunk, which Triton 3.6's schedule otherwise splits
+    # into two waits on memory.
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        x = tl.load(X + offs_k)
+    else:
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        if EVEN_K:  # all of the chunk or none: one condition, not one a column
+            w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & (k0 < K), other=0.0)
+            x_next = tl.load(X + k0 + offs_k, mask=k0 < K, other=0.0)
         else:
             k_mask = (k0 + offs_k) < K
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
+            w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x_next = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        acc += tl.sum(tl.reshape(w.to(tl.float32) * x.to(tl.float32)[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
+        w = w_next
+        x = x_next
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -77,11 +95,15 @@ def _gemv_act_and_mul_kernel(
     X, W, Y, ExpertIds, I, K, ROWS_PER_X, stride_xm, stride_we, stride_wn,
     LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn,
     ACT: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Y[r, n] = act(X[r // ROWS_PER_X] . W[n]) * (X[r // ROWS_PER_X] . W[I + n]) for the output row
     # r = program_id(0) and BLOCK_N features n; with HAS_EXPERTS, W is expert ExpertIds[r]'s.
     # With HAS_LORA (one row, no experts), gate and up each get the adapter's product first.
+    # Each chunk's products are summed VEC at a time (a thread's own 16-byte vector, no shuffle)
+    # into [BLOCK_N, BLOCK_K / VEC] accumulators: two tiles' loads in flight on about half the
+    # registers of full-tile accumulators (72 against 128 at the default tiles in bf16), so about
+    # twice the programs, and twice the bytes in flight, fit an SM.
     row = tl.program_id(0)
     x_row = X + (row // ROWS_PER_X).to(tl.int64) * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,8 +119,8 @@ def _gemv_act_and_mul_kernel(
     if HAS_EXPERTS:
         gate_ptrs += tl.load(ExpertIds + row).to(tl.int64) * stride_we
     up_ptrs = gate_ptrs + I * stride_wn
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             mask = n_mask[:, None]
@@ -107,8 +129,10 @@ def _gemv_act_and_mul_kernel(
             mask = n_mask[:, None] & ((k0 + offs_k) < K)[None, :]
             x = tl.load(x_row + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0)
         x = x.to(tl.float32)[None, :]
-        acc_gate += tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
+        gate = tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
+        up = tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
+        acc_gate += tl.sum(tl.reshape(gate, [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
+        acc_up += tl.sum(tl.reshape(up, [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
     # as HF: gate and up round to the dtype (a linear layer's outputs), the activation's output
     # rounds, then the product
     gate = tl.sum(acc_gate, 1).to(Y.dtype.element_ty).to(tl.float32)
@@ -145,7 +169,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=1, **lora_constexprs,
+        BLOCK_K=block_k, VEC=vector_width(x, block_k), num_warps=num_warps, num_stages=1, **lora_constexprs,
     )
     return y
 
@@ -165,6 +189,13 @@ def gemv_block_k(K: int, largest: int) -> int:
             return block
         block //= 2
     return min(largest, max(16, next_pow2(K)))
+
+
+def vector_width(x: torch.Tensor, block_k: int) -> int:
+    """Elements of x's dtype in one 16-byte load (8 in half precision, 4 in float32): the group a
+    thread holds of a chunk's columns, which the kernels that sum a chunk group by group sum
+    first, in registers."""
+    return min(block_k, 16 // x.element_size())
 
 
 def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
@@ -193,8 +224,8 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
     launcher(_gemv_act_and_mul_kernel, x)[(rows, triton.cdiv(I, block_n))](
         x, weight, y, ids, I, K, rows_per_x, x.stride(-2) if x.dim() > 1 else K, stride_we, weight.stride(-2),
         *lora_args, ACT=act, HAS_EXPERTS=expert_ids is not None, HAS_LORA=lora is not None,
-        EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1,
-        **lora_constexprs,
+        EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, VEC=vector_width(x, block_k),
+        num_warps=num_warps, num_stages=1, **lora_constexprs,
     )
     return y
 
