@@ -150,6 +150,28 @@ def format_weight(fmt: str, g, n: int, k: int, device: str):
     return (q.to(device), ws.to(device), None, (1, k)), q.double() * ws.double()
 
 
+def fenced(t: torch.Tensor, pad: int = 32) -> torch.Tensor:
+    """``t`` (2-D) as a view inside a larger buffer whose row above, row below and ``pad``
+    columns either side hold NaN (0xFF for integers): a kernel that reads past an operand's
+    extent, or takes its row stride for its width, gets NaN or a wrong value, in the interpreter
+    as on the GPU (where an unmasked read past a tensor's end finds whatever the allocator left)."""
+    buf = torch.empty(t.shape[0] + 2, t.shape[1] + 2 * pad, dtype=t.dtype, device=t.device)
+    if t.is_floating_point():
+        buf.view(torch.uint8).fill_(0x7F) if t.element_size() == 1 else buf.fill_(float("nan"))
+    else:
+        buf.fill_(0xFF)
+    view = buf[1:-1, pad:-pad]
+    view.copy_(t)
+    return view
+
+
+def tile_error(config, got: torch.Tensor) -> str:
+    """A failed tile, said so that the cause can be told from the GPU's log: its sizes and where
+    the output is NaN."""
+    bad = got.isnan().nonzero()[:, -1].tolist()
+    return f"{config.kwargs}, num_warps={config.num_warps}: NaN at output features {bad[:16]} of {got.shape[-1]}"
+
+
 @pytest.mark.parametrize("device,dtype", [p for p in DEVICE_DTYPES if p.values[1] != torch.float32])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5, 20, 40, 130])
@@ -162,12 +184,15 @@ def test_every_tile_matches_the_reference(device, dtype, fmt, M):
     x = randn(g, M, K, dtype=dtype, device=device)
     # The GEMM rounds the dequantized weight to x's dtype before the dot; the GEMV does not.
     ref = (x.double().cpu() @ dense.to(dtype if M > 1 else torch.float64).double().t())
+    # Every operand fenced by NaN: no tile may read past one (ragged rows, K tails, scale blocks).
+    w, scale, x = fenced(w), fenced(scale), fenced(x)
+    zeros = None if zeros is None else fenced(zeros)
     configs = configs_for(x, w, scale, block)
     assert len(configs) >= 3
     for config in configs:
         got = dequant_linear_triton(x, w, scale, zeros, block, config=config).double().cpu()
         err = ((got - ref).norm() / ref.norm()).item()
-        assert err < 4e-3, (config, err)
+        assert err < 4e-3, (tile_error(config, got), err)
 
 
 def test_row_buckets():
