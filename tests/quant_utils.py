@@ -135,32 +135,34 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group: int, block: int = 128
 
 
 def _gptq(w: torch.Tensor, h: torch.Tensor, group: int, block: int, damp: float):
-    w = w.float().clone()
-    n, k = w.shape
+    # The weights are held transposed, [K, N]: a column step reads and updates contiguous rows
+    # (a third of the time of strided columns, with the same numbers).
+    wt = w.float().t().contiguous()
+    k, n = wt.shape
     h = h.double().clone()     # the factorisations in float64, the column steps in float32
     dead = h.diagonal() == 0
     h[dead, dead] = 1
-    w[:, dead] = 0
+    wt[dead] = 0
     h += damp * h.diagonal().mean() * torch.eye(k, dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    q = torch.zeros(n, k, dtype=torch.int32)
-    scales, zeros = torch.zeros(n, k // group), torch.zeros(n, k // group)
+    q = torch.zeros(k, n, dtype=torch.int32)
+    scales, zeros = torch.zeros(k // group, n), torch.zeros(k // group, n)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        w1, err1, hinv1 = w[:, b0:b1], torch.zeros(n, b1 - b0, dtype=w.dtype), hinv[b0:b1, b0:b1]
+        w1, err1, hinv1 = wt[b0:b1], torch.zeros(b1 - b0, n), hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             c = b0 + i
             if c % group == 0:
-                s, z = _int4_params(w[:, c:c + group])
-                scales[:, c // group], zeros[:, c // group] = s, z
-            col = w1[:, i]
+                s, z = _int4_params(wt[c:c + group].t())
+                scales[c // group], zeros[c // group] = s, z
+            col = w1[i]
             qc = (col / s + z).round().clamp(0, 15)
-            q[:, c] = qc.int()
+            q[c] = qc.int()
             err = (col - (qc - z) * s) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
-        w[:, b1:] -= err1 @ hinv[b0:b1, b1:]
-    return q, zeros.to(torch.int32), scales.half()
+            w1[i:] -= hinv1[i, i:, None] * err[None, :]
+            err1[i] = err
+        wt[b1:] -= hinv[b0:b1, b1:].t() @ err1
+    return q.t().contiguous(), zeros.t().contiguous().to(torch.int32), scales.t().contiguous().half()
 
 
 def _layer_groups(state: dict[str, torch.Tensor]):

@@ -23,6 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 STARTUP_STALL_S = 120.0
 STARTUP_LIMIT_S = 900.0
 
+# The API key and body size limit of the shared keyed server (tests/server/api/conftest.py).
+API_KEY = "s3cret-key"
+PAYLOAD_LIMIT = 4096
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -84,12 +84,20 @@ def test_a_dead_headless_worker_ends_the_head_with_its_error(tiny_llama_dir):
 
 
 def test_a_missing_node_fails_the_head_and_a_missing_head_the_node(tiny_llama_dir):
-    addr = f"127.0.0.1:{free_port()}"
-    head = subprocess.run([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", str(free_port()),
-                           *node_args(addr, 0), "--dist-timeout", "3"], capture_output=True, text=True, timeout=300)
+    # A head with no node and a node with no head, side by side (at two addresses: they must not
+    # meet); each mostly waits for its interpreters to start and then for its timeout.
+    head_addr, node_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    head = subprocess.Popen([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", str(free_port()),
+                             *node_args(head_addr, 0), "--dist-timeout", "3"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    headless = start_headless(node_addr, timeout=2)
+    try:
+        _, head_err = head.communicate(timeout=300)
+        out, _ = headless.communicate(timeout=120)
+    finally:
+        head.kill()
+        headless.kill()
     assert head.returncode != 0
-    assert f"rank 1 did not join at {addr} within 3 s (node 1 of 2" in head.stderr, head.stderr
-    headless = start_headless(addr, timeout=2)
-    out, _ = headless.communicate(timeout=120)
+    assert f"rank 1 did not join at {head_addr} within 3 s (node 1 of 2" in head_err, head_err
     assert headless.returncode == 1
-    assert f"the head's rendezvous at {addr} did not come up within 2 s" in out, out
+    assert f"the head's rendezvous at {node_addr} did not come up within 2 s" in out, out

@@ -16,21 +16,16 @@ import pytest
 
 from llmserve.server.api.middleware import DEFAULT_PAYLOAD_LIMIT
 from llmserve.server.api.schema import MAX_INPUT_CHARS
-from serving_utils import ServerProcess
+from serving_utils import API_KEY, PAYLOAD_LIMIT
 
 TIMEOUT = httpx.Timeout(120.0)
-API_KEY = "edge-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-PAYLOAD_LIMIT = 4096          # the guarded server's --payload-limit
 GOOD_TGI = {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "details": True}}
 GOOD_OPENAI = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def guarded_server(tiny_llama_dir):
-    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--api-key", API_KEY,
-                       "--payload-limit", str(PAYLOAD_LIMIT)) as server:
-        yield server
+# keyed_server: the session's tiny server behind --api-key API_KEY and --payload-limit
+# PAYLOAD_LIMIT (conftest)
 
 
 def assert_serves(url: str, headers: dict[str, str] | None = None) -> None:
@@ -141,24 +136,24 @@ def padded(body: dict, size: int) -> bytes:
 
 
 @pytest.mark.parametrize("path, good", [("/generate", GOOD_TGI), ("/v1/completions", GOOD_OPENAI)])
-def test_body_over_the_limit_is_a_413_and_at_the_limit_is_served(guarded_server, path, good):
-    url = guarded_server.url + path
+def test_body_over_the_limit_is_a_413_and_at_the_limit_is_served(keyed_server, path, good):
+    url = keyed_server.url + path
     headers = AUTH | {"content-type": "application/json"}
     r = httpx.post(url, content=padded(good, PAYLOAD_LIMIT + 1), headers=headers, timeout=TIMEOUT)
     assert_shape(r, path, 413, str(PAYLOAD_LIMIT), str(PAYLOAD_LIMIT + 1), "--payload-limit")
     r = httpx.post(url, content=padded(good, PAYLOAD_LIMIT), headers=headers, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
-    assert_serves(guarded_server.url, AUTH)
+    assert_serves(keyed_server.url, AUTH)
 
 
 @pytest.mark.parametrize("path", ["/generate_stream", "/v1/chat/completions"])
-def test_a_declared_length_over_the_limit_is_refused_before_any_body_is_sent(guarded_server, path):
-    status, body = send_headers_only(guarded_server.port, path, AUTH | {
+def test_a_declared_length_over_the_limit_is_refused_before_any_body_is_sent(keyed_server, path):
+    status, body = send_headers_only(keyed_server.port, path, AUTH | {
         "Content-Type": "application/json", "Content-Length": str(10**12)})
     assert status == 413
     message = body["error"]["message"] if path.startswith("/v1/") else body["error"]
     assert str(10**12) in message
-    assert_serves(guarded_server.url, AUTH)
+    assert_serves(keyed_server.url, AUTH)
 
 
 def send_chunks_without_end(port: int, path: str, size: int) -> bytes:
@@ -178,10 +173,10 @@ def send_chunks_without_end(port: int, path: str, size: int) -> bytes:
 
 
 @pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
-def test_a_chunked_body_is_counted_as_it_arrives(guarded_server, path):
+def test_a_chunked_body_is_counted_as_it_arrives(keyed_server, path):
     """No Content-Length to go by: the 413 comes once the chunks pass the limit, before the body
     ends, and the server hangs up rather than read on."""
-    received = send_chunks_without_end(guarded_server.port, path, PAYLOAD_LIMIT + 1000)
+    received = send_chunks_without_end(keyed_server.port, path, PAYLOAD_LIMIT + 1000)
     head, _, body = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413 "), received
     assert b"connection: close" in head.lower()
@@ -192,10 +187,10 @@ def test_a_chunked_body_is_counted_as_it_arrives(guarded_server, path):
     def chunked_good_body():      # a chunked body within the limit is served
         yield b'{"model": "tiny", "max_tokens": 2, '
         yield b'"messages": [{"role": "user", "content": "hi"}], "inputs": "Hello"}'
-    r = httpx.post(guarded_server.url + path, content=chunked_good_body(), timeout=TIMEOUT,
+    r = httpx.post(keyed_server.url + path, content=chunked_good_body(), timeout=TIMEOUT,
                    headers=AUTH | {"content-type": "application/json"})
     assert r.status_code == 200, r.text
-    assert_serves(guarded_server.url, AUTH)
+    assert_serves(keyed_server.url, AUTH)
 
 
 def test_the_default_limit_admits_the_seeds_4mb_of_characters_however_escaped(tiny_server):
@@ -221,28 +216,28 @@ def test_the_default_limit_admits_the_seeds_4mb_of_characters_however_escaped(ti
     ("/v1/chat/completions", b"x" * (PAYLOAD_LIMIT * 4)),      # too large: the key comes first
     ("/no-such-route", b"{}"),                                  # no route: no hint of which exist
 ])
-def test_without_the_key_a_request_is_refused_before_its_body_is_looked_at(guarded_server, path, content):
-    r = httpx.post(guarded_server.url + path, content=content, headers={"content-type": "application/json"},
+def test_without_the_key_a_request_is_refused_before_its_body_is_looked_at(keyed_server, path, content):
+    r = httpx.post(keyed_server.url + path, content=content, headers={"content-type": "application/json"},
                    timeout=TIMEOUT)
     assert_shape(r, path, 401, "Unauthorized")
-    assert_serves(guarded_server.url, AUTH)
+    assert_serves(keyed_server.url, AUTH)
 
 
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"])
-def test_docs_need_the_key(guarded_server, path):
-    assert_shape(httpx.get(guarded_server.url + path, timeout=TIMEOUT), path, 401, "Unauthorized")
-    assert_shape(httpx.get(guarded_server.url + path, headers={"Authorization": "Bearer wrong"}, timeout=TIMEOUT),
+def test_docs_need_the_key(keyed_server, path):
+    assert_shape(httpx.get(keyed_server.url + path, timeout=TIMEOUT), path, 401, "Unauthorized")
+    assert_shape(httpx.get(keyed_server.url + path, headers={"Authorization": "Bearer wrong"}, timeout=TIMEOUT),
                  path, 401)
-    assert httpx.get(guarded_server.url + path, headers=AUTH, timeout=TIMEOUT).status_code == 200
-    assert httpx.get(guarded_server.url + "/health", timeout=TIMEOUT).status_code == 200   # /health: never
+    assert httpx.get(keyed_server.url + path, headers=AUTH, timeout=TIMEOUT).status_code == 200
+    assert httpx.get(keyed_server.url + "/health", timeout=TIMEOUT).status_code == 200   # /health: never
 
 
-def test_with_the_key_errors_are_the_routes_own(guarded_server):
-    r = httpx.post(guarded_server.url + "/generate", content=b'{"inputs": 5', timeout=TIMEOUT,
+def test_with_the_key_errors_are_the_routes_own(keyed_server):
+    r = httpx.post(keyed_server.url + "/generate", content=b'{"inputs": 5', timeout=TIMEOUT,
                    headers=AUTH | {"content-type": "application/json"})
     assert_shape(r, "/generate", 422, "not valid JSON")
-    assert_shape(httpx.get(guarded_server.url + "/v1/nope", headers=AUTH, timeout=TIMEOUT), "/v1/nope", 404)
-    assert_serves(guarded_server.url, AUTH)
+    assert_shape(httpx.get(keyed_server.url + "/v1/nope", headers=AUTH, timeout=TIMEOUT), "/v1/nope", 404)
+    assert_serves(keyed_server.url, AUTH)
 
 
 # -- item 6: /openapi.json lists the real statuses -----------------------------------------
@@ -281,8 +276,8 @@ def required_keys(schema: dict, response: dict) -> set[str]:
 
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "api-key"])
-def test_openapi_documents_each_routes_errors_in_its_shape(tiny_server, guarded_server, keyed):
-    server, headers = (guarded_server, AUTH) if keyed else (tiny_server, {})
+def test_openapi_documents_each_routes_errors_in_its_shape(tiny_server, keyed_server, keyed):
+    server, headers = (keyed_server, AUTH) if keyed else (tiny_server, {})
     schema = httpx.get(server.url + "/openapi.json", headers=headers, timeout=TIMEOUT).json()
     errors = documented_errors(schema)
     assert set(EXPECTED_ERRORS) <= set(errors)

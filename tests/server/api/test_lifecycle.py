@@ -21,7 +21,7 @@ import text_generation
 import torch
 
 from serving_utils import (
-    STARTUP_STALL_S, ServerProcess, engine_processes_of, free_port, llmserve_command, pid_alive, tgi_stream_events,
+    API_KEY, STARTUP_STALL_S, ServerProcess, engine_processes_of, free_port, llmserve_command, pid_alive, tgi_stream_events,
     wait_until,
 )
 
@@ -202,14 +202,7 @@ def test_engine_core_death_while_idle_turns_health_503_and_exits_nonzero(tiny_ll
 
 # -- (3) --api-key -----------------------------------------------------------------------
 
-API_KEY = "s3cret-key"
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tiny_llama_dir):
-    with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--api-key", API_KEY) as server:
-        yield server
-
+# keyed_server: the session's tiny server behind --api-key API_KEY (conftest)
 
 PROTECTED = [
     ("POST", "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}),
