@@ -206,7 +206,8 @@ def slot_value(Values, slot, NUM_SLOTS, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SUB, stride_as, stride_ar,
-                            BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+                            BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                            VEC: tl.constexpr, EVEN_K: tl.constexpr):
     """``S[j] = x . A[slot, j]`` (rounded to x's dtype, stored in fp32) for BLOCK_J rows j of A:
     a GEMV over A's rows, each program reading its rows whole, so s is final (no partials to sum
     downstream). Padding rows past the slot's rank read nothing and store 0."""
@@ -219,12 +220,28 @@ def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SU
     j_mask = j_in & (offs_j % R_SUB < rank)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = A + slot.to(tl.int64) * stride_as + offs_j[:, None] * stride_ar + offs_k[None, :]
-    acc = tl.zeros([BLOCK_J, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        x = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
-        a = tl.load(a_ptrs + k0, mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    # As the GEMV's loop (kernels/gemv.py): each thread sums its own 16-byte groups, an even K
+    # masks whole rows only, and each chunk's loads go out before the previous chunk's sums. A
+    # full-tile accumulator summed as the loads came in made sm_90 issue a chunk 16 bytes a thread
+    # at a time, each load waited on before the next went out (4 trips to memory a chunk, not 1).
+    acc = tl.zeros([BLOCK_J, BLOCK_K // VEC], tl.float32)
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=j_mask[:, None], other=0.0)
+        x = tl.load(X + offs_k)
+    else:
+        a = tl.load(a_ptrs, mask=j_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):     # the chunk past K: all masked off
+        if EVEN_K:
+            a_next = tl.load(a_ptrs + k0, mask=j_mask[:, None] & (k0 < K), other=0.0)
+            x_next = tl.load(X + k0 + offs_k, mask=k0 < K, other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a_next = tl.load(a_ptrs + k0, mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+            x_next = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        acc += tl.sum(tl.reshape(a.to(tl.float32) * x.to(tl.float32)[None, :], [BLOCK_J, BLOCK_K // VEC, VEC]), 2)
+        a = a_next
+        x = x_next
     s = tl.sum(acc, 1).to(X.dtype.element_ty)    # PEFT's lora_A(x) is in the activations' dtype
     tl.store(S + offs_j, s.to(tl.float32), mask=j_in)
 
@@ -289,8 +306,9 @@ def no_row_lora(t: torch.Tensor) -> tuple[tuple, dict]:
     return (t, t, t, t, 1, 0, 0, 1, 0, 0), dict(BLOCK_R=16, BLOCK_S=2)
 
 
-# The one-row shrink's widest K block (16 KB of bf16 A in flight a program) and its rows of A a program.
-ROW_SHRINK_BLOCK_K, ROW_SHRINK_ROWS = 8192, 1
+# The one-row shrink's widest K block (all of a row of A up to 16384 columns in flight at once:
+# down's 14336 in one trip to memory, not two) and its rows of A a program.
+ROW_SHRINK_BLOCK_K, ROW_SHRINK_ROWS = 16384, 1
 
 
 def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slot_rank: torch.Tensor,
@@ -298,6 +316,7 @@ def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.T
     """The shrink of a one-row batch ``x`` ``[1, K]`` (`lora_add`'s arguments, Triton only): one
     program per row of A (``m * r_sub`` of them, the padding's exiting after one load of the
     rank), each reading its row whole; returns what the GEMV's epilogue adds (`RowLora`)."""
+    from .gemv import vector_width     # here: gemv imports this module
     k = x.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and a.stride(2) == 1, "one unit-stride row"
     r_total = a.shape[1]
@@ -307,7 +326,7 @@ def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.T
     launcher(_lora_shrink_row_kernel, x)[(triton.cdiv(r_total, ROW_SHRINK_ROWS),)](
         x, a, s, slot_rank, seg_start, num_slots, k, r_total, r_sub, a.stride(0), a.stride(1),
         BLOCK_J=ROW_SHRINK_ROWS, BLOCK_K=block_k, BLOCK_S=max(2, next_pow2(num_slots)),
-        num_warps=8 if block_k >= 8192 else 4,
+        VEC=vector_width(x, block_k), EVEN_K=k % block_k == 0, num_warps=max(4, min(16, block_k // 1024)),
     )
     return RowLora(s, b, scaling, seg_start, tuple(splits), r_sub)
 
