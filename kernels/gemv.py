@@ -37,7 +37,7 @@ from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
 from .gelu_and_mul import gelu_and_mul_fwd_torch
 from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
 from .silu_and_mul import silu_and_mul_fwd_torch
-from .triton_math import gelu_tanh, silu
+from .triton_math import gelu_tanh, row_chunk, silu
 
 # (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
 # Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up
@@ -61,20 +61,9 @@ def _gemv_kernel(
     # Each chunk's loads go out before the previous chunk's sums (the chunk past K: all masked
     # off, no traffic): one burst of loads a chunk, which Triton 3.6's schedule otherwise splits
     # into two waits on memory.
-    if EVEN_K:
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        x = tl.load(X + offs_k)
-    else:
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+    w, x = row_chunk(w_ptrs, X, 0, K, offs_k, n_mask, EVEN_K, FIRST=True)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-        if EVEN_K:  # all of the chunk or none: one condition, not one a column
-            w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & (k0 < K), other=0.0)
-            x_next = tl.load(X + k0 + offs_k, mask=k0 < K, other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x_next = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        w_next, x_next = row_chunk(w_ptrs, X, k0, K, offs_k, n_mask, EVEN_K)
         acc += tl.sum(tl.reshape(w.to(tl.float32) * x.to(tl.float32)[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
         w = w_next
         x = x_next

@@ -81,6 +81,7 @@ import triton
 import triton.language as tl
 
 from .backend import dot_precision, launcher, next_pow2, use_triton
+from .triton_math import row_chunk
 
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
 # tiles for segments longer than DECODE_ROWS (prompts), which re-read A and B less often.
@@ -225,20 +226,9 @@ def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SU
     # full-tile accumulator summed as the loads came in made sm_90 issue a chunk 16 bytes a thread
     # at a time, each load waited on before the next went out (4 trips to memory a chunk, not 1).
     acc = tl.zeros([BLOCK_J, BLOCK_K // VEC], tl.float32)
-    if EVEN_K:
-        a = tl.load(a_ptrs, mask=j_mask[:, None], other=0.0)
-        x = tl.load(X + offs_k)
-    else:
-        a = tl.load(a_ptrs, mask=j_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+    a, x = row_chunk(a_ptrs, X, 0, K, offs_k, j_mask, EVEN_K, FIRST=True)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):     # the chunk past K: all masked off
-        if EVEN_K:
-            a_next = tl.load(a_ptrs + k0, mask=j_mask[:, None] & (k0 < K), other=0.0)
-            x_next = tl.load(X + k0 + offs_k, mask=k0 < K, other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            a_next = tl.load(a_ptrs + k0, mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-            x_next = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        a_next, x_next = row_chunk(a_ptrs, X, k0, K, offs_k, j_mask, EVEN_K)
         acc += tl.sum(tl.reshape(a.to(tl.float32) * x.to(tl.float32)[None, :], [BLOCK_J, BLOCK_K // VEC, VEC]), 2)
         a = a_next
         x = x_next
