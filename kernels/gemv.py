@@ -37,7 +37,7 @@ from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
 from .gelu_and_mul import gelu_and_mul_fwd_torch
 from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
 from .silu_and_mul import silu_and_mul_fwd_torch
-from .triton_math import gelu_tanh, silu
+from .triton_math import gelu_tanh, row_chunk, silu
 
 # (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
 # Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up
@@ -54,10 +54,6 @@ def _gemv_kernel(
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if HAS_LORA:    # the adapter's few bytes are asked for first, and waited on after the loop
-        proj = (offs_n >= SPLIT1).to(tl.int32) + (offs_n >= SPLIT2).to(tl.int32)
-        lora_s, lora_b, lora_scaling = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, offs_n, proj,
-                                                      n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
     # int64: row * stride can pass 2**31 in a large LM head (256k rows x 8192 columns).
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w_n + offs_k[None, :]
@@ -65,23 +61,16 @@ def _gemv_kernel(
     # Each chunk's loads go out before the previous chunk's sums (the chunk past K: all masked
     # off, no traffic): one burst of loads a chunk, which Triton 3.6's schedule otherwise splits
     # into two waits on memory.
-    if EVEN_K:
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        x = tl.load(X + offs_k)
-    else:
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+    w, x = row_chunk(w_ptrs, X, 0, K, offs_k, n_mask, EVEN_K, FIRST=True)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-        if EVEN_K:  # all of the chunk or none: one condition, not one a column
-            w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & (k0 < K), other=0.0)
-            x_next = tl.load(X + k0 + offs_k, mask=k0 < K, other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x_next = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        w_next, x_next = row_chunk(w_ptrs, X, k0, K, offs_k, n_mask, EVEN_K)
         acc += tl.sum(tl.reshape(w.to(tl.float32) * x.to(tl.float32)[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
         w = w_next
         x = x_next
+    if HAS_LORA:    # after the loop, so that the loop is the plain GEMV's (kernels/lora.py, 4.)
+        proj = (offs_n >= SPLIT1).to(tl.int32) + (offs_n >= SPLIT2).to(tl.int32)
+        lora_s, lora_b, lora_scaling = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, offs_n, proj,
+                                                      n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -108,12 +97,6 @@ def _gemv_act_and_mul_kernel(
     x_row = X + (row // ROWS_PER_X).to(tl.int64) * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    if HAS_LORA:    # gate is projection 0 (columns n), up projection 1 (columns I + n)
-        zero = tl.zeros([BLOCK_N], tl.int32)
-        gate_s, gate_b, lora_scaling = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, offs_n, zero,
-                                                      n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
-        up_s, up_b, _ = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, I + offs_n, zero + 1,
-                                       n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     if HAS_EXPERTS:
@@ -133,6 +116,12 @@ def _gemv_act_and_mul_kernel(
         up = tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x
         acc_gate += tl.sum(tl.reshape(gate, [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
         acc_up += tl.sum(tl.reshape(up, [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
+    if HAS_LORA:    # after the loop, as gemv's; gate is projection 0 (columns n), up 1 (columns I + n)
+        zero = tl.zeros([BLOCK_N], tl.int32)
+        gate_s, gate_b, lora_scaling = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, offs_n, zero,
+                                                      n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
+        up_s, up_b, _ = row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, I + offs_n, zero + 1,
+                                       n_mask, R_SUB, stride_bs, stride_bn, BLOCK_R, BLOCK_S)
     # as HF: gate and up round to the dtype (a linear layer's outputs), the activation's output
     # rounds, then the product
     gate = tl.sum(acc_gate, 1).to(Y.dtype.element_ty).to(tl.float32)

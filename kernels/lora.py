@@ -44,9 +44,13 @@ model's, not two, and gate_up keeps its activation in the same launch:
 3. ``_lora_shrink_row_kernel`` (``lora_row``), a GEMV over A's rows: one program per row of A
    (``m * R``: 48 for qkv at rank 16), each reading its row whole (8 KB; 28 KB for down), writes
    the final ``s`` ``[m * R]`` (no partials: the GEMV's programs read R floats of it each).
-4. The GEMV (``RowLora``) asks for its columns' rows of B (``BLOCK_N x R``: 128 bytes at rank 16
-   beside 32 KB of weight) and of s before its weight loop, and adds ``s @ B^T * scaling`` to the
-   rounded projection output after it, before the activation for gate and up.
+4. The GEMV (``RowLora``), after its weight loop, reads its columns' rows of B (``BLOCK_N x R``:
+   128 bytes at rank 16 beside 32 KB of weight) and of s, and adds ``s @ B^T * scaling`` to the
+   rounded projection output, before the activation for gate and up. Not before the loop: the
+   loads' results held through it took 96 registers a thread against the plain GEMV's 79-80
+   (sm_90, bf16, default tiles: 5 programs an SM against 6, 7 for gate_up), and the GEMVs with
+   the epilogue ran ~22% longer than without it on an H200 (2026-11-27). After it, the loop is
+   the plain GEMV's (the same PTX; 80 registers for gemv, 72 for gate_up, as without LoRA).
 
 The row's slot is read from ``seg_start`` itself (``row_slot``), so the graph inputs are the same.
 
@@ -77,6 +81,7 @@ import triton
 import triton.language as tl
 
 from .backend import dot_precision, launcher, next_pow2, use_triton
+from .triton_math import row_chunk
 
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
 # tiles for segments longer than DECODE_ROWS (prompts), which re-read A and B less often.
@@ -202,7 +207,8 @@ def slot_value(Values, slot, NUM_SLOTS, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SUB, stride_as, stride_ar,
-                            BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+                            BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                            VEC: tl.constexpr, EVEN_K: tl.constexpr):
     """``S[j] = x . A[slot, j]`` (rounded to x's dtype, stored in fp32) for BLOCK_J rows j of A:
     a GEMV over A's rows, each program reading its rows whole, so s is final (no partials to sum
     downstream). Padding rows past the slot's rank read nothing and store 0."""
@@ -215,12 +221,17 @@ def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SU
     j_mask = j_in & (offs_j % R_SUB < rank)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = A + slot.to(tl.int64) * stride_as + offs_j[:, None] * stride_ar + offs_k[None, :]
-    acc = tl.zeros([BLOCK_J, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        x = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
-        a = tl.load(a_ptrs + k0, mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    # As the GEMV's loop (kernels/gemv.py): each thread sums its own 16-byte groups, an even K
+    # masks whole rows only, and each chunk's loads go out before the previous chunk's sums. A
+    # full-tile accumulator summed as the loads came in made sm_90 issue a chunk 16 bytes a thread
+    # at a time, each load waited on before the next went out (4 trips to memory a chunk, not 1).
+    acc = tl.zeros([BLOCK_J, BLOCK_K // VEC], tl.float32)
+    a, x = row_chunk(a_ptrs, X, 0, K, offs_k, j_mask, EVEN_K, FIRST=True)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):     # the chunk past K: all masked off
+        a_next, x_next = row_chunk(a_ptrs, X, k0, K, offs_k, j_mask, EVEN_K)
+        acc += tl.sum(tl.reshape(a.to(tl.float32) * x.to(tl.float32)[None, :], [BLOCK_J, BLOCK_K // VEC, VEC]), 2)
+        a = a_next
+        x = x_next
     s = tl.sum(acc, 1).to(X.dtype.element_ty)    # PEFT's lora_A(x) is in the activations' dtype
     tl.store(S + offs_j, s.to(tl.float32), mask=j_in)
 
@@ -230,15 +241,17 @@ def row_lora_loads(LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, cols, proj, n_mas
                    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """What a one-row GEMV program needs to add the adapter's product to its output columns
     ``cols`` (of projections ``proj``): s's rows ``[BLOCK_N, BLOCK_R]``, B's ``[BLOCK_N,
-    BLOCK_R]`` and the slot's scaling, zeros when the row has no adapter. Loads only, so that a
-    GEMV issues them before its weight's and waits on them after (`row_lora_delta`)."""
+    BLOCK_R]`` and the slot's scaling, zeros when the row has no adapter. Loads only (a GEMV
+    calls it after its weight loop, then the cross-lane sums overlap them; `row_lora_delta`)."""
     slot, has = row_slot(SegStart, NUM_SLOTS, BLOCK_S)
     offs_r = tl.arange(0, BLOCK_R)
     # The pool keeps A's rows and B's columns past an adapter's rank at zero, so s @ B^T needs no
     # rank mask (at most R_SUB x BLOCK_N of B a program, a few hundred bytes).
     mask = n_mask[:, None] & (offs_r < R_SUB)[None, :] & has
     s = tl.load(LoraS + proj[:, None] * R_SUB + offs_r[None, :], mask=mask, other=0.0)
-    b = tl.load(LoraB + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
+    # int32 columns (one slot's B is under 2**31 elements, RowLora asserts): a GEMV's int64 offs_n
+    # would be computed before its loop, and held through it, for this epilogue.
+    b = tl.load(LoraB + slot.to(tl.int64) * stride_bs + (cols[:, None] * stride_bn + offs_r[None, :]),
                 mask=mask, other=0.0)
     return s, b, slot_value(Scaling, slot, NUM_SLOTS, BLOCK_S)
 
@@ -268,6 +281,7 @@ class RowLora:
         SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn`` (output column n is of projection
         ``(n >= SPLIT1) + (n >= SPLIT2)``)."""
         assert len(self.splits) <= 3 and self.b.stride(2) == 1, "at most 3 projections, unit-stride B rows"
+        assert self.b[0].numel() < 2**31, "row_lora_loads indexes one slot's B in int32"
         n = sum(self.splits)
         bounds = [sum(self.splits[: j + 1]) for j in range(len(self.splits) - 1)] + [n, n]
         return (self.s, self.b, self.scaling, self.seg_start, self.seg_start.numel() - 1, bounds[0], bounds[1],
@@ -282,8 +296,9 @@ def no_row_lora(t: torch.Tensor) -> tuple[tuple, dict]:
     return (t, t, t, t, 1, 0, 0, 1, 0, 0), dict(BLOCK_R=16, BLOCK_S=2)
 
 
-# The one-row shrink's widest K block (16 KB of bf16 A in flight a program) and its rows of A a program.
-ROW_SHRINK_BLOCK_K, ROW_SHRINK_ROWS = 8192, 1
+# The one-row shrink's widest K block (all of a row of A up to 16384 columns in flight at once:
+# down's 14336 in one trip to memory, not two) and its rows of A a program.
+ROW_SHRINK_BLOCK_K, ROW_SHRINK_ROWS = 16384, 1
 
 
 def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slot_rank: torch.Tensor,
@@ -291,6 +306,7 @@ def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.T
     """The shrink of a one-row batch ``x`` ``[1, K]`` (`lora_add`'s arguments, Triton only): one
     program per row of A (``m * r_sub`` of them, the padding's exiting after one load of the
     rank), each reading its row whole; returns what the GEMV's epilogue adds (`RowLora`)."""
+    from .gemv import vector_width     # here: gemv imports this module
     k = x.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and a.stride(2) == 1, "one unit-stride row"
     r_total = a.shape[1]
@@ -300,7 +316,7 @@ def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.T
     launcher(_lora_shrink_row_kernel, x)[(triton.cdiv(r_total, ROW_SHRINK_ROWS),)](
         x, a, s, slot_rank, seg_start, num_slots, k, r_total, r_sub, a.stride(0), a.stride(1),
         BLOCK_J=ROW_SHRINK_ROWS, BLOCK_K=block_k, BLOCK_S=max(2, next_pow2(num_slots)),
-        num_warps=8 if block_k >= 8192 else 4,
+        VEC=vector_width(x, block_k), EVEN_K=k % block_k == 0, num_warps=max(4, min(16, block_k // 1024)),
     )
     return RowLora(s, b, scaling, seg_start, tuple(splits), r_sub)
 

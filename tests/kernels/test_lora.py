@@ -146,6 +146,17 @@ def test_gemv_epilogue_matches_linear_then_twin(device, dtype, slot, K, splits):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("K", [64, 130])
+def test_row_shrink_over_several_chunks(device, dtype, K, monkeypatch):
+    """The one-row shrink's loop over K in chunks of 16: 4 whole ones (no column masks), or 9 with
+    a short last one."""
+    monkeypatch.setattr(lora_kernels, "ROW_SHRINK_BLOCK_K", 16)
+    t = _one_row(1, K, (40, 24), dtype, device)
+    got = gemv_triton(t["x"], t["w"], lora=t["row"])
+    torch.testing.assert_close(got, _twin_after(linear_reference(t["x"], t["w"], None), t), **tol(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("slot", [2, -1])
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))
 def test_act_and_mul_epilogue_matches_linear_then_twin(device, dtype, slot, act):
