@@ -329,15 +329,8 @@ CHUNK = {1: 16, 8: 32}
 
 
 def takes_gemv(constexprs: dict) -> bool:
-    """Whether `_dequant_gemv_kernel` takes a weight of this `kernel_layout`.
-
-    Not FP8 with scales along K (block FP8: 128 x 128 blocks, or per-row groups): on an H200
-    (Triton 3.6) every GEMV tile gave NaN for the first outputs of a 40 x 4096 block-FP8 weight,
-    with its real scales and with all-ones scales alike, while the interpreter and per-channel
-    FP8 are exact; until that is understood such weights take the GEMM at one row too."""
-    if constexprs["PACK"] == 1:
-        return not constexprs["GROUP"]
-    return not constexprs["GROUP"] or constexprs["GROUP"] >= CHUNK[8]
+    """Whether `_dequant_gemv_kernel` takes a weight of this `kernel_layout`."""
+    return constexprs["PACK"] == 1 or not constexprs["GROUP"] or constexprs["GROUP"] >= CHUNK[8]
 
 
 def _prune_gemv(configs, nargs, GROUP: int, PACK: int, **_):
