@@ -57,7 +57,7 @@ from llmserve import LLM  # noqa: E402
 from llmserve.engine.config import resolve_model_path  # noqa: E402
 from llmserve.engine.drafting import DraftCost  # noqa: E402
 from llmserve.engine.engine import LLMEngine  # noqa: E402
-from llmserve.engine.prompt_lookup import PromptLookup  # noqa: E402
+from llmserve.worker.prompt_lookup import PromptLookup  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 
 
