@@ -22,12 +22,12 @@ import torch
 from rpyc.utils.server import ThreadedServer
 
 from llmserve.common.logs import adopt_library_logging
-from llmserve.worker.prompt_lookup import PromptLookup
 from llmserve.ipc import error_line, socket_path
 from llmserve.lora.adapter import AdapterCache
 from llmserve.worker.faults import InjectedFaults, is_device_failure
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.prefix_slots import PrefixSlots
+from llmserve.worker.prompt_lookup import PromptLookup
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerError, WorkerInfo, WorkerInitArgs,
 )
