@@ -23,6 +23,11 @@ How long a budget: the length that pays best given what the request's recent dra
 its match supports less (2 tokens per matched token). A rejected draft token still costs its row
 of the verify step, so a request whose copy keeps diverging drafts a token or two, and one copying
 a passage drafts the whole ``speculate``.
+
+Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
+cheap as decode steps (a split-K attention path for few-token verify batches; on a CPU, per-row
+costs that follow the accepted work), the budget sized by rank 0's own match and acceptance (it
+is the engine's estimate here, a step late under overlap), and the GPU measurements.
 """
 
 from __future__ import annotations
