@@ -57,7 +57,7 @@ from llmserve import LLM  # noqa: E402
 from llmserve.engine.config import resolve_model_path  # noqa: E402
 from llmserve.engine.drafting import DraftCost  # noqa: E402
 from llmserve.engine.engine import LLMEngine  # noqa: E402
-from llmserve.engine.prompt_lookup import PromptLookup  # noqa: E402
+from llmserve.worker.prompt_lookup import PromptLookup  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -323,7 +323,7 @@ def hf_peer(args: argparse.Namespace, prompts: dict[str, list[int]], results: li
 
 def engine_mode(args: argparse.Namespace) -> tuple[list[Result], list[PeerResult]]:
     llm = LLM(args.model, dtype=args.dtype, speculate=args.speculate, speculate_max_batch=max(args.batch_list),
-              max_running_requests=max(args.batch_list), overlap=False if args.no_overlap else None)
+              max_running_requests=max(args.batch_list), overlap=False if args.no_overlap else True if args.overlap else None)
     engine = llm.engine
     print(engine.summary(), file=sys.stderr)
     results = []
@@ -484,8 +484,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--each-prompt", action="store_true",
                    help="engine mode: at batch 1, a row for each of a workload's texts, run alone (default: its first)")
     p.add_argument("--no-overlap", action="store_true",
-                   help="engine mode: run every step without the overlapped loop's look-ahead (on a GPU drafting "
-                        "steps already do: this shows what the look-ahead is worth to the plain steps)")
+                   help="engine mode: run every step without the overlapped loop's look-ahead (the default on a CPU)")
+    p.add_argument("--overlap", action="store_true",
+                   help="engine mode: run every step with the overlapped loop's look-ahead, drafting ones included "
+                        "(the default on a GPU)")
     p.add_argument("--peer", choices=["none", "hf"], default="none",
                    help="engine mode: also time HF transformers' generate on the same checkpoint at batch 1, plain "
                         "and with its own prompt lookup (prompt_lookup_num_tokens=K)")

@@ -1,22 +1,33 @@
-"""Speculation's policy: which decodes of a step bring a draft, and how long a one.
+"""Speculation's policy: which decodes of a step may bring a draft, and how long a one.
 
-With ``speculate`` > 0, a decoding request whose tokens are all known (none in flight) may bring a
-prompt-lookup draft (``prompt_lookup.py``) after its sampled token, so that one forward verifies
-them all. (Constrained requests draft too: the verifier judges each draft token in the grammar's
-state after the ones before it.) The scheduler gives drafts what its step leaves: the prefill
-budget's rest, and the KV slots left once the prompts under way and one next decode per running
-request are provided for; a draft is shortened or dropped when room is short, so it never causes
-a preemption. A draft never takes a request past ``max_new_tokens`` (at most
-``max_new_tokens - num_output - 1`` tokens, the verify step's own token being the last). Batches
-of more than ``max_batch`` decodes take no drafts: there, verifying costs the device more than
-the accepted tokens save. A request whose drafts keep gaining nothing (no n-gram of its end
-recurs, or the model accepts none of a well-matched draft) backs off: see ``Drafter.verified``.
+With ``speculate`` > 0, a decoding request may bring a prompt-lookup draft after its sampled
+token, so that one forward verifies them all. (Constrained requests draft too: the verifier judges
+each draft token in the grammar's state after the ones before it.) The engine does not know the
+draft: it grants a budget (``ScheduledRequest.draft_budget``), and rank 0's worker, which knows
+every token it sampled first, proposes the draft from its n-gram index of the request
+(``worker/prompt_lookup.py``) right before the forward. So a draft may follow a token still in
+flight, and every step stays in the overlapped loop, drafting or not.
 
-How long a draft: what its match supports (``prompt_lookup.py``: 2 tokens per matched token), cut
-to the length that pays best given what the request's recent drafts had accepted (``DraftCost``,
-``DraftState.acceptance``). A rejected draft token still costs its row of the verify step, so a
-request whose copy keeps diverging drafts a token or two, and one copying a passage drafts the
-whole ``speculate``.
+The scheduler gives budgets what its step leaves: the prefill budget's rest, and the KV slots
+left once the prompts under way and one next decode per running request are provided for; a
+budget is shortened or dropped when room is short, so it never causes a preemption. A budget
+never lets a request pass ``max_new_tokens``, counting every token it may have in flight
+(``Request.max_num_output_tokens``), the verify step's own token being the last. Batches of more
+than ``max_batch`` decodes take no drafts: there, verifying costs the device more than the accepted
+tokens save. A request whose drafts keep gaining nothing (no n-gram of its end recurs, or the model
+accepts none of a well-matched draft) backs off: see ``Drafter.verified``; with the overlapped
+loop its back-off starts a step late (the step after a verify is scheduled before it is read).
+
+How long a budget: the length that pays best given what the request's recent drafts had accepted
+(``DraftCost``, ``DraftState.acceptance``); the worker's draft is at most that, and shorter where
+its match supports less (2 tokens per matched token). A rejected draft token still costs its row
+of the verify step, so a request whose copy keeps diverging drafts a token or two, and one copying
+a passage drafts the whole ``speculate``.
+
+Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
+cheap as decode steps (a split-K attention path for few-token verify batches; on a CPU, per-row
+costs that follow the accepted work), the budget sized by rank 0's own match and acceptance (it
+is the engine's estimate here, a step late under overlap), and the GPU measurements.
 """
 
 from __future__ import annotations
@@ -25,7 +36,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmserve.engine.prompt_lookup import PromptLookup
 from llmserve.engine.request import Request
 
 if TYPE_CHECKING:
@@ -74,11 +84,10 @@ DRAFT_COSTS = {"cpu": DraftCost(per_step=0.2, per_token=0.08), "cuda": DraftCost
 
 @dataclass
 class DraftState:
-    """One request's drafting: its n-gram index (made on its first draft), its draft attempts in
-    a row that gained nothing, the decode steps it sits out before its next lookup, and its
-    recent drafts' tokens accepted and rejections (each faded by ``ACCEPTANCE_DECAY`` a verify)."""
+    """One request's drafting: its draft attempts in a row that gained nothing, the decode steps
+    it sits out before its next budget, and its recent drafts' tokens accepted and rejections
+    (each faded by ``ACCEPTANCE_DECAY`` a verify)."""
 
-    lookup: PromptLookup | None = None
     num_misses: int = 0
     wait: int = 0
     accepted: float = 0.0
@@ -105,11 +114,9 @@ class DraftState:
 
 
 class Drafter:
-    def __init__(self, speculate: int, max_batch: int, min_ngram: int = 1, max_ngram: int = 3,
-                 cost: DraftCost = DraftCost()) -> None:
+    def __init__(self, speculate: int, max_batch: int, cost: DraftCost = DraftCost()) -> None:
         self.speculate = speculate      # draft tokens per decoding request per step, at most; 0: off
         self.max_batch = max_batch
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.cost = cost
         # The requests that have asked for a draft, until they finish (``forget``).
         self.states: defaultdict[Request, DraftState] = defaultdict(DraftState)
@@ -119,15 +126,9 @@ class Drafter:
         is small enough that verifying pays."""
         return 0 < self.speculate and num_decodes <= self.max_batch
 
-    def drafting(self, running: list[Request]) -> bool:
-        """Whether the next step may carry drafts: the batch is small enough, and one request in it
-        is not sitting out."""
-        return (0 < len(running) and self.takes_drafts(len(running))
-                and any(req.params.speculate and not self.states[req].wait for req in running))
-
     def add_drafts(self, decodes: list[ScheduledRequest], room: int) -> int:
-        """Give the step's decodes their drafts, ``room`` tokens in all at most; returns how many
-        draft tokens they took."""
+        """Grant the step's decodes their draft budgets, ``room`` tokens in all at most; returns
+        how many draft slots they took."""
         for s in decodes:
             req = s.request
             if room <= 0:
@@ -138,9 +139,7 @@ class Drafter:
             if state.wait:
                 state.wait -= 1
                 continue
-            if req.num_pending_tokens:    # a token in flight (overlapped step) is not known yet: nothing can continue it
-                continue
-            k = min(self.speculate, req.params.max_new_tokens - req.num_output_tokens - 1, room)
+            k = min(self.speculate, req.params.max_new_tokens - req.max_num_output_tokens - 1, room)
             if k <= 0:
                 continue
             k = self.cost.best_length(state.acceptance, k)
@@ -150,50 +149,41 @@ class Drafter:
                 state.fade()
                 state.wait = max(state.wait, 1)
                 continue
-            draft = self._lookup(req, state).propose(k)
-            if not draft.token_ids:
-                self._missed(state)
-            s.draft_token_ids, s.draft_match_len = draft.token_ids, draft.match_len
-            s.num_new_tokens += len(draft.token_ids)
-            room -= len(draft.token_ids)
-        return sum(len(s.draft_token_ids) for s in decodes)
+            s.draft_budget = k
+            room -= k
+        return sum(s.draft_budget for s in decodes)
 
-    def verified(self, s: ScheduledRequest, num_accepted: int) -> None:
-        """The step verified ``s``'s draft and kept ``num_accepted`` of its tokens. The back-off's
+    def verified(self, s: ScheduledRequest, num_drafted: int, match_len: int, num_accepted: int) -> None:
+        """The step that granted ``s`` a budget is read: the worker drafted ``num_drafted`` tokens
+        (their match was ``match_len`` tokens) and kept ``num_accepted`` of them. The back-off's
         rules, in order:
 
-        1. A draft with any token accepted puts the request back to drafting every step
+        1. A lookup that found nothing is a miss (``_missed``).
+        2. A draft with any token accepted puts the request back to drafting every step
            (``num_misses`` = 0).
-        2. A draft rejected whole is a miss (``_missed``) if its match was 2 tokens or more.
-           One that continued a lone recurring token is a guess of 2 tokens at most (see
-           prompt_lookup.py), cheap to verify and often wrong: it costs the request nothing here.
-        3. A lookup that finds nothing is a miss too (``add_drafts``).
+        3. A draft rejected whole is a miss if its match was 2 tokens or more. One that continued
+           a lone recurring token is a guess of 2 tokens at most (see worker/prompt_lookup.py),
+           cheap to verify and often wrong: it costs the request nothing here.
 
         From the second miss in a row the request sits out 1, 3, 7, then 15 decode steps
         (``wait``) before it looks for a draft again. An answer that copies nothing then costs
-        a lookup every 16 steps rather than a verify step (on a GPU also a step without the
-        overlapped loop's look-ahead) every step, while one that copies in runs keeps drafting."""
+        a lookup every 16 steps rather than a verify step every step, while one that copies in
+        runs keeps drafting."""
         state = self.states[s.request]
-        state.judged(len(s.draft_token_ids), num_accepted)
+        if not num_drafted:
+            self._missed(state)
+            return
+        state.judged(num_drafted, num_accepted)
         if num_accepted:
             state.num_misses = 0
-        elif s.draft_match_len >= 2:
+        elif match_len >= 2:
             self._missed(state)
 
     def forget(self, req: Request) -> None:
-        """The request finished: its index goes."""
+        """The request finished: its state goes."""
         self.states.pop(req, None)
 
     @staticmethod
     def _missed(state: DraftState) -> None:
         state.num_misses += 1
         state.wait = min(2 ** (state.num_misses - 1), MAX_DRAFT_WAIT + 1) - 1
-
-    def _lookup(self, req: Request, state: DraftState) -> PromptLookup:
-        """The request's n-gram index, made on its first draft and brought up to its last token."""
-        if state.lookup is None:
-            state.lookup = PromptLookup(req.prompt_token_ids, self.min_ngram, self.max_ngram)
-        lookup = state.lookup
-        if lookup.num_tokens < req.num_tokens:
-            lookup.extend(req.output_token_ids[lookup.num_tokens - req.num_prompt_tokens :])
-        return lookup

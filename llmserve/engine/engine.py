@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.engine.config import EngineConfig, ModelSpec, check_speculation, with_device_defaults
 from llmserve.engine.drafting import DRAFT_COSTS
-from llmserve.engine.request import FinishReason, Request, RequestDelta
+from llmserve.engine.request import FinishReason, Request, RequestDelta, RequestStatus
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from llmserve.engine.worker_client import ModelWorkerGroup
 from llmserve.ipc import error_line
 from llmserve.sampling_params import InvalidRequest, SamplingParams
-from llmserve.worker.protocol import BatchEntry, CacheOp, StepInput, StepOutput, WorkerInitArgs
+from llmserve.worker.protocol import BatchEntry, CacheOp, StepInput, StepOutput, TokenRun, WorkerInitArgs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,6 +59,7 @@ class LLMEngine:
             nnodes=config.nnodes, dist_timeout=config.dist_timeout,
             eos_token_ids=sorted(model.eos_token_ids), cuda_graph_max_bs=config.cuda_graph_max_bs,
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
+            prompt_lookup_min_ngram=config.prompt_lookup_min_ngram, prompt_lookup_max_ngram=config.prompt_lookup_max_ngram,
             dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras, quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
@@ -71,7 +72,6 @@ class LLMEngine:
             max_running_requests=min(config.max_running_requests, self.info.max_running_requests),
             max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
             speculate=config.speculate, speculate_max_batch=config.speculate_max_batch,
-            prompt_lookup_min_ngram=config.prompt_lookup_min_ngram, prompt_lookup_max_ngram=config.prompt_lookup_max_ngram,
             draft_cost=DRAFT_COSTS[model.device], prefix_cache=config.prefix_cache, image_token_id=self.info.image_token_id,
             tokens_per_image=self.info.tokens_per_image, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras,
@@ -206,14 +206,13 @@ class LLMEngine:
         and schedules the next step while the device computes, and a request that ended (an
         EOS) in the step read has run one step more, whose token is dropped.
 
-        While requests draft (speculation), steps run without look-ahead: a draft continues a
-        request's last token, and the next step's draft the tokens this one accepts, so the
-        engine reads each step's output before it schedules the next."""
-        drafting = self.scheduler.drafting()
+        Drafting changes none of this: a decode brings a draft budget, rank 0 drafts from the
+        tokens it knows (the one in flight included), and the engine learns how many tokens the
+        step gave once it reads it (``_verified``)."""
         plan = self.scheduler.schedule()
         self.last_step_num_tokens = 0
         entries = [self._batch_entry(s) for s in plan.scheduled]
-        overlap = self.overlap and not drafting and not plan.has_drafts
+        overlap = self.overlap
         step = StepInput(entries, finished_req_ids=self._to_free, preempted_req_ids=[r.req_id for r in plan.preempted],
                          overlap=overlap, cache_ops=self._take_cache_ops(), lora_loads=self.scheduler.loras.take_loads())
         self._to_free = []
@@ -226,7 +225,8 @@ class LLMEngine:
         outputs = self.workers.step(step)
         if self._trace is not None:
             self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), "decode": plan.num_decode_tokens,
-                                          "prefill": plan.num_prefill_tokens, "waiting": self.scheduler.num_waiting}) + "\n")
+                                          "prefill": plan.num_prefill_tokens, "draft_slots": plan.num_draft_slots,
+                                          "overlap": overlap, "waiting": self.scheduler.num_waiting}) + "\n")
         if entries:
             self._in_flight.append(plan)
             self._sent(plan, overlap)
@@ -245,8 +245,8 @@ class LLMEngine:
         return deltas
 
     def _sent(self, plan: SchedulerOutput, overlap: bool = False) -> None:
-        """The workers have the step: its tokens are in the KV cache, or on their way there (a
-        draft's are, until its verification drops those rejected: see ``_take_output``)."""
+        """The workers have the step: its tokens are in the KV cache, or on their way there, and
+        its drafts hold their budgets' slots until it is read (see ``_verified``)."""
         self.scheduler.update_after_step(plan)
         for s in plan.scheduled:
             req = s.request
@@ -277,6 +277,7 @@ class LLMEngine:
         """Give a step's output to its requests; the deltas of those that got a token or failed."""
         for s in plan.scheduled:
             s.request.num_pending_tokens -= s.samples
+            s.request.num_draft_slots -= s.draft_budget
         if result.forward_failed and len(plan.scheduled) > 1:
             return self._run_again(plan)
         updated = []
@@ -331,8 +332,8 @@ class LLMEngine:
             if not s.samples:      # a chunk of a prompt still being prefilled: no token yet
                 return None
             run = result.run_of(i)
-            if s.draft_token_ids:
-                self._verified(s, len(run.token_ids) - 1)
+            if s.draft_budget:
+                self._verified(s, run)
             reason = None
             for j, token_id in enumerate(run.token_ids):
                 reason = req.append_token(token_id, eos_token_ids=self.eos_token_ids,
@@ -348,17 +349,20 @@ class LLMEngine:
             self._release(req)
         return None
 
-    def _verified(self, s: ScheduledRequest, num_accepted: int) -> None:
-        """A draft was verified: the step cached the request's sampled token and the whole draft,
-        and the worker kept only the accepted part of it."""
-        num_drafted = len(s.draft_token_ids)
-        if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(f"the worker accepted {num_accepted} tokens of a draft of {num_drafted}")
-        s.request.num_cached -= num_drafted - num_accepted
-        self.scheduler.drafter.verified(s, num_accepted)
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        self.accepted_length_counts[num_accepted] += 1
+    def _verified(self, s: ScheduledRequest, run: TokenRun) -> None:
+        """A decode with a draft budget was read: the worker drafted ``run.num_drafted`` tokens
+        (cached with the step) and kept those its run accepted."""
+        num_drafted, num_accepted = run.num_drafted, len(run.token_ids) - 1
+        if not 0 <= num_accepted <= num_drafted <= s.draft_budget:
+            raise ValueError(f"the worker accepted {num_accepted} tokens of a draft of {num_drafted} "
+                             f"(budget {s.draft_budget})")
+        if s.request.status is RequestStatus.RUNNING:    # (a preempted one has no cache left)
+            s.request.num_cached += num_accepted
+        self.scheduler.drafter.verified(s, num_drafted, run.match_len, num_accepted)
+        if num_drafted:
+            self.num_draft_tokens += num_drafted
+            self.num_accepted_tokens += num_accepted
+            self.accepted_length_counts[num_accepted] += 1
 
     def _fail(self, req: Request, error: str) -> None:
         """End a request with an error; the engine goes on without it."""
@@ -369,14 +373,14 @@ class LLMEngine:
 
     def _batch_entry(self, s: ScheduledRequest) -> BatchEntry:
         req, start = s.request, s.request.num_cached
-        end = start + s.num_new_tokens - len(s.draft_token_ids)   # the request's own tokens end here
+        end = start + s.num_new_tokens
         # First chunk, or the first after a preemption: (re)send the sampling setup, and the
         # cached prefix the request starts from.
         first = start == req.num_cached_prefix
         tree = self.scheduler.prefix_cache.tree
         return BatchEntry(
-            req_id=req.req_id, token_ids=req.token_slice(start, min(end, req.num_tokens)) + s.draft_token_ids,
-            num_cached=start, num_draft_tokens=len(s.draft_token_ids),
+            req_id=req.req_id, token_ids=req.token_slice(start, min(end, req.num_tokens)),
+            num_cached=start, draft_budget=s.draft_budget,
             params=req.params if first else None, prompt_token_ids=req.prompt_token_ids if first else None,
             want_prompt_logprobs=first and req.needs_prompt_logprobs, sample=s.samples,
             pending_token=end > req.num_tokens,   # its last token is the one in flight

@@ -67,6 +67,11 @@ class Request:
     # the next step before the last one reports, and the request's next step feeds that token
     # from the worker's side (BatchEntry.pending_token).
     num_pending_tokens: int = 0
+    # KV slots granted to the drafts of steps in flight (``ScheduledRequest.draft_budget``), not
+    # read yet: the request may have up to this many tokens more than its pending ones. Its
+    # token count in flight is a range, at least ``num_pending_tokens``, at most that plus these;
+    # only the former is certain (it retires on it), the latter is what its KV may reach.
+    num_draft_slots: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # When the scheduler first let it into the running batch (time.monotonic); None until then.
     first_scheduled_time: float | None = None
@@ -126,6 +131,11 @@ class Request:
     @property
     def num_tokens_with_pending(self) -> int:
         return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def max_num_output_tokens(self) -> int:
+        """The most output tokens the request may have once its steps in flight are read."""
+        return self.num_output_tokens + self.num_pending_tokens + self.num_draft_slots
 
     @property
     def final_token_pending(self) -> bool:

@@ -23,7 +23,11 @@ can always finish.
 With the overlapped loop the engine schedules a step before it has read the tokens of the step
 still running: a request's tokens then include the one in flight (``num_pending_tokens``), which
 its decode feeds like any other. A request whose final token (``max_new_tokens``) is in flight
-is retired at once (``retire``): the batches are then the plain loop's, step for step.
+is retired at once (``retire``): the batches are then the plain loop's, step for step. A decode
+with a draft budget may add up to that many tokens more, which the engine learns once it reads
+the step: until then the request holds the budget's slots (``Request.num_draft_slots``), and it is
+retired only when its certain count reaches ``max_new_tokens`` (a step scheduled for it meanwhile
+may find it done: its token is dropped, as after an EOS).
 """
 
 from __future__ import annotations
@@ -50,8 +54,6 @@ class SchedulerConfig:
     speculate: int = 0
     # More decodes than this in a step: no drafts (verifying a large batch costs more than it saves).
     speculate_max_batch: int = 32
-    prompt_lookup_min_ngram: int = 1
-    prompt_lookup_max_ngram: int = 3
     # What a verify step costs the device beyond a decode step (drafting.DRAFT_COSTS): drafts are
     # cut to the length that pays. Zero: as long as their match allows.
     draft_cost: DraftCost = DraftCost()
@@ -77,12 +79,9 @@ class ScheduledRequest:
     # The step reaches the end of the request's tokens, so it samples the next one (false for
     # every chunk of a split prompt but the last).
     samples: bool = True
-    # A decode's draft: fed after its sampled token (they are part of num_new_tokens), verified
-    # by the step's sampler, which keeps the prefix the model agrees with.
-    draft_token_ids: list[int] = field(default_factory=list)
-    # How many of the request's last tokens agree with the text the draft was copied from (see
-    # prompt_lookup.Draft): the back-off's evidence (``Drafter.verified``).
-    draft_match_len: int = 0
+    # Speculation: the most draft tokens rank 0 may feed after the decode's sampled token (it
+    # proposes them: drafting.py); their KV slots are reserved until the step is read.
+    draft_budget: int = 0
     # A chunk of a prompt (or of a preempted request's tokens), not a decode: the step that
     # samples after one completes a prefill, whose tokens then join the prefix cache.
     prefill: bool = False
@@ -98,15 +97,12 @@ class SchedulerOutput:
     # the periodic log line and the step trace).
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
-    num_draft_tokens: int = 0
+    num_draft_slots: int = 0      # the draft budgets granted (rank 0 may draft fewer)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens + self.num_draft_tokens
-
-    @property
-    def has_drafts(self) -> bool:
-        return self.num_draft_tokens > 0
+        """The tokens the step feeds, bar its drafts (known once the step is read)."""
+        return self.num_decode_tokens + self.num_prefill_tokens
 
 
 class Scheduler:
@@ -117,8 +113,7 @@ class Scheduler:
         self.num_preemptions = 0     # since start, for /metrics
         self.prefix_cache = PrefixCacheManager(config.prefix_cache, config.prefix_wait_steps,
                                                config.image_token_id, config.tokens_per_image)
-        self.drafter = Drafter(config.speculate, config.speculate_max_batch,
-                               config.prompt_lookup_min_ngram, config.prompt_lookup_max_ngram, config.draft_cost)
+        self.drafter = Drafter(config.speculate, config.speculate_max_batch, config.draft_cost)
         self.loras = LoraManager(config.lora_modules, config.max_loras)
 
     # ----------------------------------------------------------------------------------
@@ -188,23 +183,20 @@ class Scheduler:
                     break
                 scheduled.append(self._scheduled(req, chunk))
         scheduled += self._admit_waiting(budget)
-        num_drafts = 0
+        num_draft_slots = 0
         if self.drafter.takes_drafts(num_decodes):
             # What the step leaves, less one slot per running request for its next decode: a
             # draft never forces a preemption.
             room = min(budget.left, self._num_uncommitted_slots() - num_decodes - len(self.running))
-            num_drafts = self.drafter.add_drafts(scheduled[:num_decodes], room)
-        return SchedulerOutput(scheduled, preempted, num_decodes, budget.taken, num_drafts)
-
-    def drafting(self) -> bool:
-        """Whether the next step may carry drafts. The engine then runs it without look-ahead: a
-        draft continues tokens it must have read."""
-        return self.drafter.drafting(self.running)
+            num_draft_slots = self.drafter.add_drafts(scheduled[:num_decodes], room)
+        return SchedulerOutput(scheduled, preempted, num_decodes, budget.taken, num_draft_slots)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The step ran: everything it fed is in the KV cache now."""
+        """The step ran: everything it fed is in the KV cache now, and its drafts hold their
+        budgets' slots until the step is read (the engine then counts what was kept)."""
         for item in output.scheduled:
             item.request.num_cached += item.num_new_tokens
+            item.request.num_draft_slots += item.draft_budget
 
     def _preempt_until_decodes_fit(self) -> list[Request]:
         preempted = []
@@ -328,8 +320,8 @@ class Scheduler:
         return self._num_uncommitted_slots() - self._num_decode_tokens()
 
     def _num_own_slots(self) -> int:
-        """Slots the running requests hold that the prefix tree does not."""
-        return sum(req.num_cached - req.num_in_tree for req in self.running)
+        """Slots the running requests hold that the prefix tree does not (their drafts' in flight too)."""
+        return sum(req.num_cached + req.num_draft_slots - req.num_in_tree for req in self.running)
 
     @property
     def num_used_slots(self) -> int:

@@ -13,6 +13,7 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from llmserve.lora.adapter import AdapterCache
 from llmserve.worker.faults import InjectedFaults, is_device_failure
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.prefix_slots import PrefixSlots
+from llmserve.worker.prompt_lookup import PromptLookup
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerError, WorkerInfo, WorkerInitArgs,
 )
@@ -92,7 +94,7 @@ class ModelWorker:
             self.sampler = Sampler(eos_token_ids=args.eos_token_ids, grammar=grammar)
         self.req_rows: dict[int, int] = {}   # req_id -> row of req_to_token
         self.prefix_slots = PrefixSlots(self.model.req_manager)   # the prefix cache's slots
-        self._owed: _LaunchedStep | None = None   # an overlapped step whose output is not sent yet
+        self._owed: _Launched | None = None   # an overlapped step whose output is not sent yet
         # The last step's draw, on the device, and each sampling request's row in it: where a
         # pending token of the next step comes from.
         self._last_sampled: torch.Tensor | None = None
@@ -102,6 +104,9 @@ class ModelWorker:
         # Requests whose draft the last step cached whole, on a rank that does not verify (only
         # rank 0 samples): their next entry's num_cached says how much of it was kept.
         self._unverified: set[int] = set()
+        # Rank 0, with speculation on: each drafting request's n-gram index over its prompt and
+        # every token emitted for it (``_read``), from its first step until it finishes.
+        self.lookups: dict[int, PromptLookup] = {}
 
     def info(self) -> WorkerInfo:
         from llmserve.common.distributed import all_reduce_description
@@ -126,11 +131,28 @@ class ModelWorker:
             **_graph_info(m), **_image_info(m),
         )
 
-    def step(self, step: StepInput) -> list[StepOutput]:
+    def step(self, step: StepInput, raw: bytes | None = None) -> list[StepOutput]:
         """Run the step; return the outputs of the steps that are done, in the order they were
         sent: this one's, after the one still owed (an overlapped step before it). An overlapped
         step is only queued here, and its output owed to the next call, unless its forward
-        failed. Ranks other than 0 return nothing (rank 0 samples)."""
+        failed. Ranks other than 0 return nothing (rank 0 samples).
+
+        Rank 0 reads the owed step first, before this step's forward, when this step drafts or
+        the owed one verified drafts (a draft continues the request's last token, and after a
+        verify the request's next position is known only once it is read); it then fills this
+        step's entries in (``_fill_in``) and hands the step to the other ranks (``raw``: the step
+        as it came, sent as it is when nothing was filled in)."""
+        owed, self._owed = self._owed, None
+        done: list[StepOutput] = []
+        if owed is not None and (owed.verifies or any(e.draft_budget for e in step.entries)):
+            done = self._read(owed)
+            self._fill_in(step.entries, done[0], owed.req_ids)
+            owed, raw = None, None
+        if self.sampler is not None and any(e.draft_budget for e in step.entries):
+            self._propose_drafts(step.entries)
+            raw = None
+        if self.channel is not None and self.args.tp_rank == 0:
+            self._hand_over(raw if raw is not None else pickle.dumps(step))
         # Cache first: a finished or preempted request's tokens join the tree before its row goes.
         self.prefix_slots.apply(step.cache_ops, self.req_rows)
         for req_id in step.preempted_req_ids:
@@ -138,14 +160,14 @@ class ModelWorker:
         for req_id in step.finished_req_ids:
             self._free_kv(req_id)
             self.req_images.pop(req_id, None)
+            self.lookups.pop(req_id, None)
             if self.sampler is not None:
                 self.sampler.remove_request(req_id)
         for load in step.lora_loads:
             self.model.lora_pool.load(load.slot, self.adapters.get(load.name, load.path))
-        owed, self._owed = self._owed, None
         self._drop_rejected(step.entries)
         if not step.entries:
-            return _outputs_of(owed)
+            return done + self._read(owed)
 
         rows = [self._row(e.req_id) for e in step.entries]
         for e, row in zip(step.entries, rows):
@@ -166,44 +188,98 @@ class ModelWorker:
                                         b_lora_slot=lora_slots)
         except Exception as e:
             failed = self._forward_failed(step.entries, rows, e)
-            return [*_outputs_of(owed), failed]
+            return [*done, *self._read(owed), failed]
         drafting = [e for e in step.entries if e.num_draft_tokens]
         if self.sampler is None:
             self._unverified.update(e.req_id for e in drafting)
-            if step.overlap:
+            if step.overlap and not drafting:
                 self._share_draw(step.entries)
             return []
         # The forward is queued: now read the owed step's tokens (the device is busy meanwhile),
         # which also counts them for the penalties before this step samples.
-        done = _outputs_of(owed)
+        done += self._read(owed)
         # An asking entry has one row of logits per new token, the others one, entries back to back.
         row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
         prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends, errors)
         # Not an entry whose sampling setup failed, in this step or (overlapped) in the one
         # before, whose failure the engine has not read yet: it ends the request then.
         sampling = [i for i, e in enumerate(step.entries) if e.sample and errors[i] is None and e.req_id in self.sampler]
+        req_ids = [e.req_id for e in step.entries]
         if drafting:
-            # Synchronous: the engine reads how much of each draft was kept before it drafts again.
-            assert not step.overlap, "a step with drafts is never overlapped"
-            done.append(self._verify(logits, step.entries, row_ends, sampling, prompt_lps, prompt_tops, errors))
+            # Verified when read: at once, or (overlapped) at the start of the next call. No draw
+            # stays on the device: the next step's pending tokens are filled in from the read.
+            keep = [r for i in sampling for r in range(row_ends[i] - 1 - step.entries[i].num_draft_tokens, row_ends[i])]
+            rows_kept = logits[torch.tensor(keep, dtype=torch.long).to(logits.device, non_blocking=True)]
+            launched = _Launched(req_ids, functools.partial(self._verify, rows_kept, step.entries, sampling,
+                                                            prompt_lps, prompt_tops, errors), verifies=True)
             self._last_sampled, self._last_sampled_row = None, {}
-            return done
-        if sampling and row_ends[-1] != len(sampling):
-            # Keep the last row of each entry that samples. (The common step, one row per entry
-            # and all sampling, skips this.)
-            last_rows = [row_ends[i] - 1 for i in sampling]
-            logits = logits[torch.tensor(last_rows, dtype=torch.long).to(logits.device, non_blocking=True)]
-        drawn = self.sampler.launch(logits, [step.entries[i].req_id for i in sampling]) if sampling else None
-        self._last_sampled = None if drawn is None else drawn.token_ids.to(self.device, non_blocking=True)
-        self._last_sampled_row = {step.entries[i].req_id: n for n, i in enumerate(sampling)}
-        if step.overlap and self.args.world_size > 1:
-            self._share_draw(step.entries, sampling, drawn)
-        launched = _LaunchedStep(len(step.entries), sampling, drawn, prompt_lps, prompt_tops, errors)
+        else:
+            if sampling and row_ends[-1] != len(sampling):
+                # Keep the last row of each entry that samples. (The common step, one row per entry
+                # and all sampling, skips this.)
+                last_rows = [row_ends[i] - 1 for i in sampling]
+                logits = logits[torch.tensor(last_rows, dtype=torch.long).to(logits.device, non_blocking=True)]
+            drawn = self.sampler.launch(logits, [req_ids[i] for i in sampling]) if sampling else None
+            self._last_sampled = None if drawn is None else drawn.token_ids.to(self.device, non_blocking=True)
+            self._last_sampled_row = {req_ids[i]: n for n, i in enumerate(sampling)}
+            if step.overlap and self.args.world_size > 1:
+                self._share_draw(step.entries, sampling, drawn)
+            launched = _Launched(req_ids, _LaunchedStep(len(step.entries), sampling, drawn, prompt_lps,
+                                                        prompt_tops, errors).output)
         if step.overlap:
             self._owed = launched
         else:
-            done.append(launched.output())
+            done += self._read(launched)
         return done
+
+    def _read(self, launched: _Launched | None) -> list[StepOutput]:
+        """The output of a launched step, read now (waiting for its draw, or verifying its drafts),
+        or nothing. Rank 0's n-gram indexes take the tokens it emitted."""
+        if launched is None:
+            return []
+        output = launched.read()
+        for i, req_id in enumerate(launched.req_ids):
+            lookup = self.lookups.get(req_id)
+            if lookup is not None and output.token_ids[i] is not None:
+                lookup.extend(output.run_of(i).token_ids)
+        return [output]
+
+    def _fill_in(self, entries: list[BatchEntry], output: StepOutput, owed_req_ids: list[int]) -> None:
+        """Rank 0, once it has read the step before this one early: the tokens in flight become
+        ordinary tokens of the entries (every rank then feeds them from the step itself), and a
+        request's position is its row's length (the engine, which scheduled this step before
+        it read that one, does not know yet how much of a draft was kept)."""
+        last = {req_id: output.run_of(i).token_ids[-1] for i, req_id in enumerate(owed_req_ids)
+                if output.token_ids[i] is not None}
+        for e in entries:
+            if not e.pending_token:
+                continue
+            # A request whose draw failed gets any id: it fails once the engine reads that.
+            e.token_ids = [*e.token_ids, last.get(e.req_id, 0)]
+            e.pending_token = False
+            row = self.req_rows.get(e.req_id)
+            if row is not None:
+                e.num_cached = self.model.req_manager.seq_len(row)
+
+    def _propose_drafts(self, entries: list[BatchEntry]) -> None:
+        """Rank 0: each entry with a draft budget gets the draft its request's n-gram index
+        proposes (none if its tokens are not all known here: one still in flight)."""
+        for e in entries:
+            lookup = self.lookups.get(e.req_id)
+            if not e.draft_budget or lookup is None or e.pending_token:
+                continue
+            if lookup.num_tokens != e.num_cached + len(e.token_ids):
+                continue      # (the index is behind the request: it drafts nothing this step)
+            draft = lookup.propose(e.draft_budget)
+            e.token_ids = [*e.token_ids, *draft.token_ids]
+            e.num_draft_tokens, e.draft_match_len = len(draft.token_ids), draft.match_len
+
+    def _hand_over(self, step: bytes) -> None:
+        """Rank 0 at tp > 1: the other ranks run the step too."""
+        try:
+            self.channel.send(step)
+        except Exception as e:
+            raise self.out_of_step(e) from None
 
     def _share_draw(self, entries: list[BatchEntry], sampling: list[int] | None = None,
                     drawn: PendingSample | None = None) -> None:
@@ -224,21 +300,20 @@ class ModelWorker:
         while step := self.channel.recv():
             self.step(pickle.loads(step))
 
-    def _verify(self, logits: torch.Tensor, entries: list[BatchEntry], row_ends: list[int], sampling: list[int],
+    def _verify(self, logits: torch.Tensor, entries: list[BatchEntry], sampling: list[int],
                 prompt_lps: list, prompt_tops: list, errors: list[str | None]) -> StepOutput:
         """Sample the step's entries, verifying the drafts of those that bring one (``Sampler.verify``),
-        and free the KV slots of the rejected draft tokens at once. A drafting entry's rows are
-        its sampled token's and one per draft token; another's, its last."""
+        and free the KV slots of the rejected draft tokens at once. ``logits``: the rows of the
+        entries that sample, back to back: a drafting entry's sampled token's and one per draft
+        token; another's, its last."""
         n = len(entries)
         token_ids: list[int | None] = [None] * n
         logprobs: list[float | None] = [None] * n
         top_logprobs: list[list[tuple[int, float]] | None] = [None] * n
         runs: list[TokenRun | None] = [None] * n
-        keep = [r for i in sampling for r in range(row_ends[i] - 1 - entries[i].num_draft_tokens, row_ends[i])]
         drafts = [entries[i].token_ids[len(entries[i].token_ids) - entries[i].num_draft_tokens :] for i in sampling]
         try:
-            result = self.sampler.verify(logits[torch.tensor(keep, dtype=torch.long).to(logits.device, non_blocking=True)],
-                                         [entries[i].req_id for i in sampling], drafts)
+            result = self.sampler.verify(logits, [entries[i].req_id for i in sampling], drafts)
         except Exception as err:   # a request's parameters the sampler cannot use: its batch fails with it
             logger.exception("verifying a step's drafts failed")
             for i in sampling:
@@ -253,7 +328,7 @@ class ModelWorker:
             token_ids[i], logprobs[i], top_logprobs[i] = emitted[0], lps[0] if lps else None, tops[0] if tops else None
             e = entries[i]
             if e.num_draft_tokens:
-                runs[i] = TokenRun(emitted, lps, tops)
+                runs[i] = TokenRun(emitted, lps, tops, e.num_draft_tokens, e.draft_match_len)
                 # What stays cached: the sampled token fed and the accepted draft tokens.
                 kept[i] = e.num_cached + len(emitted)
         self._truncate(entries, kept, errors)
@@ -355,6 +430,9 @@ class ModelWorker:
                     self.sampler.add_request(e.req_id, e.params, e.prompt_token_ids or [])
                 except Exception as err:
                     errors[i] = error_line(err)
+                if self.args.speculate and e.params.speculate and e.req_id not in self.lookups:
+                    self.lookups[e.req_id] = PromptLookup(e.prompt_token_ids or [], self.args.prompt_lookup_min_ngram,
+                                                          self.args.prompt_lookup_max_ngram)
         return errors
 
     def _forward_failed(self, entries: list[BatchEntry], rows: list[int], error: Exception) -> StepOutput:
@@ -460,9 +538,13 @@ class _LaunchedStep:
                           self.prompt_logprobs, self.prompt_top_logprobs, self.errors)
 
 
-def _outputs_of(launched: _LaunchedStep | None) -> list[StepOutput]:
-    """The output of an owed step, read now (waiting for its draw), or nothing."""
-    return [] if launched is None else [launched.output()]
+@dataclass
+class _Launched:
+    """A step whose forward is queued: ``read`` waits for its draw (or verifies its drafts) and
+    returns its output. A step that verifies is read before the next step's forward."""
+    req_ids: list[int]                # per entry
+    read: Callable[[], StepOutput]
+    verifies: bool = False
 
 
 def _per_entry(num_entries: int, sampled: list[int], result: SampleResult | None,
@@ -517,13 +599,8 @@ class ModelRpcServer(rpyc.Service):
         return pickle.dumps(None)
 
     def exposed_step(self, step: bytes) -> bytes:
-        if self.worker.channel is not None:
-            try:
-                self.worker.channel.send(step)    # the other ranks run it too
-            except Exception as e:
-                raise self.worker.out_of_step(e) from None
         try:
-            outputs = self.worker.step(pickle.loads(step))
+            outputs = self.worker.step(pickle.loads(step), raw=step)
             if any(error is not None for output in outputs for error in output.errors):
                 self.worker.check_device()
         except Exception as e:

@@ -11,6 +11,13 @@ tokens and schedules step N+1 while the GPU runs step N. A request that sampled 
 still running feeds that token to the next step without the engine knowing it yet
 (``BatchEntry.pending_token``): the worker takes it from the device (rank 0 broadcasts its draw
 to the other ranks, device to device).
+
+Speculation: the engine grants a decode a draft budget (``BatchEntry.draft_budget``); rank 0 keeps
+each request's n-gram index from the tokens it emits, proposes the draft right before the forward,
+and verifies it with the step's logits. A verify step is overlapped like any other: rank 0 reads it
+at the start of the next call (before that step's forward, since the draft and the positions of
+the request's next step depend on how much was accepted), fills the next step's entries in (their
+pending tokens, positions and drafts) and only then hands the step to the other ranks.
 A failure tied to some entries of a step (bad sampling parameters, a forward that raises) is
 reported in ``StepOutput.errors``, and the worker stays usable; anything a worker raises
 instead is a ``WorkerError``, like its death: its state is then unknown, and the engine stops.
@@ -60,6 +67,9 @@ class WorkerInitArgs:
     cuda_graph_max_bs: int = 0       # on CUDA, decode batches up to this size replay CUDA graphs
     speculate: int = 0               # draft tokens per request (EngineConfig): sizes the verify steps' graphs
     speculate_max_batch: int = 0
+    # The n-gram sizes of rank 0's prompt-lookup index (EngineConfig's prompt_lookup_*_ngram).
+    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_max_ngram: int = 3
     dequantize: bool = False         # GGUF on CPU: expand the quantized matrices at load (ModelInitParams)
     # LoRA: the adapters (name -> local directory; each is read and checked at start-up), the
     # device pool's slots and largest rank, and how many adapters stay read on the host (the
@@ -131,9 +141,14 @@ class BatchEntry:
     # every prefill from position 0; a worker encodes them the first time only and keeps the
     # features until the request finishes (preemption keeps them too).
     pixel_values: list[np.ndarray] | None = None
-    # The last this many of token_ids are a draft (speculation), fed after the request's sampled
-    # token: the worker verifies them from every row's logits and keeps the accepted prefix.
+    # Speculation: rank 0 may append a draft of up to this many tokens after the request's sampled
+    # token, from its n-gram index of the request (the engine has reserved their KV slots).
+    draft_budget: int = 0
+    # Filled in by rank 0 before the forward (the engine sends 0): the last this many of token_ids
+    # are the draft, verified from every row's logits (the accepted prefix stays cached), and how
+    # many tokens of the request's end agree with where it was copied from (prompt_lookup.Draft).
     num_draft_tokens: int = 0
+    draft_match_len: int = 0
     # The prefix cache's nodes whose slots hold this request's first num_cached tokens, root
     # first: sent with the step that (re)admits a request with a cached prefix, whose row the
     # worker starts with those slots (one more reference each).
@@ -168,6 +183,9 @@ class TokenRun:
     token_ids: list[int]
     logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # The draft rank 0 proposed (len(token_ids) - 1 of them were accepted) and its match length.
+    num_drafted: int = 0
+    match_len: int = 0
 
 
 @dataclass
@@ -186,7 +204,8 @@ class StepOutput:
     # at a time, to find out which.
     forward_failed: bool = False
     # Verify steps only: per entry, every token a drafting entry emitted (token_ids and the
-    # logprobs fields hold its first), None for an entry without a draft.
+    # logprobs fields hold its first), None for an entry without a draft (one with a budget whose
+    # lookup found nothing included).
     runs: list[TokenRun | None] | None = None
 
     @classmethod

@@ -1,5 +1,7 @@
-"""Speculation's policy (``llmserve.engine.drafting``) through the scheduler: who drafts, how
-long a draft, within what room, and the back-off of requests whose drafts gain nothing."""
+"""Speculation's policy (``llmserve.engine.drafting``) through the scheduler: who may draft, how
+long a draft budget, within what room (the request's tokens in flight counted), and the back-off
+of requests whose drafts gain nothing. (The drafts themselves are rank 0's: tests/worker's
+test_prompt_lookup.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llmserve.engine.drafting import DRAFT_COSTS, DraftCost
-from llmserve.engine.request import Request
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
 from scheduling_utils import EOS, TOKEN, make_request, make_scheduler, run_step
@@ -21,20 +22,36 @@ def decoding(scheduler: Scheduler, *reqs: Request) -> None:
 
 
 def drafts(output: SchedulerOutput) -> dict[int, int]:
-    return {s.request.req_id: len(s.draft_token_ids) for s in output.scheduled if s.draft_token_ids}
+    return {s.request.req_id: s.draft_budget for s in output.scheduled if s.draft_budget}
 
 
-def test_a_decode_drafts_from_its_prompt_up_to_k():
+def read(scheduler: Scheduler, s: ScheduledRequest, num_drafted: int, num_accepted: int, match_len: int = 5) -> None:
+    """What the engine does once it reads a decode that had a budget: its slots go back, the
+    tokens kept count as cached, the drafter learns the outcome, and the run is appended."""
+    req = s.request
+    req.num_draft_slots -= s.draft_budget
+    req.num_cached += num_accepted
+    scheduler.drafter.verified(s, num_drafted, match_len, num_accepted)
+    for _ in range(num_accepted + 1):
+        req.append_token(TOKEN)
+
+
+def test_a_decode_gets_a_budget_of_up_to_k_whose_slots_it_holds_until_read():
     scheduler = make_scheduler(200, speculate=4)
     req = make_request(0, prompt_len=20, max_new_tokens=50)
     decoding(scheduler, req)
     output = scheduler.schedule()
     [s] = output.scheduled
-    assert s.draft_token_ids == [TOKEN] * 4 and s.num_new_tokens == 5 and output.num_draft_tokens == 4
-    assert output.num_tokens == 5
+    assert s.draft_budget == 4 and s.num_new_tokens == 1 and output.num_draft_slots == 4
+    assert output.num_tokens == 1 and not s.prefill
+    used = scheduler.num_used_slots
+    scheduler.update_after_step(output)
+    assert req.num_draft_slots == 4 and scheduler.num_used_slots == used + 1 + 4
+    read(scheduler, s, num_drafted=3, num_accepted=2)
+    assert req.num_draft_slots == 0 and scheduler.num_used_slots == used + 1 + 2 and req.num_cached == 20 + 1 + 2
 
 
-def test_drafts_stop_short_of_max_new_tokens_the_kv_pool_and_the_token_budget():
+def test_budgets_stop_short_of_max_new_tokens_the_kv_pool_and_the_token_budget():
     # max_new_tokens: 3 left, one of which the step's own token takes
     scheduler = make_scheduler(200, speculate=10)
     decoding(scheduler, make_request(0, 20, max_new_tokens=4))
@@ -51,10 +68,30 @@ def test_drafts_stop_short_of_max_new_tokens_the_kv_pool_and_the_token_budget():
     assert drafts(output) == {0: 5} and output.num_prefill_tokens == 35
 
 
+def test_a_budget_counts_the_tokens_in_flight_and_retirement_only_the_certain_ones():
+    """The overlapped loop schedules a request's next step before it reads the one with its draft:
+    the new budget leaves room for all that draft may have added, and the request stays running
+    (a plain decode) while its certain count is short of max_new_tokens."""
+    scheduler = make_scheduler(200, speculate=4)
+    req = make_request(0, 20, max_new_tokens=8)
+    decoding(scheduler, req)                               # 1 output token
+    first = scheduler.schedule()
+    scheduler.update_after_step(first)
+    req.num_pending_tokens += 1                            # (the engine's _sent)
+    assert drafts(first) == {0: 4} and req.max_num_output_tokens == 1 + 1 + 4
+    second = scheduler.schedule()                          # 8 - 6 - 1: a budget of 1
+    assert drafts(second) == {0: 1} and not req.final_token_pending
+    scheduler.update_after_step(second)
+    req.num_pending_tokens += 1
+    assert req.max_num_output_tokens == 8                  # the third step may find it done
+    third = scheduler.schedule()
+    assert drafts(third) == {} and [s.request for s in third.scheduled] == [req]
+
+
 def test_no_drafts_for_large_batches_or_requests_that_opt_out():
     scheduler = make_scheduler(1000, speculate=4, speculate_max_batch=2)
     decoding(scheduler, *[make_request(i, 10, max_new_tokens=50) for i in range(3)])
-    assert drafts(scheduler.schedule()) == {} and not scheduler.drafting()
+    assert drafts(scheduler.schedule()) == {}
     scheduler = make_scheduler(1000, speculate=4)
     opted_out = make_request(1, 10, max_new_tokens=50)
     opted_out.params.speculate = False
@@ -63,31 +100,30 @@ def test_no_drafts_for_large_batches_or_requests_that_opt_out():
 
 
 def test_a_request_whose_drafts_gain_nothing_backs_off():
-    """No n-gram of its end recurs (every token new): from the second miss in a row the request
-    sits out 1, 3, 7, then 15 steps between lookups, and meanwhile the scheduler says no step
-    drafts (the engine runs those with look-ahead). A draft the model accepts none of is a miss
-    too, if its match was 2 tokens or more; one with a token accepted puts the request back to
-    drafting every step."""
+    """Its lookups find nothing (the worker drafts no token): from the second miss in a row the
+    request sits out 1, 3, 7, then 15 steps between budgets. A draft the model accepts none of is
+    a miss too, if its match was 2 tokens or more; one with a token accepted puts the request back
+    to drafting every step."""
     scheduler = make_scheduler(1000, speculate=4)
-    req = Request(req_id=0, prompt_token_ids=list(range(100, 120)), params=SamplingParams(max_new_tokens=200))
-    scheduler.add_request(req)
-    run_step(scheduler)                                 # the prefill; its token is TOKEN, new
-    lookups, fresh = [], iter(range(1000, 2000))
+    req = make_request(0, 20, max_new_tokens=200)
+    decoding(scheduler, req)
+    granted = []
     for step in range(64):
-        looked = scheduler.drafting()
         output = scheduler.schedule()
-        assert drafts(output) == {}
+        [s] = output.scheduled
         scheduler.update_after_step(output)
-        req.append_token(next(fresh))
-        if looked:
-            lookups.append(step)
-    assert lookups == [0, 1, 3, 7, 15, 31, 47, 63]
+        if s.draft_budget:
+            granted.append(step)
+            read(scheduler, s, num_drafted=0, num_accepted=0)
+        else:
+            req.append_token(TOKEN)
+    assert granted == [0, 1, 3, 7, 15, 31, 47, 63]
     state = scheduler.drafter.states[req]
     assert state.num_misses == 8 and state.wait == 15
 
     def verified(match_len: int, num_accepted: int) -> None:
-        s = ScheduledRequest(req, 5, draft_token_ids=[1, 2, 3, 4], draft_match_len=match_len)
-        scheduler.drafter.verified(s, num_accepted)    # (the engine reports it)
+        s = ScheduledRequest(req, 1, draft_budget=4)
+        scheduler.drafter.verified(s, 4, match_len, num_accepted)    # (the engine reports it)
 
     state.wait = 0                                      # its wait over, it drafts again:
     verified(match_len=3, num_accepted=1)               # a token accepted: drafting every step again
@@ -99,19 +135,6 @@ def test_a_request_whose_drafts_gain_nothing_backs_off():
     assert state.num_misses == 2 and state.wait == 1
     verified(match_len=1, num_accepted=0)
     assert state.num_misses == 2 and state.wait == 1
-
-
-def test_a_draft_is_as_long_as_its_evidence():
-    """Two draft tokens per matched token (prompt_lookup.py): a lone recurring token gets 2 at
-    speculate=10, a long match all 10."""
-    scheduler = make_scheduler(1000, speculate=10)
-    req = Request(req_id=0, prompt_token_ids=list(range(1, 40)), params=SamplingParams(max_new_tokens=50))
-    decoding(scheduler, req)             # its first token is TOKEN (7): "7" recurs, "39 7" does not
-    [s] = scheduler.schedule().scheduled
-    assert (s.draft_token_ids, s.draft_match_len) == ([8, 9], 1)
-    scheduler = make_scheduler(1000, speculate=10)
-    decoding(scheduler, make_request(0, 20, max_new_tokens=50))     # TOKEN repeated: a 20-token match
-    assert drafts(scheduler.schedule()) == {0: 10}
 
 
 def test_the_draft_length_that_pays():
@@ -126,26 +149,24 @@ def test_the_draft_length_that_pays():
     assert cpu.best_length(0.95, 4) == 4 and cpu.best_length(0.5, 0) == 0
 
 
-def test_a_requests_drafts_follow_what_it_accepted():
-    """A request whose drafts are rejected at their first token drafts shorter, then none for a
-    while (its evidence fading meanwhile); drafts accepted whole bring it back to all of k."""
+def test_a_requests_budgets_follow_what_it_accepted():
+    """A request whose drafts are rejected at their first token gets shorter budgets, then none
+    for a while (its evidence fading meanwhile); drafts accepted whole bring it back to all of k."""
     scheduler = make_scheduler(1000, speculate=10, draft_cost=DRAFT_COSTS["cpu"])
-    req = make_request(0, 20, max_new_tokens=200)       # TOKEN repeated: every draft matches 20 tokens
+    req = make_request(0, 20, max_new_tokens=200)
     decoding(scheduler, req)
     lengths = []
 
     def step(accept_all: bool) -> None:
         output = scheduler.schedule()
         [s] = output.scheduled
-        lengths.append(len(s.draft_token_ids))
+        lengths.append(s.draft_budget)
         scheduler.update_after_step(output)
-        num_accepted = len(s.draft_token_ids) if accept_all else 0
-        req.num_cached -= len(s.draft_token_ids) - num_accepted
-        if s.draft_token_ids:                            # (the engine reports verified drafts)
-            scheduler.drafter.verified(s, num_accepted)
-        scheduler.drafter.states[req].num_misses = 0     # (no back-off: the test above's)
-        for _ in range(num_accepted + 1):
+        if s.draft_budget:
+            read(scheduler, s, s.draft_budget, s.draft_budget if accept_all else 0)
+        else:
             req.append_token(TOKEN)
+        scheduler.drafter.states[req].num_misses = 0     # (no back-off: the test above's)
 
     for _ in range(4):
         step(accept_all=False)
@@ -161,7 +182,7 @@ def test_a_requests_drafts_follow_what_it_accepted():
        st.integers(0, 10))
 def test_drafts_never_cause_a_preemption(pool, shapes, accept):
     """However much of each draft is kept (``accept`` tokens at most), the step after a step with
-    drafts preempts nobody: the drafts left each running request its next decode's slot."""
+    drafts preempts nobody: the budgets left each running request its next decode's slot."""
     scheduler = make_scheduler(pool, speculate=6, max_prefill_tokens=64)
     for i, (p, n) in enumerate(shapes):
         if p < pool:
@@ -172,18 +193,19 @@ def test_drafts_never_cause_a_preemption(pool, shapes, accept):
         output = scheduler.schedule()
         assert not (drafted and scheduler.num_preemptions > before)
         for s in output.scheduled:
-            assert len(s.draft_token_ids) <= s.request.params.max_new_tokens - s.request.num_output_tokens - 1
+            assert s.draft_budget <= s.request.params.max_new_tokens - s.request.num_output_tokens - 1
         scheduler.update_after_step(output)
         assert scheduler.num_used_slots <= pool
         for s in output.scheduled:
             req = s.request
-            kept = min(accept, len(s.draft_token_ids))
-            req.num_cached -= len(s.draft_token_ids) - kept     # what the worker truncates
+            kept = min(accept, s.draft_budget)
+            req.num_draft_slots -= s.draft_budget
+            req.num_cached += kept
             if not s.samples:
                 continue
             for token in [TOKEN] * (kept + 1):
                 if req.append_token(token, eos_token_ids={EOS}) is not None:
                     scheduler.finish_request(req, req.finish_reason)
                     break
-        drafted = output.num_draft_tokens > 0
+        drafted = output.num_draft_slots > 0
         event(f"drafted: {drafted}")

@@ -2,15 +2,18 @@
 decoding one token per step: on tiny random models of each architecture, and on the embedded
 model's input-grounded prompts, where drafts are accepted, mixed with requests that do not draft,
 with stop ids, stop strings and max_new_tokens falling inside accepted runs, under a KV cache
-small enough to preempt, chunked prefill, and the overlapped loop.
+small enough to preempt, chunked prefill, and the overlapped loop, where every step, drafting or
+not, must stay overlapped (``overlapped`` checks each call to the workers).
 
 The plain side of each comparison is the same engine with ``SamplingParams.speculate=False``
 (the request-level switch), so the two differ only in the drafts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -64,6 +67,37 @@ def assert_same_tokens(got, want) -> None:
             assert [v for _, v in top_g] == pytest.approx([v for _, v in top_w], abs=1e-3), i
 
 
+@contextlib.contextmanager
+def overlapped(llm: LLM) -> Iterator[list[tuple[bool, bool, bool]]]:
+    """The engine under the overlapped loop; yields, per call to the workers that sent a batch,
+    whether it was overlapped, whether it granted draft budgets, and whether the workers answered
+    with its own output at once (a synchronous step)."""
+    engine = llm.engine
+    records: list[tuple[bool, bool, bool]] = []
+    send = engine.workers.step
+
+    def recording(step):
+        in_flight = len(engine._in_flight)       # the steps sent before it whose output is owed
+        outputs = send(step)
+        if step.entries:
+            records.append((step.overlap, any(e.draft_budget for e in step.entries), len(outputs) > in_flight))
+        return outputs
+
+    engine.workers.step, engine.overlap = recording, True
+    try:
+        yield records
+    finally:
+        del engine.workers.step
+        engine.overlap = False
+
+
+def assert_all_overlapped(records: list[tuple[bool, bool, bool]]) -> None:
+    """Every step overlapped and answered a step late, drafting ones included (and there were some)."""
+    assert records and any(drafts for _, drafts, _ in records)
+    assert all(overlap and not at_once for overlap, _, at_once in records), \
+        [r for r in records if not r[0] or r[2]][:5]
+
+
 def random_workload(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts = []
@@ -112,6 +146,12 @@ def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
         got, accepted = generate_counting(llm, prompts, params)
         assert_same_tokens(got, want)
         assert accepted > 0 and llm.engine.num_draft_tokens > accepted
+        # Overlapped: rank 0 fills each step in (the tokens of the verify before it, positions,
+        # drafts) before rank 1 gets it.
+        with overlapped(llm) as records:
+            got, _ = generate_counting(llm, prompts, params)
+        assert_same_tokens(got, want)
+        assert_all_overlapped(records)
         # A step that carries no request (a flush of cache ops) between a draft and its request's
         # next step: rank 1 must still drop that draft's rejected tokens then (it used to forget
         # them, and its next step found the row too long and the rank exited).
@@ -129,6 +169,31 @@ def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
             engine.step()
         engine.flush()
         assert all(len(r.output_token_ids) == 40 for r in reqs)
+
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    path = tmp_path_factory.mktemp("llama-tied")
+    build_tiny_hf_model(ARCHITECTURES["llama-tied"](), path)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_overlapped_drafts_equal_plain_under_preemption(tied_llama_dir):
+    # The plain side: no drafts and no overlap. A KV pool too small for the batch: requests with
+    # drafts in flight are preempted, and prompts are chunked.
+    with LLM(tied_llama_dir, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48,
+             max_total_token_num=192) as llm:
+        prompts, params = random_workload(512, 8, seed=6)
+        # Long enough that the random model's output cycles (drafts are accepted) and outgrows the pool.
+        params = [dataclasses.replace(p, max_new_tokens=40) for p in params]
+        want = llm.generate(prompts, plain(params))
+        preemptions = llm.engine.scheduler.num_preemptions
+        with overlapped(llm) as records:
+            got, accepted = generate_counting(llm, prompts, params)
+        assert_same_tokens(got, want)
+        assert_all_overlapped(records)
+        assert accepted > 0 and llm.engine.scheduler.num_preemptions > preemptions
 
 
 # -- the embedded model, on prompts whose answers copy from them ----------------------------------
@@ -242,12 +307,12 @@ def test_stops_and_lengths_inside_accepted_runs_under_preemption_chunking_and_ov
     scheduler.config.max_prefill_tokens = total - 40
     try:
         want = llm.generate(prompts, plain(params))
-        llm.engine.overlap = True    # steps without drafts look ahead; those with drafts wait
-        got, accepted = generate_counting(llm, prompts, params)
+        with overlapped(llm) as records:
+            got, accepted = generate_counting(llm, prompts, params)
     finally:
         scheduler.config = saved
-        llm.engine.overlap = False
     assert_same_tokens(got, want)
+    assert_all_overlapped(records)
     assert scheduler.num_preemptions > preemptions and accepted > 0
     for i, at in enumerate(placed):
         assert len(want[i].token_ids) == at + 1 and want[i].finish_reason in ("stop_sequence", "length"), i

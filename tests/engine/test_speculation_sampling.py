@@ -67,7 +67,8 @@ def two_sample_chi_square(a: Counter, b: Counter) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def test_speculative_sampling_keeps_the_distribution(llm: LLM):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_speculative_sampling_keeps_the_distribution(llm: LLM, overlap: bool):
     start = list(range(1, 9))
     own_run = llm.generate([start], SamplingParams(temperature=0.0, max_new_tokens=24))[0].token_ids
     prompt = start + own_run
@@ -77,7 +78,11 @@ def test_speculative_sampling_keeps_the_distribution(llm: LLM):
                               ignore_eos=True)
 
     drafted, accepted = llm.engine.num_draft_tokens, llm.engine.num_accepted_tokens
-    with_spec = llm.generate([prompt] * NUM_SAMPLES, [params(i, True) for i in range(NUM_SAMPLES)])
+    llm.engine.overlap = overlap       # (drafts stay in the overlapped loop: test_speculation.py)
+    try:
+        with_spec = llm.generate([prompt] * NUM_SAMPLES, [params(i, True) for i in range(NUM_SAMPLES)])
+    finally:
+        llm.engine.overlap = False
     drafted, accepted = llm.engine.num_draft_tokens - drafted, llm.engine.num_accepted_tokens - accepted
     without = llm.generate([prompt] * NUM_SAMPLES, [params(10**6 + i, False) for i in range(NUM_SAMPLES)])
     # (On a GPU fewer requests draft than on the CPU: 271 draft tokens there, 600 here.)

@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts (``llmserve.engine.prompt_lookup``) against a plain search of the same rule,
+"""Prompt-lookup drafts (``llmserve.worker.prompt_lookup``) against a plain search of the same rule,
 on random sequences as tokens append."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from llmserve.engine.prompt_lookup import CANDIDATES, DRAFT_PER_MATCHED_TOKEN, MAX_MATCH, Draft, PromptLookup
+from llmserve.worker.prompt_lookup import CANDIDATES, DRAFT_PER_MATCHED_TOKEN, MAX_MATCH, Draft, PromptLookup
 
 
 def reference(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> Draft:
