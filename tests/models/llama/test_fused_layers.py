@@ -120,7 +120,7 @@ def test_one_row_gate_up_and_activation_is_the_plain_path_bitwise(model_dir, tri
     fused_calls = []
     fused_op = gemv.gemv_act_and_mul
     monkeypatch.setattr(transformer_layer_infer, "gemv_act_and_mul",
-                        lambda *a: fused_calls.append(a[0].shape) or fused_op(*a))
+                        lambda *a, **k: fused_calls.append(a[0].shape) or fused_op(*a, **k))
     got = one_request(load_ours(model_dir, dtype=dtype, max_running_requests=4))
     assert len(fused_calls) == 2 * LAYERS  # the two decode steps; the prefill's rows go the plain way
     monkeypatch.setattr(transformer_layer_infer, "takes_gemv", lambda x, w: False)
