@@ -81,6 +81,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def vector_width(x: torch.Tensor, block_k: int) -> int:
+    """Elements of x's dtype in one 16-byte load (8 in half precision, 4 in float32): the group a
+    thread holds of a chunk's columns, which the kernels that sum a chunk group by group sum
+    first, in registers."""
+    return min(block_k, 16 // x.element_size())
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision for operands upcast from `dtype`.
 

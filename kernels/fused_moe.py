@@ -43,8 +43,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import dot_precision, launcher, next_pow2, use_triton
-from .gemv import ACT_AND_MUL_TILES, gemv_act_and_mul_triton, gemv_block_k, vector_width
+from .backend import dot_precision, launcher, next_pow2, use_triton, vector_width
+from .gemv import ACT_AND_MUL_TILES, gemv_act_and_mul_triton, gemv_block_k
 from .triton_math import silu
 
 

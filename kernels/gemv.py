@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
+from .backend import half_precision_on_triton, launcher, next_pow2, use_triton, vector_width
 from .gelu_and_mul import gelu_and_mul_fwd_torch
 from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
 from .silu_and_mul import silu_and_mul_fwd_torch
@@ -153,7 +153,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
     block_n, max_block_k, num_warps = tiles
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    block_k = min(max_block_k, max(16, next_pow2(K)))
+    block_k = gemv_block_k(K, max_block_k)
     lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args,
@@ -178,13 +178,6 @@ def gemv_block_k(K: int, largest: int) -> int:
             return block
         block //= 2
     return min(largest, max(16, next_pow2(K)))
-
-
-def vector_width(x: torch.Tensor, block_k: int) -> int:
-    """Elements of x's dtype in one 16-byte load (8 in half precision, 4 in float32): the group a
-    thread holds of a chunk's columns, which the kernels that sum a chunk group by group sum
-    first, in registers."""
-    return min(block_k, 16 // x.element_size())
 
 
 def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,

@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import dot_precision, launcher, next_pow2, use_triton
+from .backend import dot_precision, launcher, next_pow2, use_triton, vector_width
 from .triton_math import row_chunk
 
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
@@ -306,7 +306,6 @@ def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.T
     """The shrink of a one-row batch ``x`` ``[1, K]`` (`lora_add`'s arguments, Triton only): one
     program per row of A (``m * r_sub`` of them, the padding's exiting after one load of the
     rank), each reading its row whole; returns what the GEMV's epilogue adds (`RowLora`)."""
-    from .gemv import vector_width     # here: gemv imports this module
     k = x.shape[-1]
     assert x.numel() == k and x.stride(-1) == 1 and a.stride(2) == 1, "one unit-stride row"
     r_total = a.shape[1]

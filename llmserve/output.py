@@ -118,10 +118,11 @@ class ClientRequest:
         except Exception as e:         # a tokenizer that cannot decode its tokens: this request's failure
             self.finish_reason, self.error = FinishReason.ERROR, f"its output could not be decoded: {error_line(e)}"
             return delta.finish_reason is None
-        if hidden:              # the tail is the text of the tokens before the hidden one
-            tail = tail if self.output_token_texts else ""     # (or of the prompt's end: not output)
-            if tail:
+        if hidden:              # the tail is the text of the tokens before the hidden one...
+            if self.output_token_texts:
                 self.output_token_texts[-1] += tail
+            else:
+                tail = ""       # ...or of the prompt's end, which is not output
         else:
             text_delta += tail
         self.output_token_ids.append(delta.token_id)

@@ -6,7 +6,6 @@ from llmserve.common.basemodel import TransformerLayerInferTpl
 from llmserve.kernels import (
     add_rmsnorm_forward,
     gelu_and_mul_fwd,
-    linear,
     rmsnorm_forward,
     rotary_emb_copy_kv,
     silu_and_mul_fwd,
@@ -61,9 +60,5 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
             # A quantized gate_up fuses the activation itself where it can (one row, Triton).
             act = layer_weight.gate_up_weight_.act_and_mul(x, self.mlp_act)
         else:
-            if lora is None:
-                gate_up = linear(x, layer_weight.gate_up_weight_)
-            else:
-                gate_up = lora.linear(self.layer_num_, "gate_up", x, layer_weight.gate_up_weight_)
-            act = ACT_AND_MUL[self.mlp_act](gate_up)
+            act = ACT_AND_MUL[self.mlp_act](self._linear(x, layer_weight.gate_up_weight_, None, infer_state, "gate_up"))
         return self._row_parallel_linear(act, layer_weight.down_weight_, None, infer_state, "down")

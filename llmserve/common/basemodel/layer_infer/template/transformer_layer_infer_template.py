@@ -66,10 +66,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _get_qkv(self, x: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[n, Hq, D]`` and kv ``[n, 2 * Hkv, D]`` (K heads then V heads): strided views of
         one fused projection, laid out like a KV-cache slot so one scatter stores both."""
-        if infer_state.lora is None:
-            qkv = linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
-        else:
-            qkv = infer_state.lora.linear(self.layer_num_, "qkv", x, layer_weight.qkv_weight_, layer_weight.qkv_bias_)
+        qkv = self._linear(x, layer_weight.qkv_weight_, layer_weight.qkv_bias_, infer_state, "qkv")
         q_size = self.tp_q_head_num_ * self.head_dim_
         q = qkv[:, :q_size].view(-1, self.tp_q_head_num_, self.head_dim_)
         kv = qkv[:, q_size:].view(-1, 2 * self.tp_kv_head_num_, self.head_dim_)
@@ -151,9 +148,14 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         The bias is added once, after the reduction. With adapters in the batch (``infer_state.lora``),
         their products for ``lora_group`` are partial sums too (A is cut as the weight), added before
         the reduction."""
-        if infer_state is None or infer_state.lora is None:
-            y = linear(x, weight)
-        else:
-            y = infer_state.lora.linear(self.layer_num_, lora_group, x, weight)
-        y = all_reduce(y)
+        y = all_reduce(self._linear(x, weight, None, infer_state, lora_group))
         return y if bias is None else y.add_(bias)
+
+    def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, infer_state: InferStateInfo | None,
+                lora_group: str) -> torch.Tensor:
+        """``x @ weight^T (+ bias)``, with the batch's adapters' products for ``lora_group`` added
+        where it has any (``LoraBatch.linear``)."""
+        lora = infer_state.lora if infer_state is not None else None
+        if lora is None:
+            return linear(x, weight, bias)
+        return lora.linear(self.layer_num_, lora_group, x, weight, bias)
