@@ -1,9 +1,10 @@
-"""The HTTP process's module: what importing it costs."""
+"""The HTTP process's module: what importing it costs, and the socket it holds while loading."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -51,3 +52,15 @@ def test_the_http_process_serves_a_gguf_model_on_cpu_without_torch(default_model
         pytest.skip("a GPU machine: the HTTP process asks torch which GPUs there are")
     assert runs[0].split() == ["cpu", "True"]       # converting the vocabulary
     assert runs[1].split() == ["cpu", "False"]      # from the cache
+
+
+def test_the_listening_port_is_held_from_before_the_model_loads():
+    """The port is bound before the model loads and kept until uvicorn listens on it: checking it
+    free and binding it later let a tp=2 server's own rendezvous (an ephemeral port) take it in CI."""
+    from llmserve.server.serve import bind_listen_socket
+
+    with bind_listen_socket("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        with socket.socket() as other:
+            with pytest.raises(OSError):     # as a port-0 bind elsewhere can no longer be handed it
+                other.bind(("127.0.0.1", port))
