@@ -11,6 +11,7 @@ process exits non-zero rather than serving errors (or nothing) forever.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 
@@ -136,6 +137,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
                 log_config=None,     # uvicorn's records go through our handler: timestamps, --log-format
             )
             server = _Server(uv_config, engine, banner)
+            # What start-up made (the tokenizer, the app, the model's description) lives as long
+            # as the process: frozen, the collector's full passes, which the garbage of streaming
+            # (objects a token) sets off, no longer walk it: ~8% of the CPU time a streamed token.
+            gc.freeze()
             server.run(sockets=[listen_socket])
             if server.exit_code:
                 report_error(str(engine.error))
