@@ -13,16 +13,20 @@ from llmserve.tokenizer import BACKEND_KEPT_FOR, load_tokenizer
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\nnewlines", "<|im_start|>user\nhi<|im_end|>", "naïve café 日本語 🙂"]
 
 
-def _model_dir(tmp_path, tokenizer, model_type: str) -> str:
+def _model_dir(tmp_path, tokenizer, model_type: str, tokenizer_class: str = "TokenizersBackend") -> str:
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": tokenizer_class}))
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("model_type", sorted(BACKEND_KEPT_FOR))
+@pytest.mark.parametrize(("model_type", "tokenizer_class"),
+                         [(t, "TokenizersBackend") for t in sorted(BACKEND_KEPT_FOR)]
+                         + [("llama", "PreTrainedTokenizerFast")])
 def test_the_tokenizer_is_auto_tokenizers_for_every_model_type_it_is_loaded_directly_for(
-        tmp_path, smollm2_tokenizer, model_type):
-    path = _model_dir(tmp_path, smollm2_tokenizer, model_type)
+        tmp_path, smollm2_tokenizer, model_type, tokenizer_class):
+    path = _model_dir(tmp_path, smollm2_tokenizer, model_type, tokenizer_class)
     ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
     assert type(ours) is type(auto)
     assert [ours.encode(t) for t in TEXTS] == [auto.encode(t) for t in TEXTS]
