@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from llmserve.common.basemodel.layer_weights.gguf_load_utils import _cached_tokenizer_dir, _save_to_cache
+
 
 def _imported(modules: str, candidates: tuple[str, ...]) -> list[str]:
     """Which of ``candidates`` a fresh interpreter has in ``sys.modules`` after ``import modules``."""
@@ -32,26 +34,40 @@ def test_the_http_process_imports_no_engine_implementation():
                      ("llmserve.engine.scheduler", "llmserve.engine.worker_client", "llmserve.engine.engine", "rpyc")) == []
 
 
-def test_the_http_process_serves_a_gguf_model_on_cpu_without_torch(default_model_path, tmp_path):
-    """What the HTTP process does before serving (load the tokenizer, inspect the model) leaves
-    torch unimported on a CPU machine once the GGUF vocabulary is converted (the first run
-    converts it through AutoTokenizer, which imports torch, and caches it): torch is 200 MB
-    resident, a fifth of what serving the embedded model took."""
+def _http_process_start(model: str) -> list[str]:
+    """What the HTTP process does before serving (load the tokenizer, inspect the model), in a fresh
+    interpreter on CPU: [device, whether torch got imported]."""
     code = (
         "import sys\n"
         "import llmserve.server.serve, llmserve.server.api.app\n"
         "from llmserve.engine.config import EngineConfig, inspect_model\n"
         "from llmserve.tokenizer import load_tokenizer\n"
-        f"spec = inspect_model(EngineConfig(model={default_model_path!r}), load_tokenizer({default_model_path!r}))\n"
+        f"spec = inspect_model(EngineConfig(model={model!r}), load_tokenizer({model!r}))\n"
         "print(spec.device, 'torch' in sys.modules)\n"
     )
-    env = {**os.environ, "LLMSERVE_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-            for _ in range(2)]
-    if runs[0].split()[0] != "cpu":
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    if out.split()[0] != "cpu":
         pytest.skip("a GPU machine: the HTTP process asks torch which GPUs there are")
-    assert runs[0].split() == ["cpu", "True"]       # converting the vocabulary
-    assert runs[1].split() == ["cpu", "False"]      # from the cache
+    return out.split()
+
+
+def test_the_http_process_serves_a_gguf_model_on_cpu_without_torch(default_model_path, smollm2_tokenizer, tmp_path,
+                                                                   monkeypatch):
+    """The HTTP process leaves torch unimported on a CPU machine once the GGUF vocabulary is
+    converted and cached (converting goes through AutoTokenizer, which imports torch): torch is
+    200 MB resident, a fifth of what serving the embedded model took. The cache entry is the
+    session's converted tokenizer, written where a conversion would write it (converting again
+    would cost 15 CPU-s)."""
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
+    _save_to_cache(smollm2_tokenizer, _cached_tokenizer_dir(default_model_path))
+    assert _http_process_start(default_model_path) == ["cpu", "False"]      # the cache: $LLMSERVE_CACHE_DIR
+
+
+def test_the_http_process_serves_an_hf_model_on_cpu_without_torch(tiny_llama_dir):
+    """An HF directory's TokenizersBackend is loaded without AutoTokenizer, whose config classes
+    import torch (5 CPU-s of every server's start-up)."""
+    assert _http_process_start(tiny_llama_dir) == ["cpu", "False"]
 
 
 def test_the_listening_port_is_held_from_before_the_model_loads():

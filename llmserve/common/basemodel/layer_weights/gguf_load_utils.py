@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 
 from llmserve.common.cache import cache_root
 from llmserve.common.errors import ModelLoadError
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     import torch
@@ -308,12 +310,17 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 
 def _open_reader(path: str) -> GGUFReader:
+    return _read_checked(path, lambda: GGUFReader(path, "r"))
+
+
+def _read_checked(path: str, read: Callable[[], T]) -> T:
+    """``read()`` of a GGUF file, with a missing file or a bad one reported as ModelLoadError."""
     if not os.path.exists(path):
         raise ModelLoadError(f"GGUF file {path} does not exist")
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF path {path} is not a file")
     try:
-        return GGUFReader(path, "r")
+        return read()
     except Exception as e:  # gguf-py reports bad files as ValueError, struct/reshape errors, ...
         raise ModelLoadError(f"{path} is not a valid GGUF file ({e})") from e
 
@@ -340,7 +347,7 @@ def load_gguf(path: str, archs: Mapping[str, GGUFArch], progress: bool = True, q
     from llmserve.kernels.quantized_linear import QTYPES, QuantizedWeight
 
     reader = _open_reader(path)
-    config, spec = _config_of(reader, path, archs)
+    config, spec = _config_of(*_header_of(reader), path, archs)
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
@@ -457,14 +464,84 @@ def _save_to_cache(tokenizer: Any, target: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _config_of(reader: GGUFReader, path: str, archs: Mapping[str, GGUFArch]) -> tuple[dict[str, Any], GGUFArch]:
-    meta = _metadata(reader)
+def _header_of(reader: GGUFReader) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """The scalar metadata and the tensor shapes (HF order) as GGUFReader read them."""
+    return _metadata(reader), {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in reader.tensors}
+
+
+def _config_of(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: str,
+               archs: Mapping[str, GGUFArch]) -> tuple[dict[str, Any], GGUFArch]:
     arch, spec = _arch_of(meta, path, archs)
-    shapes = {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in reader.tensors}
     return _build_config(meta, arch, spec, shapes, path), spec
 
 
 def gguf_config(path: str, archs: Mapping[str, GGUFArch]) -> dict[str, Any]:
     """The HF-style config of a GGUF file from its metadata and tensor shapes alone (no tensor
     data is read, so rope scaling stored as a rope_freqs tensor is not in it)."""
-    return _config_of(_open_reader(path), path, archs)[0]
+    header = _read_checked(path, lambda: _read_header(path))
+    return _config_of(*(header or _header_of(_open_reader(path))), path, archs)[0]
+
+
+# struct formats of GGUF's scalar value types (little-endian), by GGUFValueType
+_SCALAR_FORMATS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+                   GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+                   GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+                   GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
+
+
+def _read_header(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]] | None:
+    """The scalar metadata (as `_metadata` gives it) and the tensor shapes (HF order) of a
+    little-endian GGUF v2 / v3 file, read straight from its header: GGUFReader turns each of the
+    vocabulary's ~100k strings into numpy views first (7 CPU-s for SmolLM2's), and this needs none
+    of them. None for a file of another layout (GGUFReader reads those)."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, n_tensors, n_fields = struct.unpack_from("<IIQQ", buf, 0)
+        if magic != 0x46554747 or version not in (2, 3):     # b"GGUF"; v1's lengths are 32-bit
+            return None
+        offs = 24
+
+        def string() -> bytes:
+            nonlocal offs
+            (n,) = struct.unpack_from("<Q", buf, offs)
+            offs += 8 + n
+            return buf[offs - n:offs]
+
+        def value(value_type: int) -> Any:
+            nonlocal offs
+            if value_type == GGUFValueType.STRING:
+                return string().decode("utf-8", errors="replace")
+            fmt = _SCALAR_FORMATS[GGUFValueType(value_type)]
+            (v,) = struct.unpack_from(fmt, buf, offs)
+            offs += struct.calcsize(fmt)
+            # str() of the float32 gives the shortest decimal that round-trips in it, as _scalar
+            return float(str(np.float32(v))) if value_type == GGUFValueType.FLOAT32 else v
+
+        # GGUFReader lists the header's counts as fields too
+        meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_fields}
+        for _ in range(n_fields):
+            key = string().decode("utf-8")
+            (value_type,) = struct.unpack_from("<I", buf, offs)
+            offs += 4
+            if value_type != GGUFValueType.ARRAY:
+                meta[key] = value(value_type)
+                continue
+            item_type, count = struct.unpack_from("<IQ", buf, offs)     # skipped: see _metadata
+            offs += 12
+            if item_type == GGUFValueType.STRING:
+                for _ in range(count):
+                    string()
+            elif item_type in _SCALAR_FORMATS:
+                offs += count * struct.calcsize(_SCALAR_FORMATS[GGUFValueType(item_type)])
+            else:
+                return None                                   # nested arrays: GGUFReader's
+        shapes: dict[str, tuple[int, ...]] = {}
+        for _ in range(n_tensors):
+            name = string().decode("utf-8")
+            (n_dims,) = struct.unpack_from("<I", buf, offs)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, offs + 4)
+            offs += 4 + 8 * n_dims + 4 + 8                     # the dims, the type, the data offset
+            shapes[name] = tuple(reversed(dims))              # GGUF lists dimensions innermost first
+    return meta, shapes

@@ -17,6 +17,8 @@ import torch
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import (
     GGUFCheckpoint,
     ModelLoadError,
+    _header_of,
+    _read_header,
     _rope_scaling_from_freqs,
     gguf_config,
     load_gguf,
@@ -257,14 +259,38 @@ def test_unexpected_tensor(tmp_path: Path) -> None:
         load_gguf(str(path), GGUF_ARCHS, progress=False)
 
 
+def test_the_header_is_read_as_gguf_reader_reads_it(tmp_path: Path, smollm_path: str) -> None:
+    """gguf_config reads the metadata and tensor shapes straight from the header (GGUFReader first
+    makes numpy views of the whole vocabulary): the same values, of the same Python types, for
+    the embedded file and for one with a value of every type GGUF has."""
+    def every_type(w: gguf.GGUFWriter) -> None:
+        for i, kind in enumerate(["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"]):
+            getattr(w, f"add_{kind}")(f"test.{kind}", i + 1)
+        w.add_float32("test.float32", 1e-5)
+        w.add_float64("test.float64", 0.1)
+        w.add_bool("test.bool", True)
+        w.add_string("test.string", "naïve")
+        w.add_array("test.strings", ["a", "bé", ""])
+        w.add_array("test.ints", [1, 2, 3])
+        w.add_array("test.floats", [0.5, 1.5])
+
+    path = tmp_path / "types.gguf"
+    write_gguf(path, "llama", tiny_hf_tensors(np.random.default_rng(3), biases=False, untied=True), extra_kv=every_type)
+    for p in (str(path), smollm_path):
+        meta, shapes = _read_header(p)
+        want_meta, want_shapes = _header_of(gguf.GGUFReader(p))
+        assert meta == want_meta and shapes == want_shapes
+        assert {k: type(v) for k, v in meta.items()} == {k: type(v) for k, v in want_meta.items()}
+    assert _read_header(str(path))[0]["test.float32"] == 1e-5      # the shortest decimal, as config.json had it
+
+
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
-    path.write_bytes(b"this is not a GGUF file" * 10)
-    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
-        load_gguf(str(path), GGUF_ARCHS)
-    path.write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
-        load_gguf(str(path), GGUF_ARCHS)
+    for content in (b"this is not a GGUF file" * 10, b""):
+        path.write_bytes(content)
+        for read in (load_gguf, gguf_config):
+            with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+                read(str(path), GGUF_ARCHS)
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -282,6 +308,9 @@ def test_truncated_gguf(tmp_path: Path, smollm_path: str) -> None:
         path.write_bytes(f.read(6_000_000))
     with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
         load_gguf(str(path), GGUF_ARCHS)
+    path.write_bytes(path.read_bytes()[:100_000])      # within the vocabulary: the header's reader fails too
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        gguf_config(str(path), GGUF_ARCHS)
 
 
 # ---------------------------------------------------------------------------------------------
