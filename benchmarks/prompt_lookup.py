@@ -4,8 +4,8 @@ Two modes.
 
 ``engine`` (the default; CPU, the embedded model)
   Greedy requests on prompts whose answers copy from them, built from text that ships with this
-  repository: edit a Python source file ("rename X to Y, output the whole file"), repeat a
-  passage, answer from a passage, summarise it. Each workload runs at batch 1, 8 and 32 (the
+  repository: edit a Python source file ("rename X to Y, output the whole file"), repeat a paragraph
+  of a passage, answer from a passage, summarise it. Each workload runs at batch 1, 8 and 32 (the
   batch's prompts cycle through the workload's texts), without drafts and then with them (the
   same engine; ``SamplingParams.speculate`` off), ``--repeats`` such pairs back to back, the
   outputs checked equal token for token. Each distinct prompt is prefilled once first, into the
