@@ -229,6 +229,9 @@ def grounded_prompts(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
 @pytest.fixture(scope="module")
 def llm(default_model_path):
     with LLM(default_model_path, speculate=SPECULATE, speculate_max_batch=MAX_BATCH) as llm:
+        # Drafts as long as their match allows (the policy's cuts are test_drafting.py's): long
+        # accepted runs, for the stops placed inside them.
+        llm.engine.scheduler.drafter.cost = DraftCost()
         yield llm
 
 
