@@ -18,11 +18,16 @@ tokens save. A request whose drafts keep gaining nothing (no n-gram of its end r
 accepts none of a well-matched draft) backs off: see ``Drafter.verified``; with the overlapped
 loop its back-off starts a step late (the step after a verify is scheduled before it is read).
 
-How long a budget: the length that pays best given what the request's recent drafts had accepted
-(``DraftCost``, ``DraftState.acceptance``); the worker's draft is at most that, and shorter where
-its match supports less (2 tokens per matched token). A rejected draft token still costs its row
-of the verify step, so a request whose copy keeps diverging drafts a token or two, and one copying
-a passage drafts the whole ``speculate``.
+How long a budget: the step's budgets are planned together (``DraftCost.draft_lengths``), from
+each request's recent acceptance (``DraftState.acceptance``) and what the step costs: on a CPU
+every row of a step costs (a decode step of 8 requests is about 2.5 of one request's, a draft
+token's row 0.13), and a step that carries drafts takes the verify path with all its rows, so at
+batch 8 a verify pays only where several requests' drafts are likely kept. The likeliest draft
+tokens of the step are taken first, as many as raise its tokens per unit of time: a request
+whose copy keeps diverging drafts a token or two or none, one copying a passage the whole
+``speculate``. A request left out for its acceptance sits the next step out and its evidence
+fades toward the prior, so it tries again a few steps later. The worker's draft is at most the
+budget, and shorter where its match supports less (2 tokens per matched token).
 
 Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
 cheap as decode steps (a split-K attention path for few-token verify batches; on a CPU, per-row
@@ -53,33 +58,54 @@ ACCEPTANCE_DECAY = 0.7
 
 @dataclass(frozen=True)
 class DraftCost:
-    """What a verify step costs beyond a decode step, in decode steps: ``per_step`` for carrying
-    a draft at all, ``per_token`` for each draft token's row. Zero (a bare scheduler's): every
-    draft is as long as its match allows."""
+    """What a step costs the device, in decode steps of one request: a decode step of ``B``
+    requests costs 1 + ``per_request`` * (B - 1). One that carries drafts costs ``per_step`` +
+    ``per_request_verified`` * B more (the verify path, taken by every row of the step: all rows'
+    logits, the verifier, the causal attention of several queries), and ``per_token`` more for
+    each draft token's row. Zero (a bare scheduler's): every draft is as long as its match allows."""
     per_step: float = 0.0
     per_token: float = 0.0
+    per_request: float = 0.0
+    per_request_verified: float = 0.0
+
+    def draft_lengths(self, acceptances: list[float], limits: list[int]) -> list[int]:
+        """The draft lengths (each at most its ``limits`` entry) for a step of ``len(acceptances)``
+        decodes that emit the most tokens per unit of the step's cost, if each draft token of
+        decode ``i`` is accepted with chance ``acceptances[i]`` given the ones before it: its
+        ``n``-th draft token adds ``acceptances[i] ** n`` tokens and ``per_token`` to the cost.
+        The step's draft tokens are taken likeliest first (so a request whose drafts keep being
+        accepted drafts long, one whose drafts keep failing none), as many as raise the step's
+        rate; all zero where no drafts beat the plain decode step."""
+        num_decodes = len(acceptances)
+        decode_step = 1 + self.per_request * (num_decodes - 1)
+        gains = sorted(((a ** n, i) for i, (a, k) in enumerate(zip(acceptances, limits)) for n in range(1, k + 1)),
+                       key=lambda gain: -gain[0])    # (stable: ties keep the earlier decode's first)
+        emitted, cost = float(num_decodes), decode_step + self.per_step + self.per_request_verified * num_decodes
+        taken, best_rate = 0, num_decodes / decode_step
+        for j, (gain, _) in enumerate(gains, 1):
+            emitted += gain
+            cost += self.per_token
+            rate = emitted / cost
+            if rate >= best_rate:      # ties keep more drafts (a zero cost: every limit)
+                taken, best_rate = j, rate
+        lengths = [0] * num_decodes
+        for _, i in gains[:taken]:
+            lengths[i] += 1
+        return lengths
 
     def best_length(self, acceptance: float, k: int) -> int:
-        """The draft length of at most ``k`` that emits the most tokens per decode step's worth of
-        time, if each draft token is accepted with chance ``acceptance`` given the ones before it:
-        1 + a + ... + a^n tokens for 1 + per_step + n * per_token; 0 where no draft beats a plain
-        decode (one token a step)."""
-        best, best_rate, emitted = 0, 1.0, 1.0
-        for n in range(1, k + 1):
-            emitted += acceptance ** n
-            rate = emitted / (1 + self.per_step + n * self.per_token)
-            if rate >= best_rate:      # ties keep the longer draft (a zero cost: all of k)
-                best, best_rate = n, rate
-            elif self.per_token:
-                break                  # the rate rises, then falls: past its peak
-        return best
+        """The draft length of at most ``k`` that pays best for a decode alone in its step."""
+        return self.draft_lengths([acceptance], [k])[0]
 
 
-# By device (EngineConfig's): a verify step against a decode step of the embedded model, batch 1.
-# CPU: 1 + 1 tokens cost about 1.3x, each further row 6-8% (the quantized kernel's rows, the
-# attention's queries, a row of logits). GPU: 1.16-1.19x whatever the draft's length
-# (benchmarks/README.md, "prompt_lookup.py").
-DRAFT_COSTS = {"cpu": DraftCost(per_step=0.2, per_token=0.08), "cuda": DraftCost(per_step=0.17, per_token=0.005)}
+# By device (EngineConfig's), the embedded model's steps in units of its batch-1 decode step.
+# CPU (benchmarks/README.md, "prompt_lookup.py", 2026-11-27): a verify of 1 + 1 tokens costs about
+# 1.3x a decode, 1 + 2 1.45x, 1 + 10 2.5x (0.17 + 0.13 a row); a decode step of 8 requests 2.4-2.7x
+# (0.22 a request); and the batch-8 verify steps of that table's "on" runs took 0.1 a request more
+# than their decode step and draft rows did (0.7-1.0 at batch 8). GPU: 1.16-1.19x whatever the
+# draft's length, a decode step's cost flat in its batch at these sizes.
+DRAFT_COSTS = {"cpu": DraftCost(per_step=0.07, per_token=0.13, per_request=0.22, per_request_verified=0.1),
+               "cuda": DraftCost(per_step=0.17, per_token=0.005)}
 
 
 @dataclass
@@ -128,29 +154,28 @@ class Drafter:
 
     def add_drafts(self, decodes: list[ScheduledRequest], room: int) -> int:
         """Grant the step's decodes their draft budgets, ``room`` tokens in all at most; returns
-        how many draft slots they took."""
-        for s in decodes:
+        how many draft slots they took. Each budget is what pays given every decode's recent
+        acceptance and the step's cost (``DraftCost.draft_lengths``)."""
+        acceptances, limits = [0.0] * len(decodes), [0] * len(decodes)
+        for i, s in enumerate(decodes):
             req = s.request
-            if room <= 0:
-                break
             if not req.params.speculate:
                 continue
             state = self.states[req]
             if state.wait:
                 state.wait -= 1
                 continue
-            k = min(self.speculate, req.params.max_new_tokens - req.max_num_output_tokens - 1, room)
-            if k <= 0:
-                continue
-            k = self.cost.best_length(state.acceptance, k)
-            if k == 0:
-                # At its recent acceptance no draft pays: it sits this step and the next out, its
-                # evidence fading (a copy may start later).
+            acceptances[i] = state.acceptance
+            limits[i] = max(0, min(self.speculate, req.params.max_new_tokens - req.max_num_output_tokens - 1))
+        for s, k, limit in zip(decodes, self.cost.draft_lengths(acceptances, limits), limits):
+            if limit and not k:
+                # At its recent acceptance its draft does not pay: it sits this step and the next
+                # out, its evidence fading (a copy may start later).
+                state = self.states[s.request]
                 state.fade()
                 state.wait = max(state.wait, 1)
-                continue
-            s.draft_budget = k
-            room -= k
+            s.draft_budget = max(0, min(k, room))
+            room -= s.draft_budget
         return sum(s.draft_budget for s in decodes)
 
     def verified(self, s: ScheduledRequest, num_drafted: int, match_len: int, num_accepted: int) -> None:

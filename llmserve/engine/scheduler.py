@@ -54,8 +54,8 @@ class SchedulerConfig:
     speculate: int = 0
     # More decodes than this in a step: no drafts (verifying a large batch costs more than it saves).
     speculate_max_batch: int = 32
-    # What a verify step costs the device beyond a decode step (drafting.DRAFT_COSTS): drafts are
-    # cut to the length that pays. Zero: as long as their match allows.
+    # What a step costs the device by its rows, drafts or not (drafting.DRAFT_COSTS): a step's
+    # budgets are cut to the lengths that pay. Zero: as long as their match allows.
     draft_cost: DraftCost = DraftCost()
     # Keep requests' tokens in a radix tree (radix_cache.py) and start each request from its
     # longest cached prefix. (The engine's default is on; bare schedulers in tests run without.)

@@ -21,6 +21,7 @@ from transformers import BloomConfig, LlamaConfig
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.config import SPECULATE_MAX_BATCH, EngineConfig, with_device_defaults
+from llmserve.engine.drafting import DraftCost
 from llmserve.engine.engine import LLMEngine
 from parity_utils import build_tiny_hf_model, build_tiny_llava
 
@@ -184,6 +185,9 @@ def test_overlapped_drafts_equal_plain_under_preemption(tied_llama_dir):
     # drafts in flight are preempted, and prompts are chunked.
     with LLM(tied_llama_dir, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48,
              max_total_token_num=192) as llm:
+        # Drafts as long as their match allows: at batch 8 the CPU's costs (drafting.DRAFT_COSTS)
+        # soon stop a random model's drafts, and this test is of the drafts' bookkeeping.
+        llm.engine.scheduler.drafter.cost = DraftCost()
         prompts, params = random_workload(512, 8, seed=6)
         # Long enough that the random model's output cycles (drafts are accepted) and outgrows the pool.
         params = [dataclasses.replace(p, max_new_tokens=40) for p in params]
@@ -225,6 +229,9 @@ def grounded_prompts(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
 @pytest.fixture(scope="module")
 def llm(default_model_path):
     with LLM(default_model_path, speculate=SPECULATE, speculate_max_batch=MAX_BATCH) as llm:
+        # Drafts as long as their match allows (the policy's cuts are test_drafting.py's): long
+        # accepted runs, for the stops placed inside them.
+        llm.engine.scheduler.drafter.cost = DraftCost()
         yield llm
 
 
