@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.engine.drafting import DraftCost
 from parity_utils import build_tiny_hf_model
 
 DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")
@@ -47,6 +48,9 @@ def small_vocab_llama_dir(tmp_path_factory) -> str:
 def llm(small_vocab_llama_dir):
     # Every request of the batch drafts (the default cap would switch drafting off for this batch).
     with LLM(small_vocab_llama_dir, dtype=DTYPE, speculate=4, speculate_max_batch=2 * NUM_SAMPLES) as llm:
+        # Drafts as long as their match allows: at a batch of NUM_SAMPLES the CPU's costs
+        # (drafting.DRAFT_COSTS) rightly draft nothing, and this test is of what drafts sample.
+        llm.engine.scheduler.drafter.cost = DraftCost()
         yield llm
 
 
