@@ -93,7 +93,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
     """Serve until stopped; the exit code. Logging is the caller's to configure
     (``llmserve.common.logs``): uvicorn's records go through it too."""
     # What can fail without the model fails before the (slow) model load.
-    with bind_listen_socket(config.host, config.port) as listen_socket:
+    listen_socket = bind_listen_socket(config.host, config.port)
+    cores: list[EngineCoreProcess] = []
+    try:
         chat_template = load_chat_template(config.chat_template) if config.chat_template else None
         model_path = resolve_model_path(engine_config.model)
         sampling_defaults = load_sampling_defaults(config.generation_config, model_path)
@@ -101,50 +103,51 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         dp, tp = engine_config.dp, engine_config.tp
         cores = [EngineCoreProcess(engine_config, log_level, env=replica_env(r, tp) if dp > 1 else None)
                  for r in range(dp)]
-        try:
-            tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
-            adopt_library_logging()                     # loading it may have imported transformers
-            model = inspect_model(engine_config, tokenizer)
-            for core in cores:
-                core.start_model(model)
-            readies = [core.wait_ready() for core in cores]    # they load the model side by side
-            metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),
-                                    max_total_token_num=readies[0].info.max_total_token_num,
-                                    lora_names=list(engine_config.lora_modules))
-            server: _Server | None = None
+        tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none
+        adopt_library_logging()                     # loading it may have imported transformers
+        model = inspect_model(engine_config, tokenizer)
+        for core in cores:
+            core.start_model(model)
+        readies = [core.wait_ready() for core in cores]    # they load the model side by side
+        metrics = ServerMetrics(config.served_model_name or default_model_name(model_path),
+                                max_total_token_num=readies[0].info.max_total_token_num,
+                                lora_names=list(engine_config.lora_modules))
+        server: _Server | None = None
 
-            def on_fatal(error: BaseException) -> None:
-                if server is not None:
-                    server.stop_with_error(error)
+        def on_fatal(error: BaseException) -> None:
+            if server is not None:
+                server.stop_with_error(error)
 
-            if dp == 1:
-                engine = EngineClient(cores[0].sock, readies[0], tokenizer, metrics, on_fatal=on_fatal,
-                                      proc=cores[0].proc, log_stats_interval=log_stats_interval)
-            else:
-                replicas = [(core.sock, ready, core.proc) for core, ready in zip(cores, readies)]
-                engine = DataParallelEngineClient(replicas, tokenizer, metrics, on_fatal=on_fatal,
-                                                  log_stats_interval=log_stats_interval)
-            state = ServerState(config, engine, metrics, chat_template, sampling_defaults)
-            status_logger().info("%s, max %d tokens per request, chat template: %s, sampling defaults: %s",
-                                 engine.summary, state.limits.max_model_len, describe_template(state),
-                                 sampling_defaults.summary())
-            banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
-                      f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions"
-                      f"{'; chat page: /' if config.ui else ''})")
-            uv_config = uvicorn.Config(
-                create_app(state), host=config.host, port=config.port, log_level=log_level,
-                access_log=log_level in ("debug", "info"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                log_config=None,     # uvicorn's records go through our handler: timestamps, --log-format
-            )
-            server = _Server(uv_config, engine, banner)
-            # What start-up made (the tokenizer, the app, the model's description) lives as long
-            # as the process: frozen, the collector's full passes, which the garbage of streaming
-            # (objects a token) sets off, no longer walk it: ~8% of the CPU time a streamed token.
-            gc.freeze()
-            server.run(sockets=[listen_socket])
-            if server.exit_code:
-                report_error(str(engine.error))
-            return server.exit_code
-        finally:
-            for core in cores:
-                core.stop()
+        if dp == 1:
+            engine = EngineClient(cores[0].sock, readies[0], tokenizer, metrics, on_fatal=on_fatal,
+                                  proc=cores[0].proc, log_stats_interval=log_stats_interval)
+        else:
+            replicas = [(core.sock, ready, core.proc) for core, ready in zip(cores, readies)]
+            engine = DataParallelEngineClient(replicas, tokenizer, metrics, on_fatal=on_fatal,
+                                              log_stats_interval=log_stats_interval)
+        state = ServerState(config, engine, metrics, chat_template, sampling_defaults)
+        status_logger().info("%s, max %d tokens per request, chat template: %s, sampling defaults: %s",
+                             engine.summary, state.limits.max_model_len, describe_template(state),
+                             sampling_defaults.summary())
+        banner = (f"llmserve: serving {state.model_name} on http://{config.host}:{config.port} "
+                  f"(TGI: /generate, /generate_stream; OpenAI: /v1/completions, /v1/chat/completions"
+                  f"{'; chat page: /' if config.ui else ''})")
+        uv_config = uvicorn.Config(
+            create_app(state), host=config.host, port=config.port, log_level=log_level,
+            access_log=log_level in ("debug", "info"), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            log_config=None,     # uvicorn's records go through our handler: timestamps, --log-format
+        )
+        server = _Server(uv_config, engine, banner)
+        # What start-up made (the tokenizer, the app, the model's description) lives as long
+        # as the process: frozen, the collector's full passes, which the garbage of streaming
+        # (objects a token) sets off, no longer walk it (one run under load: 5.88 -> 5.39 CPU-s
+        # for 32k streamed tokens, within that machine's noise; benchmarks/frontend_cost.py).
+        gc.freeze()
+        server.run(sockets=[listen_socket])
+        if server.exit_code:
+            report_error(str(engine.error))
+        return server.exit_code
+    finally:
+        for core in cores:
+            core.stop()
+        listen_socket.close()

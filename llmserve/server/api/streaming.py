@@ -19,9 +19,9 @@ SHUTDOWN_GRACE_S = 2.0
 
 class _EventStream(EventSourceResponse):
     """sse_starlette's response without a cancel scope around every event's send: it opens one
-    (``move_on_after(send_timeout)``) even with no timeout, as ours is, and at one event a token
-    that was a tenth of the HTTP process's CPU time per streamed token. With a timeout set,
-    sse_starlette's own send runs."""
+    (``move_on_after(send_timeout)``) even with no timeout, as ours is: one a token. With this and
+    `sse_event`'s bytes the SSE layer takes 6.3 us an event against 16.6 (benchmarks/README.md,
+    "The HTTP process's CPU per streamed token"). With a timeout set, sse_starlette's own send runs."""
 
     async def _send_with_timeout(self, send, message) -> None:
         if self.send_timeout is None:
