@@ -156,9 +156,22 @@ def _word_dot(word, X, k0, K, chunk, index: tl.constexpr, two_to_7, BLOCK_N: tl.
 
 
 @triton.jit
+def _raw_chunk(w_ptrs, n_mask, k0, K, KW, stored, PACK: tl.constexpr, EVEN_K: tl.constexpr,
+               IN_K: tl.constexpr = False):
+    """The stored weight of the K step at ``k0`` (``w_ptrs`` already there), zeros past K: a step
+    past K moves no memory (as `row_chunk`'s). IN_K: the step is known to start inside K."""
+    if EVEN_K and IN_K:
+        return tl.load(w_ptrs, mask=n_mask[:, None, None], other=0.0)
+    if EVEN_K:
+        return tl.load(w_ptrs, mask=n_mask[:, None, None] & (k0 < K), other=0.0)
+    return tl.load(w_ptrs, mask=n_mask[:, None, None] & (k0 // PACK + stored < KW)[None, :, :], other=0.0)
+
+
+@triton.jit
 def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n, two_to_7,
                SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr,
+               PREFETCH: tl.constexpr):
     """x . W[n] for the rows ``offs_n``, float32 ``[BLOCK_N]``, scales applied.
 
     The K step is C chunks of CV columns, each chunk one 16-byte load of a row (16 FP8 values or
@@ -167,18 +180,26 @@ def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride
     registers a thread spends on accumulating no longer grow with the values it has in flight,
     so a tile can keep as many bytes in flight as the bf16 GEMV does (128-256 a thread). A chunk
     lies in one scale group (CV <= GROUP), so its scale and zero point multiply its sum:
-    s * (sum q x - z * sum x), sum x computed once a chunk for every row."""
+    s * (sum q x - z * sum x), sum x computed once a chunk for every row.
+
+    With PREFETCH a step's weight loads are issued before the previous step's sums (as
+    `gemv.py`'s loop: two tiles in flight a program, on twice the registers for them); without,
+    the loads of a step wait behind its sums. Which wins depends on how many programs an SM then
+    holds, so it is one of the autotuned choices."""
     C: tl.constexpr = BLOCK_K // CV
     V: tl.constexpr = CV // PACK                                   # stored elements a chunk
     chunk = tl.arange(0, C)
     stored = chunk[:, None] * V + tl.arange(0, V)[None, :]        # [C, V], from k0 / PACK
     w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_w_n + stored[None, :, :]
     acc = tl.zeros([BLOCK_N, C], tl.float32)
+    if PREFETCH:
+        raw_next = _raw_chunk(w_ptrs, n_mask, 0, K, KW, stored, PACK, EVEN_K, IN_K=True)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            raw = tl.load(w_ptrs, mask=n_mask[:, None, None], other=0.0)
+        if PREFETCH:
+            raw = raw_next
+            raw_next = _raw_chunk(w_ptrs + BLOCK_K // PACK, n_mask, k0 + BLOCK_K, K, KW, stored, PACK, EVEN_K)
         else:
-            raw = tl.load(w_ptrs, mask=n_mask[:, None, None] & (k0 // PACK + stored < KW)[None, :, :], other=0.0)
+            raw = _raw_chunk(w_ptrs, n_mask, k0, K, KW, stored, PACK, EVEN_K, IN_K=True)
         if PACK == 8:
             # x as four [C, 8] loads, one a word: each is 16 bytes of a thread (as the weight
             # tile's layout wants them), where one [C, 32] load would be spread over four
@@ -221,17 +242,17 @@ def _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride
 def _dequant_gemv_kernel(
     X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
     SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # ACT "": Y[n] = x . W[n] for n < N. ACT "silu" / "gelu_tanh" (a gated MLP's gate_up, W of
     # 2N rows): Y[n] = act(x . W[n]) * (x . W[N + n]), rounded as `gemv.py`'s act-and-mul is.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     y = _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
-                   SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K)
+                   SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K, PREFETCH)
     if ACT != "":
         up = _gemv_rows(X, W, S, Z, offs_n + N, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
-                        SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K)
+                        SCALE_ROWS, GROUP, PACK, HAS_ZERO, BLOCK_N, BLOCK_K, CV, EVEN_K, PREFETCH)
         gate = y.to(Y.dtype.element_ty).to(tl.float32)
         if ACT == "gelu_tanh":
             act = gelu_tanh(gate)
@@ -278,16 +299,21 @@ def _config(block_n: int, block_k: int, num_warps: int, num_stages: int, block_m
     return triton.Config(sizes, num_warps=num_warps, num_stages=num_stages)
 
 
-# One row, by PACK (values a stored element): (BLOCK_N, BLOCK_K, num_warps). A thread holds one
-# 16-byte chunk of each of BLOCK_N * C / (32 * num_warps) rows (C = BLOCK_K / CV chunks a step),
-# so the first entries keep 128 bytes a thread in flight, as gemv.py's bf16 tile (4 x 2048 x 2
-# bytes over 128 threads) does, with 8 accumulators instead of 64; the next 256, then the old
-# 64 (4 rows). BLOCK_N 8 leaves 512 programs for a 4096-row weight (~4 an SM), 16 leaves 256.
+# One row, by PACK (values a stored element): (BLOCK_N, BLOCK_K, num_warps, PREFETCH). A thread
+# holds one 16-byte chunk of each of BLOCK_N * C / (32 * num_warps) rows (C = BLOCK_K / CV chunks
+# a step): 128 bytes a thread a step for 4 x 2048 FP8 or 4 x 4096 4-bit, as gemv.py's bf16 tile
+# (4 x 2048 x 2 bytes over 128 threads). From `benchmarks/dequant_gemv.py --wide` on an H100
+# (2026-11-27, 40 tiles a format on Llama-3-8B's four layer shapes): these hold each shape's best
+# or come within 1% of it. 4 rows a program won everywhere but FP8 qkv (8 x 1024, by 1%);
+# PREFETCH (two steps in flight, at 128-255 registers) never won for FP8 and won 4-bit's o and
+# down by 1-5%; tiles of 16-32 rows or 256 bytes a thread lost 10-60%. 16 x 2048 stays for cards
+# with more bandwidth an SM (an H200), which want more bytes in flight.
 GEMV_TILES = {
-    1: [(8, 2048, 4), (16, 2048, 4), (16, 1024, 4), (16, 2048, 8), (32, 1024, 8), (8, 1024, 4), (4, 2048, 4)],
-    8: [(8, 4096, 4), (16, 4096, 4), (16, 2048, 4), (16, 4096, 8), (32, 2048, 8), (8, 2048, 4), (4, 4096, 4)],
+    1: [(4, 2048, 4, False), (8, 1024, 4, False), (4, 4096, 4, False), (8, 2048, 4, False), (16, 2048, 4, False)],
+    8: [(4, 4096, 4, False), (4, 4096, 4, True), (8, 2048, 4, False), (8, 4096, 4, False), (16, 2048, 4, False)],
 }
-_GEMV_BY_PACK = {pack: [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1) for n, k, w in tiles]
+_GEMV_BY_PACK = {pack: [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch}, num_warps=w, num_stages=1)
+                        for n, k, w, prefetch in tiles]
                  for pack, tiles in GEMV_TILES.items()}
 GEMV_CONFIGS = [c for configs in _GEMV_BY_PACK.values() for c in configs]
 # More rows, by row bucket (`autotune.rows_bucket`): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
