@@ -20,7 +20,11 @@ its dequantized weight (for fp8 from two rows on it includes the activations' FP
 At one row gate_up is also timed as the model runs it, fused with SiLU (`gemv_act_and_mul` for
 bf16, `PackedWeight.act_and_mul` for the formats): the last table.
 
-    python benchmarks/quantized_gemv.py [--rows 1,8,32,128] [--formats fp8,fp8-block,int4]
+``--sweep`` also times, at one row, every tile the autotuner chooses from (`GEMV_TILES`), and
+with ``--wide`` 40-odd more shapes of tile (4-32 rows a program, 64-256 stored bytes a thread a
+step, with and without PREFETCH): what `GEMV_TILES` was cut from.
+
+    python benchmarks/quantized_gemv.py [--rows 1,8,32,128] [--formats fp8,fp8-block,int4] [--sweep [--wide]]
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ import math
 import time
 
 import torch
+import triton
 
 from common import graph_us, markdown_table, measure_copy_bandwidth, remove_script_dir_from_sys_path
 
 remove_script_dir_from_sys_path()
 
+from llmserve.kernels import dequant_linear as D  # noqa: E402
 from llmserve.kernels.dequant_linear import dequant_linear_triton  # noqa: E402
 from llmserve.kernels.fp8_linear import fp8_linear_w8a8, quantize_fp8_rows_triton  # noqa: E402
 from llmserve.kernels.gemv import gemv_act_and_mul  # noqa: E402
@@ -65,10 +71,45 @@ def rotating_us(fn, ws: list) -> float:
     return graph_us(lambda: fn(ws[next(turn)]), calls=len(ws))
 
 
+def wide_tiles(pack: int) -> list[triton.Config]:
+    """More one-row tiles than `GEMV_TILES`: 64 to 256 stored bytes a thread a K step, either loop."""
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch}, num_warps=w, num_stages=1)
+            for n, k, w, prefetch in itertools.product((4, 8, 16, 32), (1024, 2048, 4096, 8192), (4, 8), (False, True))
+            if 64 <= n * k // pack // (32 * w) <= 256]
+
+
+def tile_name(c: triton.Config) -> str:
+    return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}/{c.num_warps}w{'/pf' if c.kwargs.get('PREFETCH') else ''}"
+
+
+def sweep_tiles(x: torch.Tensor, ws: list, wide: bool) -> dict[str, float]:
+    """Microseconds of the one-row GEMV at each tile (`configs_for`'s, and with ``wide``
+    `wide_tiles`' too), reading the weight copies ``ws`` in turn."""
+    w, scale, _, block = ws[0]._gemv_operands()
+    configs = D.configs_for(x, w, scale, block)
+    if wide:
+        template = configs[0].kwargs       # CV and EVEN_K as the prune derives them
+        K = x.shape[-1]
+        known = {tile_name(c) for c in configs}
+        configs += [triton.Config({**template, **c.kwargs, "EVEN_K": K % c.kwargs["BLOCK_K"] == 0},
+                                  num_warps=c.num_warps, num_stages=1)
+                    for c in wide_tiles(D.kernel_layout(w, block)["PACK"])
+                    if c.kwargs["BLOCK_K"] <= K and tile_name(c) not in known]
+    times = {}
+    for c in configs:
+        try:
+            times[tile_name(c)] = rotating_us(lambda q: dequant_linear_triton(x, *q._gemv_operands(), config=c), ws)
+        except Exception as e:   # a tile past the registers or shared memory
+            print(f"  {tile_name(c)}: {type(e).__name__}")
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,32,128", help="comma-separated row counts")
     p.add_argument("--formats", default="fp8,fp8-block,int4", help=f"of {', '.join(QUANTIZE)}")
+    p.add_argument("--sweep", action="store_true", help="also time every one-row tile the autotuner tries")
+    p.add_argument("--wide", action="store_true", help="with --sweep: many more shapes of tile")
     args = p.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     formats = args.formats.split(",")
@@ -78,7 +119,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"L2 {l2 >> 20} MiB")
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    table, step, fused = [], {}, {}
+    table, step, fused, swept = [], {}, {}, []
     for name, (N, K) in SHAPES.items():
         dense = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16, generator=g) * K ** -0.5
         weights = {"bf16": dense} | {f: QUANTIZE[f](dense).to(dense.device, dense.dtype) for f in formats}
@@ -92,6 +133,14 @@ def main() -> None:
                 if f != "bf16":
                     want = x.float() @ ws[0].dequantize(torch.float32).t()
                     errs[f] = ((linear(x, ws[0]).float() - want).norm() / want.norm()).item()
+            if args.sweep and M == 1:
+                for f in formats:
+                    tiles = sweep_tiles(x, copies[f], args.wide)
+                    best = min(tiles, key=tiles.get)
+                    floor = (weight_bytes(weights[f]) + io) / bw * 1e6
+                    swept.append([f, name, f"{times[f]:.1f}", f"{times[f] / floor:.2f}", f"{tiles[best]:.1f} {best}",
+                                  f"{tiles[best] / floor:.2f}"])
+                    print(f"  {f} {name}: " + ", ".join(f"{t} {us:.1f}" for t, us in sorted(tiles.items(), key=lambda kv: kv[1])))
             if name == "gate_up" and M == 1:
                 for f, ws in copies.items():
                     us = rotating_us(lambda w: gemv_act_and_mul(x, w, "silu") if f == "bf16"
@@ -136,6 +185,9 @@ def main() -> None:
     if fused:
         print("\ngate_up fused with SiLU at one row, µs (x floor: the weight's bytes over the copy bandwidth):")
         print(markdown_table(["format", "µs", "x floor"], [[f, f"{us:.1f}", f"{ratio:.2f}"] for f, (us, ratio) in fused.items()]))
+    if swept:
+        print("\nOne row: the autotuned tile against the sweep's best, µs (x floor):")
+        print(markdown_table(["format", "weight", "autotuned µs", "x floor", "best tile µs", "x floor"], swept))
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 

@@ -302,7 +302,7 @@ def _config(block_n: int, block_k: int, num_warps: int, num_stages: int, block_m
 # One row, by PACK (values a stored element): (BLOCK_N, BLOCK_K, num_warps, PREFETCH). A thread
 # holds one 16-byte chunk of each of BLOCK_N * C / (32 * num_warps) rows (C = BLOCK_K / CV chunks
 # a step): 128 bytes a thread a step for 4 x 2048 FP8 or 4 x 4096 4-bit, as gemv.py's bf16 tile
-# (4 x 2048 x 2 bytes over 128 threads). From `benchmarks/dequant_gemv.py --wide` on an H100
+# (4 x 2048 x 2 bytes over 128 threads). From `benchmarks/quantized_gemv.py --rows 1 --sweep --wide` on an H100
 # (2026-11-27, 40 tiles a format on Llama-3-8B's four layer shapes): these hold each shape's best
 # or come within 1% of it. 4 rows a program won everywhere but FP8 qkv (8 x 1024, by 1%);
 # PREFETCH (two steps in flight, at 128-255 registers) never won for FP8 and won 4-bit's o and
