@@ -20,8 +20,8 @@ its dequantized weight (for fp8 from two rows on it includes the activations' FP
 At one row gate_up is also timed as the model runs it, fused with SiLU (`gemv_act_and_mul` for
 bf16, `PackedWeight.act_and_mul` for the formats): the last table.
 
-``--sweep`` also times, at one row, every tile the autotuner chooses from (`GEMV_TILES`), and
-with ``--wide`` 40-odd more shapes of tile (4-32 rows a program, 64-256 stored bytes a thread a
+``--sweep`` also times, at one row, every tile the autotuner chooses from (`GEMV_TILES`) and the
+dequantizing GEMM's tiles for 16 rows (the tensor cores at one row), and with ``--wide`` 40-odd more shapes of tile (4-32 rows a program, 64-256 stored bytes a thread a
 step, with and without PREFETCH): what `GEMV_TILES` was cut from.
 
     python benchmarks/quantized_gemv.py [--rows 1,8,32,128] [--formats fp8,fp8-block,int4] [--sweep [--wide]]
@@ -79,6 +79,8 @@ def wide_tiles(pack: int) -> list[triton.Config]:
 
 
 def tile_name(c: triton.Config) -> str:
+    if "BLOCK_M" in c.kwargs:
+        return f"gemm {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}/{c.num_warps}w/{c.num_stages}s"
     return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}/{c.num_warps}w{'/pf' if c.kwargs.get('PREFETCH') else ''}"
 
 
@@ -87,14 +89,17 @@ def sweep_tiles(x: torch.Tensor, ws: list, wide: bool) -> dict[str, float]:
     `wide_tiles`' too), reading the weight copies ``ws`` in turn."""
     w, scale, _, block = ws[0]._gemv_operands()
     configs = D.configs_for(x, w, scale, block)
+    K = x.shape[-1]
     if wide:
         template = configs[0].kwargs       # CV and EVEN_K as the prune derives them
-        K = x.shape[-1]
         known = {tile_name(c) for c in configs}
         configs += [triton.Config({**template, **c.kwargs, "EVEN_K": K % c.kwargs["BLOCK_K"] == 0},
                                   num_warps=c.num_warps, num_stages=1)
                     for c in wide_tiles(D.kernel_layout(w, block)["PACK"])
                     if c.kwargs["BLOCK_K"] <= K and tile_name(c) not in known]
+    # The tensor-core GEMM at one row (15 of its 16 rows masked): it dequantizes into bf16 for
+    # the MMA, fewer instructions a value than the GEMV's float32 FMAs.
+    configs += D._prune_gemm(D.GEMM_CONFIGS, {"K": K, "ROWS": 16}, **D.kernel_layout(w, block))
     times = {}
     for c in configs:
         try:

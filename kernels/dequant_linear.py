@@ -412,7 +412,8 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: t
 def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None,
                           block: tuple[int, int], *, config: triton.Config | None = None) -> torch.Tensor:
     """Triton version of `dequant_linear` (the twin where `kernel_layout` says the kernels cannot);
-    ``config`` forces a tile (tests, benchmarks) instead of the autotuner's choice."""
+    ``config`` forces a tile (tests, benchmarks) instead of the autotuner's choice: a GEMM tile
+    (one with BLOCK_M) runs the GEMM even at one row."""
     constexprs = kernel_layout(w, block)
     if constexprs is None:
         return dequant_linear_torch(x, w, scale, zeros, block)
@@ -425,7 +426,7 @@ def dequant_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    if M == 1 and takes_gemv(constexprs):
+    if M == 1 and takes_gemv(constexprs) and (config is None or "BLOCK_M" not in config.kwargs):
         _launch_gemv(rows, w, scale, zeros, constexprs, y, "", config)
         return y.view(*x.shape[:-1], N)
     zs = zeros if zeros is not None else scale
