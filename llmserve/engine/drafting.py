@@ -26,7 +26,8 @@ batch 8 a verify pays only where several requests' drafts are likely kept. The l
 tokens of the step are taken first, as many as raise its tokens per unit of time: a request
 whose copy keeps diverging drafts a token or two or none, one copying a passage the whole
 ``speculate``. A request left out for its acceptance sits the next step out and its evidence
-fades toward the prior, so it tries again a few steps later. The worker's draft is at most the
+fades toward the prior, so it tries again a few steps later; left out for an acceptance that
+would not pay even alone, it backs off as after a miss (1, 3, 7, then 15 steps). The worker's draft is at most the
 budget, and shorter where its match supports less (2 tokens per matched token).
 
 Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
@@ -167,11 +168,16 @@ class Drafter:
                 continue
             acceptances[i] = state.acceptance
             limits[i] = max(0, min(self.speculate, req.params.max_new_tokens - req.max_num_output_tokens - 1))
-        for s, k, limit in zip(decodes, self.cost.draft_lengths(acceptances, limits), limits):
+        for s, k, acceptance, limit in zip(decodes, self.cost.draft_lengths(acceptances, limits), acceptances, limits):
             if limit and not k:
                 # At its recent acceptance its draft does not pay: it sits this step and the next
-                # out, its evidence fading (a copy may start later).
+                # out, its evidence fading (a copy may start later). If it would not pay even
+                # alone in its step, that counts as a miss: free text, whose lone-token guesses
+                # (no miss in `verified`) keep failing, then retries after ever longer waits, not
+                # every few steps as its evidence fades back.
                 state = self.states[s.request]
+                if not self.cost.best_length(acceptance, limit):
+                    self._missed(state)
                 state.fade()
                 state.wait = max(state.wait, 1)
             s.draft_budget = max(0, min(k, room))

@@ -212,6 +212,35 @@ def test_a_requests_budgets_follow_what_it_accepted():
     assert drafted == sorted(drafted) and drafted[-1] == 10
 
 
+def test_free_texts_failing_guesses_back_off_like_misses():
+    """Free text: each draft continues a lone recurring token (match 1: no miss in `verified`) and
+    is rejected. Left out for an acceptance that would not pay even alone, the request backs off
+    as after misses, so it verifies ever more rarely (13 steps of 200 here; 58 while skips only
+    faded its evidence, each futile verify ~0.3 of a decode step on a CPU); one accepted draft
+    puts it back to drafting every step."""
+    scheduler = make_scheduler(1000, speculate=10, draft_cost=DRAFT_COSTS["cpu"])
+    req = make_request(0, 20, max_new_tokens=400)
+    decoding(scheduler, req)
+
+    def step(accept: bool) -> int:
+        output = scheduler.schedule()
+        [s] = output.scheduled
+        scheduler.update_after_step(output)
+        if s.draft_budget:
+            read(scheduler, s, min(s.draft_budget, 2), min(s.draft_budget, 2) if accept else 0, match_len=1)
+        else:
+            req.append_token(TOKEN)
+        return bool(s.draft_budget)
+
+    verifies = [step(accept=False) for _ in range(200)]
+    assert 3 <= sum(verifies) <= 20 and sum(verifies[100:]) <= 8
+    state = scheduler.drafter.states[req]
+    assert state.num_misses >= 4 and state.wait <= 15
+    while not step(accept=True):     # its next try is accepted: no waits after it
+        pass
+    assert state.num_misses == 0 and all(step(accept=True) for _ in range(5))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(40, 160), st.lists(st.tuples(st.integers(1, 30), st.integers(1, 40)), min_size=1, max_size=6),
        st.integers(0, 10))
