@@ -21,7 +21,7 @@ the merge weighs 0. Split 0 always holds a key every row sees (its first key, or
 the row's own first, within the first q_len <= BLOCK_N keys), so the merge starts finite.
 
 The grid (batch, kv heads, num_splits) holds no length, so the verify step's CUDA graph replays
-it at any context; num_splits follows the batch as decode_num_splits chooses it.
+it at any context; num_splits follows the batch's rows (`verify_num_splits`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,19 @@ from .triton_math import softcap as _softcap
 # rows times its group's heads in one tile, and split 0 must hold a key every row sees, which
 # needs q_len <= BLOCK_N (see the module docstring).
 VERIFY_MAX_Q_LEN = 16
+
+
+def verify_num_splits(batch_size: int, total_q: int, max_q_len: int, kv_heads: int) -> int:
+    """How many splits a request's keys may be cut into: decode's choice (`decode_num_splits`)
+    for as many requests as the batch's rows make at max_q_len a request.
+
+    Not the batch size itself: a verify step replayed from its CUDA graph is padded to the graph's
+    largest batch (32 requests by default) with requests that bring no token, and decode's choice
+    for 32 requests (2 splits of a 1024-token context) would leave a step of one request on 16
+    programs. Its rows are padded only to a bucket (8 for 1 + 4 tokens), so the estimate stays
+    near the requests that bring tokens in the graph as in the eager step; requests of one token
+    beside a draft make it low, which costs more splits than needed, not a serial walk."""
+    return decode_num_splits(max(1, min(batch_size, triton.cdiv(total_q, max_q_len))), kv_heads)
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # as decode stage 1's
@@ -146,7 +159,7 @@ def verify_attention_fwd_triton(
     *, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
 ) -> None:
     """Triton version of `verify_attention_fwd`: at most `num_splits` splits a request (default:
-    `decode_num_splits` of the batch), of a multiple of `block_n` keys each."""
+    `verify_num_splits`), of a multiple of `block_n` keys each."""
     bs = b_req_idx.shape[0]
     total_q, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -156,12 +169,14 @@ def verify_attention_fwd_triton(
         raise ValueError(f"verify attention takes at most {min(VERIFY_MAX_Q_LEN, block_n)} new tokens a request, "
                          f"got {max_q_len}")
     group = Hq // Hkv
-    num_splits = num_splits or decode_num_splits(bs, Hkv)
+    num_splits = num_splits or verify_num_splits(bs, total_q, max_q_len, Hkv)
     # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
     mid_o = torch.empty((total_q, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((total_q, Hq, num_splits), dtype=torch.float32, device=q.device)
     slopes = alibi_slopes if alibi_slopes is not None else q  # never read without HAS_ALIBI
-    launcher(_verify_attention_stage1_kernel, q)[(bs, Hkv, num_splits)](
+    # Requests that bring tokens come first, and there are at most total_q of them: a verify
+    # graph's padding requests (no tokens, up to its largest batch) past that get no programs.
+    launcher(_verify_attention_stage1_kernel, q)[(min(bs, total_q), Hkv, num_splits)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, slopes, mid_o, mid_lse,
         softmax_scale(sm_scale, D) * LOG2E * k_scale, v_scale, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -191,7 +206,8 @@ def verify_attention_fwd(
     sliding_window: int = 0, logit_softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """`context_attention_fwd` (the same arguments and output) for a batch in which every request
-    brings at most VERIFY_MAX_Q_LEN new tokens (max_q_len <= VERIFY_MAX_Q_LEN)."""
+    brings at most VERIFY_MAX_Q_LEN new tokens (max_q_len <= VERIFY_MAX_Q_LEN), and requests that
+    bring none (a CUDA graph's padding) come after those that do."""
     args = (q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len,
             max_q_len, alibi_slopes, sm_scale, sliding_window, logit_softcap, k_scale, v_scale)
     if use_triton(q):

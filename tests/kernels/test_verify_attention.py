@@ -11,8 +11,9 @@ from test_context_attention import make_inputs  # the context kernel's inputs: t
 
 from llmserve.kernels import set_backend
 from llmserve.kernels.context_attention import context_attention_fwd_triton
+from llmserve.kernels.decode_attention import decode_num_splits
 from llmserve.kernels.verify_attention import (
-    VERIFY_MAX_Q_LEN, verify_attention_fwd, verify_attention_fwd_torch, verify_attention_fwd_triton,
+    VERIFY_MAX_Q_LEN, verify_attention_fwd, verify_attention_fwd_torch, verify_attention_fwd_triton, verify_num_splits,
 )
 
 # (Hq, Hkv, D, cached_lens, q_lens, alibi, masks, splits): ragged query counts (one new token
@@ -72,9 +73,10 @@ def test_every_split_matters():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_padding_requests_change_nothing(device):
-    """A verify graph's batch: requests past the step's bring no new token (q_len 0). The real
-    requests' rows come out bitwise as in the batch without them, when the splits are the same."""
-    padded = make_inputs(33, 4, 2, 32, [40, 17, 0, 0], [4, 2, 0, 0], False, torch.float32, device)
+    """A verify graph's batch: requests past the step's bring no new token (q_len 0), more of
+    them than the step has rows (those get no programs). The real requests' rows come out bitwise
+    as in the batch without them, when the splits are the same."""
+    padded = make_inputs(33, 4, 2, 32, [40, 17, 0, 0, 0, 0], [2, 1, 0, 0, 0, 0], False, torch.float32, device)
     batch = dict(padded, **{name: padded[name][:2] for name in ("b_req_idx", "b_q_start", "b_q_len", "b_cached_len")})
     splits = dict(num_splits=4, block_n=16)
     assert torch.equal(run_poisoned(verify_attention_fwd_triton, padded, **splits),
@@ -97,3 +99,11 @@ def test_dispatcher_follows_the_backend(backend):
         assert torch.equal(run_poisoned(verify_attention_fwd, inputs), run_poisoned(chosen, inputs))
     finally:
         set_backend(None)
+
+
+def test_splits_follow_the_rows_not_the_padded_batch():
+    """A verify graph pads the batch to its largest (32) but the rows only to a bucket: one request
+    of 1 + 4 tokens (a bucket of 8 rows) is cut as a decode step of one request is, eight are cut
+    as a decode step of eight."""
+    assert verify_num_splits(32, 8, 5, 8) == decode_num_splits(1, 8) > decode_num_splits(32, 8)
+    assert verify_num_splits(8, 40, 5, 8) == verify_num_splits(32, 40, 5, 8) == decode_num_splits(8, 8)
