@@ -12,7 +12,7 @@ programs over 1024 keys and cost about 1 ms more a step than the decode kernel's
     head of the kv head's group, as the rows of one tile ((query, head-in-group) pairs, as the
     context kernel's PACK_GQA), over the split's keys, with the causal mask (and the sliding
     window) per row. K/V are loaded once per group and split, as in decode stage 1.
-  * Stage 2: decode_attention_stage2's merge, per query row, over every split (``all_splits``).
+  * Stage 2: decode_attention_stage2's merge, per query row, over every split (b_seq_len None).
 
 The keys cut are [first, cached + q_len): first is 0, or with a sliding window the first key the
 request's first query sees. A split may hold no key a row sees (the last split, past an early
@@ -38,7 +38,7 @@ from .decode_attention_stage2 import decode_attention_stage2_triton
 from .triton_math import softcap as _softcap
 
 # The most new tokens a request may bring for a batch to take this path: a verify step's 1 + K
-# (--speculate is at most 10 by default, see the drafting module). Stage 1 holds a request's
+# up to --speculate 15 (a longer draft takes the context kernel). Stage 1 holds a request's
 # rows times its group's heads in one tile, and split 0 must hold a key every row sees, which
 # needs q_len <= BLOCK_N (see the module docstring).
 VERIFY_MAX_Q_LEN = 16
