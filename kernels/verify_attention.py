@@ -11,7 +11,8 @@ programs over 1024 keys and cost about 1 ms more a step than the decode kernel's
   * Stage 1, program (request, kv head, split): every query row of the request for every query
     head of the kv head's group, as the rows of one tile ((query, head-in-group) pairs, as the
     context kernel's PACK_GQA), over the split's keys, with the causal mask (and the sliding
-    window) per row. K/V are loaded once per group and split, as in decode stage 1.
+    window) per row. K/V are loaded once per group and split, as in decode stage 1 (a request
+    with more than VERIFY_BLOCK_M rows takes several programs, a row block each).
   * Stage 2: decode_attention_stage2's merge, per query row, over every split (b_seq_len None).
 
 The keys cut are [first, cached + q_len): first is 0, or with a sliding window the first key the
@@ -42,6 +43,10 @@ from .triton_math import softcap as _softcap
 # rows times its group's heads in one tile, and split 0 must hold a key every row sees, which
 # needs q_len <= BLOCK_N (see the module docstring).
 VERIFY_MAX_Q_LEN = 16
+# The most rows (query, head-in-group pairs) a stage-1 program holds: its fp32 accumulator is
+# BLOCK_M x head_dim on 4 warps (64 x 128: 64 registers a thread); a request with more rows
+# takes several row blocks, each reading the split's K/V (the later ones mostly from L2).
+VERIFY_BLOCK_M = 64
 
 
 def verify_num_splits(batch_size: int, total_q: int, max_q_len: int, kv_heads: int) -> int:
@@ -70,15 +75,18 @@ def _verify_attention_stage1_kernel(
     stride_r_req, stride_r_pos,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_mo_d,
     stride_ml_t, stride_ml_h, stride_ml_s,
-    GROUP, D, num_splits,
+    GROUP, D, num_splits, row_blocks,
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kv_h = tl.program_id(1)
+    kv_h = tl.program_id(1) // row_blocks
+    row_block = tl.program_id(1) % row_blocks
     split = tl.program_id(2)
 
     q_len = tl.load(BQLen + b)
+    if row_block * BLOCK_M >= q_len * GROUP:
+        return  # a row block past this request's rows
     cached = tl.load(BCachedLen + b)
     end = cached + q_len
     kv_start = 0
@@ -90,8 +98,8 @@ def _verify_attention_stage1_kernel(
     req = tl.load(BReqIdx + b).to(tl.int64)
     q_start = tl.load(BQStart + b).to(tl.int64)
 
-    # Row r of the tile: query r // GROUP of the request, query head kv_h * GROUP + r % GROUP.
-    offs_r = tl.arange(0, BLOCK_M)
+    # Row r of the request's rows: query r // GROUP, query head kv_h * GROUP + r % GROUP.
+    offs_r = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = offs_r // GROUP
     heads = kv_h * GROUP + offs_r % GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -170,13 +178,17 @@ def verify_attention_fwd_triton(
                          f"got {max_q_len}")
     group = Hq // Hkv
     num_splits = num_splits or verify_num_splits(bs, total_q, max_q_len, Hkv)
+    # A request's rows (queries x the group's heads) in row blocks of at most VERIFY_BLOCK_M:
+    # one block up to 1 + 15 tokens of a group of 4 (Llama-3-8B's); more with larger groups.
+    block_m = max(16, min(VERIFY_BLOCK_M, next_pow2(max_q_len * group)))
+    row_blocks = triton.cdiv(max_q_len * group, block_m)
     # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
     mid_o = torch.empty((total_q, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((total_q, Hq, num_splits), dtype=torch.float32, device=q.device)
     slopes = alibi_slopes if alibi_slopes is not None else q  # never read without HAS_ALIBI
     # Requests that bring tokens come first, and there are at most total_q of them: a verify
     # graph's padding requests (no tokens, up to its largest batch) past that get no programs.
-    launcher(_verify_attention_stage1_kernel, q)[(min(bs, total_q), Hkv, num_splits)](
+    launcher(_verify_attention_stage1_kernel, q)[(min(bs, total_q), Hkv * row_blocks, num_splits)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, slopes, mid_o, mid_lse,
         softmax_scale(sm_scale, D) * LOG2E * k_scale, v_scale, sliding_window, logit_softcap * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -185,10 +197,9 @@ def verify_attention_fwd_triton(
         req_to_token.stride(0), req_to_token.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
-        group, D, num_splits,
+        group, D, num_splits, row_blocks,
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=logit_softcap > 0,
-        DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_M=max(16, next_pow2(max_q_len * group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
+        DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         num_warps=4, num_stages=2,
     )
     decode_attention_stage2_triton(mid_o, mid_lse, o, None, block_n=block_n)

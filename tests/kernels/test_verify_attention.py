@@ -28,6 +28,9 @@ CASES = [
     pytest.param(4, 2, 32, [50, 5], [7, 3], False, dict(sliding_window=1, logit_softcap=3.0), (2, 16),
                  id="window-1-softcap"),
     pytest.param(4, 2, 64, [130, 2], [5, 9], False, dict(logit_softcap=5.0, sm_scale=0.2), None, id="softcap-defaults"),
+    # a group of 8 heads x up to 9 queries: 72 rows, two row blocks of 64 (one for the short request)
+    pytest.param(8, 1, 32, [20, 45], [9, 3], True, {}, (2, 16), id="mqa8-alibi-row-blocks"),
+    pytest.param(16, 2, 32, [20, 45], [9, 3], False, dict(sliding_window=30), (2, 16), id="gqa8-window-row-blocks"),
 ]
 
 
