@@ -7,6 +7,10 @@ What is measured
   * Context attention (``context_attention_fwd``, prefill): batch {1, 8} x {512, 2048} new
     tokens, causal, nothing cached; plus one request with 1024 cached + 128 new tokens (chunked
     prefill / prefix-cache hit: the new queries attend to the cache and causally to each other).
+  * Verify attention (``verify_attention_fwd``, split-K over a few new tokens a request: a
+    speculative verify step): batch {1, 8} x 1 + {4, 8} new tokens over 1024 cached ones,
+    beside the context kernel on the same problem (what verify steps ran before) and the floor
+    of reading the K/V once.
 
 Shapes are Llama-3-8B attention: 32 query heads, 8 KV heads, head dim 128, bf16 by default.
 Our kernels read K/V from a token-level pool ``[slots, Hkv, D]`` through the ``req_to_token``
@@ -64,7 +68,9 @@ from common import (
 
 remove_script_dir_from_sys_path()
 
-from llmserve.kernels import context_attention_fwd, decode_attention_fwd, set_backend, use_triton  # noqa: E402
+from llmserve.kernels import (  # noqa: E402
+    context_attention_fwd, decode_attention_fwd, set_backend, use_triton, verify_attention_fwd,
+)
 from llmserve.kernels.backend import ENV_VAR as KERNEL_BACKEND_ENV_VAR  # noqa: E402
 
 
@@ -81,6 +87,8 @@ DECODE_CASES: list[tuple[int, int]] = [(b, n) for b in (1, 32, 128) for n in (51
 CONTEXT_CASES: list[tuple[int, int, int]] = [(b, n, 0) for b in (1, 8) for n in (512, 2048)] + [(1, 128, 1024)]
 QUICK_DECODE_CASES: list[tuple[int, int]] = [(1, 64), (4, 256)]
 QUICK_CONTEXT_CASES: list[tuple[int, int, int]] = [(2, 64, 0), (1, 32, 64)]
+VERIFY_CASES: list[tuple[int, int, int]] = [(b, 1 + k, 1024) for b in (1, 8) for k in (4, 8)]
+QUICK_VERIFY_CASES: list[tuple[int, int, int]] = [(1, 5, 64)]
 
 
 @dataclass
@@ -220,7 +228,9 @@ def bench_decode(batch: int, ctx: int, heads: Heads, dtype: torch.dtype, device:
 
 
 def bench_context(batch: int, new: int, cached: int, heads: Heads, dtype: torch.dtype, device: torch.device,
-                  warmup: int, iters: int) -> ContextResult:
+                  warmup: int, iters: int, attention: Callable = context_attention_fwd) -> ContextResult:
+    """``attention`` (context_attention_fwd, or verify_attention_fwd: the same operation) on
+    ``batch`` requests of ``new`` tokens over ``cached`` ones."""
     # The new tokens' K/V are already in the pool when the kernel runs, as in the model.
     k_cache, v_cache, req_to_token = paged_kv(batch, cached + new, heads, dtype, device)
     q = torch.randn(batch * new, heads.q, heads.dim, dtype=dtype, device=device)
@@ -231,7 +241,7 @@ def bench_context(batch: int, new: int, cached: int, heads: Heads, dtype: torch.
     b_cached_len = torch.full((batch,), cached, dtype=torch.int32, device=device)
 
     def ours() -> torch.Tensor:
-        context_attention_fwd(q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, new)
+        attention(q, k_cache, v_cache, o, req_to_token, b_req_idx, b_q_start, b_q_len, b_cached_len, new)
         return o
 
     def to_packed(out: torch.Tensor) -> torch.Tensor:  # [B, Hq, new, D] -> [B * new, Hq, D]
@@ -279,6 +289,20 @@ def context_table(results: list[ContextResult], ours_name: str) -> str:
     return markdown_table(headers, rows)
 
 
+def verify_table(pairs: list[tuple[ContextResult, ContextResult]], ours_name: str, copy_bw: float,
+                 heads: Heads, itemsize: int) -> str:
+    """(verify kernel, context kernel) on the same problems, against SDPA and the K/V floor."""
+    headers = ["batch", "new", "cached", f"verify {ours_name} µs", f"context {ours_name} µs", "context/verify",
+               "SDPA µs", "floor µs", "floor/verify", "max err"]
+    rows = []
+    for v, c in pairs:
+        floor_ms = v.batch * (v.cached_tokens + v.new_tokens) * heads.kv * heads.dim * 2 * itemsize / copy_bw * 1e3
+        rows.append([v.batch, v.new_tokens, v.cached_tokens, f"{v.cmp.ours_ms * 1e3:.1f}", f"{c.cmp.ours_ms * 1e3:.1f}",
+                     f"{c.cmp.ours_ms / v.cmp.ours_ms:.2f}", sdpa_cell(v.cmp), f"{floor_ms * 1e3:.1f}",
+                     f"{floor_ms / v.cmp.ours_ms:.0%}", err_cell(v.cmp)])
+    return markdown_table(headers, rows)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two tiny shapes per kernel (CPU smoke test)")
@@ -300,6 +324,7 @@ def main() -> int:
     ours_name = "triton" if use_triton(torch.empty(0, device=device)) else "torch"
     decode_cases = QUICK_DECODE_CASES if args.quick else DECODE_CASES
     context_cases = QUICK_CONTEXT_CASES if args.quick else CONTEXT_CASES
+    verify_cases = QUICK_VERIFY_CASES if args.quick else VERIFY_CASES
 
     copy_bw = measure_copy_bandwidth(device)
     print(f"device: {device} | dtype: {dtype_name(dtype)} | heads: Hq={heads.q} Hkv={heads.kv} "
@@ -314,12 +339,19 @@ def main() -> int:
     for batch, new, cached in context_cases:
         print(f"context batch={batch} new={new} cached={cached}", file=sys.stderr)
         context.append(bench_context(batch, new, cached, heads, dtype, device, warmup, iters))
+    verify: list[tuple[ContextResult, ContextResult]] = []
+    for batch, new, cached in verify_cases:
+        print(f"verify  batch={batch} new={new} cached={cached}", file=sys.stderr)
+        verify.append(tuple(bench_context(batch, new, cached, heads, dtype, device, warmup, iters, attention)
+                            for attention in (verify_attention_fwd, context_attention_fwd)))
 
     print(f"\n### Decode attention (Hq={heads.q}, Hkv={heads.kv}, D={heads.dim}, {dtype_name(dtype)}, "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s)\n")
     print(decode_table(decode, ours_name))
     print("\n### Context attention (causal prefill)\n")
     print(context_table(context, ours_name))
+    print("\n### Verify attention (a few new tokens a request over a cached context), beside the context kernel\n")
+    print(verify_table(verify, ours_name, copy_bw, heads, dtype.itemsize))
 
     if args.json:
         write_json(args.json, {
@@ -331,9 +363,10 @@ def main() -> int:
             "copy_bandwidth_bytes_per_s": copy_bw,
             "decode": [asdict(r) for r in decode],
             "context": [asdict(r) for r in context],
+            "verify": [{"verify": asdict(v), "context": asdict(c)} for v, c in verify],
         })
 
-    failed = [r for r in [*decode, *context] if not r.cmp.err_ok]
+    failed = [r for r in [*decode, *context, *(r for pair in verify for r in pair)] if not r.cmp.err_ok]
     if failed:
         print(f"\n{len(failed)} shape(s) differ from SDPA beyond tolerance (marked !)", file=sys.stderr)
         return 1

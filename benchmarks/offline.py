@@ -17,6 +17,13 @@ What is measured
 
   Logits must stay finite (checked after the prefill and after the last step).
 
+  With ``--verify K[,K]`` each batch size and mode also times speculative verify steps of 1 + K
+  tokens a request (the previous token and K random draft tokens, every row's logits and their
+  argmax, as the server's verify step wants them), the draft then rejected (cut from the table),
+  so each step attends to as many cached tokens as the decode step it stands beside. The model
+  is built with --speculate max(K), so the graphs mode replays the verify step's CUDA graph as
+  the server does. Its floor is the decode step's (the K draft keys' bytes are far below 0.1% of it).
+
 Columns
   ms/step          mean of the timed steps (the KV cache grows by one token per step)
   tok/s            batch / (ms/step)
@@ -36,13 +43,15 @@ Columns
 
   mode             eager: every kernel launched from Python on every step; graphs: the step
                    replayed from a CUDA graph captured at start-up, as the server runs it on a GPU
-                   (one model: the eager rows run the same weights with its graphs set aside)
+                   (one model: the eager rows run the same weights with its graphs set aside);
+                   "verify 1+K": a verify step of 1 + K tokens a request (--verify)
 
 Run (GPU):   python benchmarks/offline.py --json benchmarks/results/offline.json
 Smoke (CPU): python benchmarks/offline.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 32 --steps 4
              (qwen3-tiny, gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: the same for those model classes)
 MoE (GPU):   python benchmarks/offline.py --model-size qwen3-30b-a3b --batch-sizes 1,64 --peer hf-compiled
 FP8 KV (GPU): python benchmarks/offline.py --batch-sizes 1,128 --modes graphs --kv-cache-dtype fp8
+Verify (GPU): python benchmarks/offline.py --batch-sizes 1,8 --prompt-len 1024 --verify 4,8 --peer hf-compiled
 """
 
 from __future__ import annotations
@@ -357,8 +366,9 @@ def kv_bytes_per_token(model: TpPartBaseModel) -> int:
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
                 graphs: bool = False, weights: Iterable[dict] | None = None,
-                quantization: str | None = None, kv_cache_dtype: str = "auto") -> TpPartBaseModel:
-    """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`)."""
+                quantization: str | None = None, kv_cache_dtype: str = "auto", speculate: int = 0) -> TpPartBaseModel:
+    """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`); with
+    ``speculate`` its verify steps of up to 1 + speculate tokens a request replay graphs too."""
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
         model_path="",
@@ -371,6 +381,8 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        speculate=speculate,
+        speculate_max_batch=max_batch,
     )
     return get_model_class(cfg["model_type"])(params)
 
@@ -410,14 +422,15 @@ def prefill(model: TpPartBaseModel, rows: list[int], prompt_len: int) -> torch.T
 
 
 def run_batch(model: TpPartBaseModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
-              copy_bw: float, weights_read: int) -> BatchResult:
-    graphs = model.decode_graphs
+              copy_bw: float, weights_read: int, draft: int = 0) -> BatchResult:
+    """Decode steps of ``batch`` requests, or with ``draft`` verify steps of 1 + draft tokens each."""
+    graphs = model.decode_graphs, model.verify_graphs
     if mode == "eager":
-        model.decode_graphs = None      # the same model, its decode steps run the plain forward
+        model.decode_graphs = model.verify_graphs = None   # the same model, its steps run the plain forward
     try:
-        return _run_batch(model, mode, batch, prompt_len, warmup, steps, copy_bw, weights_read)
+        return _run_batch(model, mode, batch, prompt_len, warmup, steps, copy_bw, weights_read, draft)
     finally:
-        model.decode_graphs = graphs
+        model.decode_graphs, model.verify_graphs = graphs
 
 
 def summarize(mode: str, batch: int, prompt_len: int, prefill_s: float, step_ms: list[float], warmup: int,
@@ -441,7 +454,7 @@ def summarize(mode: str, batch: int, prompt_len: int, prefill_s: float, step_ms:
 
 
 def _run_batch(model: TpPartBaseModel, mode: str, batch: int, prompt_len: int, warmup: int, steps: int,
-               copy_bw: float, weights_read: int) -> BatchResult:
+               copy_bw: float, weights_read: int, draft: int) -> BatchResult:
     rows = [model.req_manager.alloc_req() for _ in range(batch)]
     try:
         synchronize(model.device)
@@ -453,23 +466,31 @@ def _run_batch(model: TpPartBaseModel, mode: str, batch: int, prompt_len: int, w
 
         tokens = logits.argmax(dim=-1)
         lens = [prompt_len] * batch
-        ones = [1] * batch
+        q_lens = [1 + draft] * batch
+        drafts = torch.randint(model.vocab_size, (batch, draft), device=model.device)
         timer = IntervalTimer(model.device)
         with gc_paused():
             for _ in range(warmup + steps):
                 timer.start()
-                logits = model.forward(tokens, rows, lens, ones)
-                tokens = logits.argmax(dim=-1)
+                if draft:   # every row's logits; the token after the first row's goes on
+                    ids = torch.cat([tokens[:, None], drafts], dim=1).flatten()
+                    logits = model.forward(ids, rows, lens, q_lens, return_all_logits=True)
+                    tokens = logits.argmax(dim=-1).view(batch, 1 + draft)[:, 0]
+                else:
+                    logits = model.forward(tokens, rows, lens, q_lens)
+                    tokens = logits.argmax(dim=-1)
                 timer.stop()
                 lens = [n + 1 for n in lens]
+                if draft:   # the drafts rejected, as the worker cuts them (not timed)
+                    model.req_manager.truncate_batch(rows, lens)
         step_ms = timer.elapsed_ms()[warmup:]
-        check_finite(logits, "decode")
+        check_finite(logits, "verify" if draft else "decode")
     finally:
         for row in rows:
             model.req_manager.free_req(row)
 
-    return summarize(mode, batch, prompt_len, prefill_s, step_ms, warmup, copy_bw, weights_read,
-                     kv_bytes_per_token(model), model.device)
+    return summarize(f"{mode} verify 1+{draft}" if draft else mode, batch, prompt_len, prefill_s, step_ms, warmup,
+                     copy_bw, weights_read, kv_bytes_per_token(model), model.device)
 
 
 @torch.inference_mode()
@@ -549,6 +570,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="eager,graphs",
                    help="decode step modes to time, comma-separated: eager (every kernel launched from Python), "
                         "graphs (CUDA graphs, as the server runs on a GPU; CUDA only) (default: eager,graphs)")
+    p.add_argument("--verify", default="", metavar="K,...",
+                   help="also time speculative verify steps of 1 + K tokens a request beside each decode row, "
+                        "e.g. 4,8 (the model takes --speculate max(K); default: none)")
     p.add_argument("--peer", choices=["none", *PEERS], default="none",
                    help="also time HF transformers on the same weights: hf (eager, dynamic cache, as generate "
                         "does) or hf-compiled (static cache + torch.compile reduce-overhead) (default: none)")
@@ -603,8 +627,10 @@ def main() -> int:
         raise SystemExit(f"--modes: eager and/or graphs, got {args.modes!r}")
     if args.quantization in BENCH_QUANTIZERS:
         weights = quantized_linears(weights or random_llama_weights(cfg, device, dtype), BENCH_QUANTIZERS[args.quantization])
-    model = build_model(cfg, device, dtype, max(batch_sizes), max_len, graphs="graphs" in modes, weights=weights,
-                        quantization="fp8" if args.quantization == "fp8" else None, kv_cache_dtype=args.kv_cache_dtype)
+    drafts = [int(k) for k in args.verify.split(",") if k.strip()]
+    model = build_model(cfg, device, dtype, max(batch_sizes), max_len + max(drafts, default=0), graphs="graphs" in modes,
+                        weights=weights, quantization="fp8" if args.quantization == "fp8" else None,
+                        kv_cache_dtype=args.kv_cache_dtype, speculate=max(drafts, default=0))
     if model.decode_graphs is not None:
         print(f"CUDA graphs for batch <= {model.decode_graphs.max_batch_size}: captured in "
               f"{model.decode_graphs.capture_seconds:.1f} s, {model.decode_graphs.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
@@ -618,10 +644,11 @@ def main() -> int:
     results: list[BatchResult] = []
     for batch in batch_sizes:
         for mode in modes:
-            print(f"batch {batch}, {mode}: prefill {batch} x {args.prompt_len}, then {args.warmup_steps} + {args.steps} "
-                  "decode steps", file=sys.stderr)
-            results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw,
-                                     step_weight_bytes(model, read, batch)))
+            for draft in [0, *drafts]:
+                print(f"batch {batch}, {mode}: prefill {batch} x {args.prompt_len}, then {args.warmup_steps} + "
+                      f"{args.steps} {f'verify (1 + {draft})' if draft else 'decode'} steps", file=sys.stderr)
+                results.append(run_batch(model, mode, batch, args.prompt_len, args.warmup_steps, args.steps, copy_bw,
+                                         step_weight_bytes(model, read, batch), draft))
     model_type, kv_per_token = model.model_type, kv_bytes_per_token(model)
     quant = f", {model.quantization.description}" if model.quantization else ""
     if args.quantization in BENCH_QUANTIZERS:
@@ -674,6 +701,7 @@ def main() -> int:
             "weight_bytes_read_per_step": read,
             "kv_bytes_per_token": kv_per_token,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "verify_drafts": drafts,
             "results": [asdict(r) for r in results],
         })
     return 0

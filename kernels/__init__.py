@@ -14,6 +14,7 @@ from .rmsnorm import rmsnorm_forward
 from .rotary_emb import rotary_emb_fwd
 from .rotary_emb_copy_kv import rotary_emb_copy_kv
 from .silu_and_mul import silu_and_mul_fwd
+from .verify_attention import verify_attention_fwd
 
 __all__ = [
     "add_rmsnorm_forward",
@@ -34,4 +35,5 @@ __all__ = [
     "set_backend",
     "silu_and_mul_fwd",
     "use_triton",
+    "verify_attention_fwd",
 ]

@@ -1,4 +1,8 @@
-"""Flash-decoding stage 2: merge the per-split partial outputs of stage 1 into o."""
+"""Flash-decoding stage 2: merge the per-split partial outputs of stage 1 into o.
+
+verify_attention's stage 1 writes every split of each query row (a split with no key the row
+sees as a zero partial of log-sum-exp -inf), and takes this merge over all of them
+(``b_seq_len`` None)."""
 
 from __future__ import annotations
 
@@ -17,13 +21,16 @@ def _decode_attention_stage2_kernel(
     stride_ml_b, stride_ml_h, stride_ml_s,
     stride_o_b, stride_o_h, stride_o_d,
     D, num_splits, window,
-    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ALL_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n_keys = tl.load(BSeqLen + b)
-    n_keys -= first_key(n_keys, window, HAS_WINDOW)
-    written = tl.cdiv(n_keys, split_length(n_keys, num_splits, BLOCK_N))  # the splits stage 1 wrote
+    if ALL_SPLITS:
+        written = num_splits
+    else:
+        n_keys = tl.load(BSeqLen + b)
+        n_keys -= first_key(n_keys, window, HAS_WINDOW)
+        written = tl.cdiv(n_keys, split_length(n_keys, num_splits, BLOCK_N))  # the splits stage 1 wrote
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -49,18 +56,19 @@ def _decode_attention_stage2_kernel(
 
 
 def decode_attention_stage2_triton(
-    mid_o: torch.Tensor, mid_lse: torch.Tensor, o: torch.Tensor, b_seq_len: torch.Tensor,
+    mid_o: torch.Tensor, mid_lse: torch.Tensor, o: torch.Tensor, b_seq_len: torch.Tensor | None,
     *, block_n: int, sliding_window: int = 0,
 ) -> None:
     """o[b, h] = softmax-weighted merge of stage 1's splits (mid_o [bs, Hq, splits, D], mid_lse
-    [bs, Hq, splits]); block_n and sliding_window as stage 1 was given them."""
+    [bs, Hq, splits]); block_n and sliding_window as stage 1 was given them. b_seq_len None:
+    merge every split (each was written), b a query row rather than a request."""
     bs, Hq, D = o.shape
     launcher(_decode_attention_stage2_kernel, o)[(bs, Hq)](
-        mid_o, mid_lse, o, b_seq_len,
+        mid_o, mid_lse, o, b_seq_len if b_seq_len is not None else mid_lse,  # never read with ALL_SPLITS
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         D, mid_o.shape[2], sliding_window,
-        HAS_WINDOW=sliding_window > 0, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
+        HAS_WINDOW=sliding_window > 0, ALL_SPLITS=b_seq_len is None, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         num_warps=4,
     )

@@ -31,7 +31,8 @@ would not pay even alone, it backs off as after a miss (1, 3, 7, then 15 steps).
 budget, and shorter where its match supports less (2 tokens per matched token).
 
 Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
-cheap as decode steps (a split-K attention path for few-token verify batches; on a CPU, per-row
+cheap as decode steps (the split-K attention path for few-token verify batches is
+kernels/verify_attention, still to be measured on a GPU: offline.py --verify; on a CPU, per-row
 costs that follow the accepted work), the budget sized by rank 0's own match and acceptance (it
 is the engine's estimate here, a step late under overlap), and the GPU measurements.
 """

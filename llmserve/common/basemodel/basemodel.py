@@ -396,6 +396,12 @@ class TpPartBaseModel:
                 self.forward(ids(decode_rows + n), rows, lens + [0], [1] * decode_rows + [n])
                 self.req_manager.truncate(rows[-1], 0)
                 lens = [m + 1 for m in lens]
+            # Eager verify steps (past the verify graphs' batch) of 1 + k tokens: the verify
+            # attention's tile holds a request's rows times its group's heads, one variant a
+            # power of two of them.
+            for n in range(2, 2 + self.params.speculate):
+                self.forward(ids(decode_rows * n), rows[:-1], lens, [n] * decode_rows)
+                self.req_manager.truncate_batch(rows[:-1], lens)
             if self.device.type == "cuda":
                 if self.quantization is not None:
                     # Every row bucket of every quantized weight tunes its tiles now: an eager

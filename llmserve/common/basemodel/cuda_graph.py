@@ -243,8 +243,10 @@ class VerifyGraphs(_StepGraphs):
     two ways, the number of requests and the number of new tokens; a graph is captured per bucket
     of new tokens (rows) only, because what the layers take from Python is fixed otherwise:
 
-    - The attention's grid is (heads, query blocks of 1 + K tokens, the largest batch): requests
-      past the step's are padding requests with no new tokens, whose programs exit at once.
+    - The attention's grid is (the largest batch, kv heads, splits of the context): the verify
+      kernel's (kernels/verify_attention) while 1 + K <= VERIFY_MAX_Q_LEN, the context kernel's
+      (heads, query blocks of 1 + K tokens, the largest batch) past that. Requests past the
+      step's are padding requests with no new tokens, whose programs do nothing.
     - The new tokens are packed back to back as in the eager step; the rows past them up to the
       bucket are padding rows that store their KV in the padding slot, that no request attends to,
       and whose logits are dropped. Per-request columns (table row, first row, new and cached

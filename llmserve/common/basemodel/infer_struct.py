@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmserve.kernels.verify_attention import VERIFY_MAX_Q_LEN
+
 if TYPE_CHECKING:
     from llmserve.common.basemodel.basemodel import TpPartBaseModel
     from llmserve.common.mem_manager import MemoryManager, ReqManager
@@ -55,6 +57,15 @@ class InferStateInfo:
     # The requests' LoRA adapters, which the wrapped projections add; None: no request of the
     # batch has one (or the model serves none), and the layers run as without LoRA.
     lora: LoraBatch | None = None
+
+    @property
+    def is_verify(self) -> bool:
+        """Not decode, and every request brings at most VERIFY_MAX_Q_LEN new tokens: a speculative
+        verify step's 1 + K (or a step of short prompts, which is the same work). Its attention
+        takes the split-K verify kernel (kernels/verify_attention), which cuts each request's
+        context over programs as decode does; the context kernel walks it in one program a query
+        block, which at batch 1 cost about 1 ms a step more than a decode step's attention."""
+        return not self.is_decode and self.max_q_len <= VERIFY_MAX_Q_LEN
 
     def init_some_extra_state(self, model: TpPartBaseModel) -> None:
         """Hook for model-specific per-forward state (e.g. rotary cos/sin for the positions)."""

@@ -88,10 +88,11 @@ def test_kv_pool_exhaustion_is_a_clear_error(models):
     driver.free()
 
 
-def test_warm_up_leaves_the_pools_as_it_found_them(models):
-    """The start-up warm-up (the worker runs it on a GPU) runs prefill and mixed steps and gives
-    back every slot and row; the model answers as before."""
+def test_warm_up_leaves_the_pools_as_it_found_them(models, monkeypatch):
+    """The start-up warm-up (the worker runs it on a GPU) runs prefill and mixed steps, and with
+    --speculate verify steps, and gives back every slot and row; the model answers as before."""
     hf, ours = models
+    monkeypatch.setattr(ours.params, "speculate", 3)
     slots, rows = ours.mem_manager.can_use_mem_size, ours.req_manager.can_use_req_size
     ours.warm_up(max_prefill_tokens=512)
     assert (ours.mem_manager.can_use_mem_size, ours.req_manager.can_use_req_size) == (slots, rows)

@@ -9,7 +9,7 @@ from llmserve.common.basemodel.model_shape import sliding_window
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
 from llmserve.common.distributed import all_reduce
-from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destindex_copy_kv, linear
+from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destindex_copy_kv, linear, verify_attention_fwd
 
 
 class TransformerLayerInferTpl(TransformerLayerInfer):
@@ -123,7 +123,8 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
 
     def _context_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        context_attention_fwd(
+        attention = verify_attention_fwd if infer_state.is_verify else context_attention_fwd  # the same op
+        attention(
             q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
             infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_q_start, infer_state.b_q_len,
             infer_state.b_cached_len, infer_state.max_q_len, alibi_slopes=self._alibi_slopes(layer_weight),
