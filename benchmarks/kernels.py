@@ -307,6 +307,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two tiny shapes per kernel (CPU smoke test)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 100, quick: 3)")
+    p.add_argument("--tables", default="decode,context,verify", help="which tables to run (comma-separated)")
     add_device_arguments(p)
     return p.parse_args()
 
@@ -322,9 +323,10 @@ def main() -> int:
     iters = args.iters or (3 if args.quick else 100)
     warmup = 1 if args.quick else 10
     ours_name = "triton" if use_triton(torch.empty(0, device=device)) else "torch"
-    decode_cases = QUICK_DECODE_CASES if args.quick else DECODE_CASES
-    context_cases = QUICK_CONTEXT_CASES if args.quick else CONTEXT_CASES
-    verify_cases = QUICK_VERIFY_CASES if args.quick else VERIFY_CASES
+    tables = set(args.tables.split(","))
+    decode_cases = (QUICK_DECODE_CASES if args.quick else DECODE_CASES) if "decode" in tables else []
+    context_cases = (QUICK_CONTEXT_CASES if args.quick else CONTEXT_CASES) if "context" in tables else []
+    verify_cases = (QUICK_VERIFY_CASES if args.quick else VERIFY_CASES) if "verify" in tables else []
 
     copy_bw = measure_copy_bandwidth(device)
     print(f"device: {device} | dtype: {dtype_name(dtype)} | heads: Hq={heads.q} Hkv={heads.kv} "
@@ -345,13 +347,16 @@ def main() -> int:
         verify.append(tuple(bench_context(batch, new, cached, heads, dtype, device, warmup, iters, attention)
                             for attention in (verify_attention_fwd, context_attention_fwd)))
 
-    print(f"\n### Decode attention (Hq={heads.q}, Hkv={heads.kv}, D={heads.dim}, {dtype_name(dtype)}, "
-          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s)\n")
-    print(decode_table(decode, ours_name))
-    print("\n### Context attention (causal prefill)\n")
-    print(context_table(context, ours_name))
-    print("\n### Verify attention (a few new tokens a request over a cached context), beside the context kernel\n")
-    print(verify_table(verify, ours_name, copy_bw, heads, dtype.itemsize))
+    if decode:
+        print(f"\n### Decode attention (Hq={heads.q}, Hkv={heads.kv}, D={heads.dim}, {dtype_name(dtype)}, "
+              f"copy bandwidth {copy_bw / 1e9:.0f} GB/s)\n")
+        print(decode_table(decode, ours_name))
+    if context:
+        print("\n### Context attention (causal prefill)\n")
+        print(context_table(context, ours_name))
+    if verify:
+        print("\n### Verify attention (a few new tokens a request over a cached context), beside the context kernel\n")
+        print(verify_table(verify, ours_name, copy_bw, heads, dtype.itemsize))
 
     if args.json:
         write_json(args.json, {
