@@ -71,6 +71,23 @@ def bench(kernel_call: Callable[[], Any], quantiles: Sequence[float] = (0.5, 0.2
     return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
 
 
+# `faster`'s verdicts, by the caller's key. Worker processes run one step at a time on one
+# thread: no lock.
+_faster: dict[Any, bool] = {}
+
+
+def faster(key: Any, candidate: Callable[[], Any], baseline: Callable[[], Any]) -> bool:
+    """Whether ``candidate`` runs faster than ``baseline`` (the same product by two routes),
+    timed by `bench` on the first call of ``key`` and remembered. Inside a CUDA-graph capture an
+    unmeasured key answers True, the caller's choice without timing (the graphs run each shape
+    eagerly before capturing it, so serving's keys are measured by then)."""
+    if key not in _faster:
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        _faster[key] = bench(candidate)[0] < bench(baseline)[0]
+    return _faster[key]
+
+
 def autotune(configs: list[triton.Config], key: list[str], prune: Callable | None = None):
     """`triton.autotune` with `bench`; ``prune(configs, named_args, **constexprs)`` returns the
     configs that fit a call (and may complete them with derived sizes)."""

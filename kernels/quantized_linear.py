@@ -266,8 +266,9 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a dense or a quantized weight. On a GPU, half-precision decode steps of up to
-    64 rows go to our kernels (`gemv` for one row, `skinny_gemm` for more), which read the weights
-    faster than cuBLAS does at those shapes (benchmarks/decode_linear.py). A GGUF `QuantizedWeight`
+    64 rows go to our kernels (`gemv` for one row, `skinny_gemm` for more) where they read the
+    weights faster than cuBLAS does (benchmarks/decode_linear.py; skinny_gemm's is timed against
+    cuBLAS on the card, once a shape). A GGUF `QuantizedWeight`
     runs the CPU block kernel; any other quantized weight (`llmserve.quantization.weights`) its
     own ``apply``."""
     if isinstance(weight, torch.Tensor):

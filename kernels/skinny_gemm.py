@@ -5,7 +5,8 @@ time is the weight's read from memory, as at one row (`gemv.py`), but with enoug
 cores to be worth it. cuBLAS reads those weights at 2.0-2.8 TB/s on an H100, with its slowest
 case the LM head (128k x 4096: 422 µs at 32 rows, 2.49 TB/s). This kernel keeps a whole
 [BLOCK_M >= M, BLOCK_N] output tile per program, with its K loop software-pipelined 3-5 stages
-deep, and reads them at up to 3.0 TB/s (the LM head in 356 µs); `tiles_for` says where it wins.
+deep, and reads them at up to 3.0 TB/s (the LM head in 356 µs); `tiles_for` says where it wins
+on an H100, and `beats_cublas` checks each shape on the card it runs on.
 Split-K never paid in the sweep (benchmarks/README.md, `python benchmarks/decode_linear.py`), so
 each output feature's sum runs over K in one program, in order.
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import autotune
 from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
 
 # Tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and where they beat cuBLAS, from the H100 sweep
@@ -99,9 +101,25 @@ def skinny_gemm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` should run x @ weight^T here: as many rows as `tiles_for` has tiles for,
-    that our half-precision kernels may take (`half_precision_on_triton`)."""
-    return (tiles_for(x.numel() // x.shape[-1], weight.shape[0]) is not None
-            and half_precision_on_triton(x, weight))
+    that our half-precision kernels may take (`half_precision_on_triton`), where this card runs
+    it faster than cuBLAS (`beats_cublas`)."""
+    rows = x.numel() // x.shape[-1]
+    return (tiles_for(rows, weight.shape[0]) is not None and half_precision_on_triton(x, weight)
+            and beats_cublas(x, weight, rows))
+
+
+# Whether skinny_gemm beats cuBLAS depends on the card, not only the shape: `tiles_for` is the
+# H100's sweep, while on an H200 cuBLAS read Llama-3-8B's weights at 5 and 9 rows in 4.01 and 4.06
+# ms a step against this kernel's 4.30 and 4.31 (`benchmarks/decode_linear.py --rows 1,5,9`,
+# 2026-11-27). So the first call of each (card, weight shape, dtype, power-of-two row bucket)
+# times both (`autotune.faster`) and keeps the faster.
+def beats_cublas(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether `skinny_gemm` runs a product of ``rows`` rows of x by ``weight`` faster than cuBLAS
+    on this GPU (measured once per shape and row bucket); in Triton's interpreter, yes."""
+    if not x.is_cuda:
+        return True
+    key = ("skinny_gemm", x.device, tuple(weight.shape), weight.dtype, next_pow2(rows))
+    return autotune.faster(key, lambda: skinny_gemm_triton(x, weight), lambda: F.linear(x, weight))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE_DTYPES, DEVICES, linear_reference, randn, rng
 
-from llmserve.kernels import backend, quantized_linear
+from llmserve.kernels import autotune, backend, quantized_linear
 from llmserve.kernels.skinny_gemm import FEW_ROWS_TILES, WIDE_TILES, skinny_gemm_triton
 
 # (M, N, K): one 16-row tile, a ragged one, the most rows (a 64-row tile); K a multiple of the
@@ -62,3 +62,22 @@ def test_linear_sends_what_the_tiles_win_here(monkeypatch):
     finally:
         backend.set_backend(None)
     assert calls == [(2, 8), (16, 8), (17, 65536), (64, 65536)]
+
+
+def test_the_faster_route_is_timed_once_a_key_and_never_in_a_capture(monkeypatch):
+    """`autotune.faster` (skinny_gemm against cuBLAS on a GPU): each key is timed once, the verdict
+    kept; a key first met inside a CUDA-graph capture is not timed and answers True."""
+    timed = []
+    times = {"ours": 1.0, "cublas": 2.0, "slow": 3.0}
+    monkeypatch.setattr(autotune, "bench", lambda call: timed.append(call()) or [times[timed[-1]]])
+    monkeypatch.setattr(autotune, "_faster", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU torch has none)
+    assert autotune.faster("a", lambda: "ours", lambda: "cublas")
+    assert not autotune.faster("b", lambda: "slow", lambda: "cublas")
+    assert timed == ["ours", "cublas", "slow", "cublas"]
+    assert autotune.faster("a", lambda: "slow", lambda: "cublas") and not autotune.faster("b", lambda: "ours", lambda: "cublas")
+    assert len(timed) == 4                                           # remembered, not retimed
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert autotune.faster("c", lambda: "slow", lambda: "cublas") and len(timed) == 4
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not autotune.faster("c", lambda: "slow", lambda: "cublas")   # measured once out of it
