@@ -16,6 +16,11 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmserve.engine.config import EngineConfig
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.engine_client import EngineError
+from llmserve.worker.protocol import WorkerInfo
+
 # A test server has as long as it needs to become healthy while it makes progress: on a loaded
 # 2-core machine starting several side by side, that can take minutes. It has failed once it has
 # used no CPU time (nor its workers) and written nothing for STARTUP_STALL_S, or after
@@ -224,3 +229,26 @@ async def tgi_stream_events(client: httpx.AsyncClient, url: str, body: dict, max
                             on_event: Callable[[], None] | None = None) -> list[dict]:
     """The JSON events of one TGI SSE stream (see ``sse_events``)."""
     return await sse_events(client, url, "/generate_stream", body, max_events, on_event)
+
+
+class FailingEngine:
+    """What ServerState needs of an EngineClient; ``generate`` records the params and fails."""
+
+    def __init__(self, model_path: str, tokenizer):
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.config = EngineConfig(model=model_path)
+        self.info = WorkerInfo(model_type="llama", vocab_size=len(tokenizer), max_total_token_num=512,
+                               max_seq_len=512, max_running_requests=8, dtype="float32", device="cpu", num_layers=2,
+                               num_params=0)
+        self.received: list[SamplingParams] = []
+
+    def route(self, prompt_token_ids, session_id=None, lora_name=None):
+        return self
+
+    def generate(self, prompt_token_ids, params, pixel_values=None, session_id=None, lora_name=None):
+        self.received.append(params)
+        raise EngineError("this test's engine runs nothing")
+
+    def end_session(self, session_id: str) -> None:
+        pass

@@ -113,6 +113,7 @@ class ServerState:
         self._thread_tokenizers = threading.local()
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="llmserve-tokenize",
                                                   initializer=self._give_thread_a_tokenizer)
+        self._start_tokenizer_threads()
         # chat_template: what --chat-template loaded at start-up, or None to use the model's own
         self.chat_template = choose_chat_template(chat_template, self.tokenizer, self.model_path)
         self.chat_stop = self.chat_template.stop_words(self.tokenizer) if self.chat_template else StopWords()
@@ -189,6 +190,14 @@ class ServerState:
 
     def _give_thread_a_tokenizer(self) -> None:
         self._thread_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+
+    def _start_tokenizer_threads(self) -> None:
+        """Start every tokenizer thread now, each copying its tokenizer (0.16 s for SmolLM2's), so
+        that the first requests after start-up do not wait for the copies. The pool makes a thread
+        per task while none is idle: each task waits at a barrier until all are running."""
+        barrier = threading.Barrier(TOKENIZER_THREADS)
+        for started in [self._tokenizer_pool.submit(barrier.wait, 60) for _ in range(TOKENIZER_THREADS)]:
+            started.result()
 
     @property
     def thread_tokenizer(self) -> Any:

@@ -15,37 +15,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llmserve.chat_template import BaseTemplate
-from llmserve.engine.config import EngineConfig
 from llmserve.generation_config import SamplingDefaults
 from llmserve.sampling_params import SAMPLING_RULES, InvalidRequest, SamplingParams, SamplingRule
 from llmserve.server.api.app import create_app
 from llmserve.server.api.state import ServerConfig, ServerState
-from llmserve.server.engine_client import EngineError
 from llmserve.server.metrics import ServerMetrics
-from llmserve.worker.protocol import WorkerInfo
-
-
-class FailingEngine:
-    """What ServerState needs of an EngineClient; ``generate`` records the params and fails."""
-
-    def __init__(self, model_path: str, tokenizer):
-        self.model_path = model_path
-        self.tokenizer = tokenizer
-        self.config = EngineConfig(model=model_path)
-        self.info = WorkerInfo(model_type="llama", vocab_size=len(tokenizer), max_total_token_num=512,
-                               max_seq_len=512, max_running_requests=8, dtype="float32", device="cpu", num_layers=2,
-                               num_params=0)
-        self.received: list[SamplingParams] = []
-
-    def route(self, prompt_token_ids, session_id=None, lora_name=None):
-        return self
-
-    def generate(self, prompt_token_ids, params, pixel_values=None, session_id=None, lora_name=None):
-        self.received.append(params)
-        raise EngineError("this test's engine runs nothing")
-
-    def end_session(self, session_id: str) -> None:
-        pass
+from serving_utils import FailingEngine
 
 
 @pytest.fixture(scope="module")

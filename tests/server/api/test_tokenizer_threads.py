@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
+from serving_utils import FailingEngine
 from transformers import AutoTokenizer
 
 ROUNDS = 3
@@ -66,3 +68,27 @@ def test_64_concurrent_mixed_requests_get_their_exact_outputs(tiny_server, token
             assert got == len(rendered)
         else:
             assert got == alone[i], (i, got)
+
+
+def test_every_tokenizer_thread_has_its_copy_before_the_first_request(tiny_llama_dir, smollm2_tokenizer):
+    """The pool's threads start with the server state, each copying the tokenizer then (0.16 s
+    each for SmolLM2's), not on the first requests."""
+    from llmserve.server.api.state import TOKENIZER_THREADS, ServerConfig, ServerState
+    from llmserve.server.metrics import ServerMetrics
+
+    state = ServerState(ServerConfig(generation_config="none"), FailingEngine(tiny_llama_dir, smollm2_tokenizer),
+                        ServerMetrics())
+    try:
+        threads = list(state._tokenizer_pool._threads)
+        assert len(threads) == TOKENIZER_THREADS and all(t.is_alive() for t in threads)
+        barrier = threading.Barrier(TOKENIZER_THREADS)
+
+        def own_copy() -> int:
+            barrier.wait(10)                # one task a thread
+            return id(state.thread_tokenizer)
+
+        copies = {f.result() for f in [state._tokenizer_pool.submit(own_copy) for _ in range(TOKENIZER_THREADS)]}
+        assert len(copies) == TOKENIZER_THREADS and id(state.tokenizer) not in copies
+        assert len(state._tokenizer_pool._threads) == TOKENIZER_THREADS
+    finally:
+        state._tokenizer_pool.shutdown()
