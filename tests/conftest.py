@@ -6,6 +6,15 @@ from __future__ import annotations
 
 import os
 
+# Under pytest-xdist the workers run files side by side on the same cores: each one (torch reads
+# the variable at import), and the engine workers and servers it starts (they inherit it:
+# model_worker.cpu_threads), gets its share of them. Threads beyond that oversubscribe the cores,
+# and a kernel's OpenMP threads that wait for a descheduled one spin: beside one busy process on
+# 2 cores, the embedded model's prompts in test_speculation took 171 s on 2 threads, 40 s on 1.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if XDIST_WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS)))
+
 import torch
 
 # Triton kernels are tested on CPU through its interpreter, which must be chosen before triton is first imported.
