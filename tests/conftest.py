@@ -10,8 +10,9 @@ import os
 # Under pytest-xdist the workers run files side by side on the same cores: each one (torch reads
 # the variable at import), and the engine workers and servers it starts (they inherit it:
 # model_worker.cpu_threads), gets its share of them. Threads beyond that oversubscribe the cores,
-# and a kernel's OpenMP threads that wait for a descheduled one spin: beside one busy process on
-# 2 cores, the embedded model's prompts in test_speculation took 171 s on 2 threads, 40 s on 1.
+# and a kernel's OpenMP threads that wait for a descheduled one spin: beside a busy process on 2
+# cores, the embedded model's grounded prompts (test_speculation_grounded) ran in 83 and 171 s on
+# 2 threads, 63 and 40 s on 1 (two runs each).
 XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if XDIST_WORKERS:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS)))
@@ -49,7 +50,7 @@ def default_model_hf(default_model_path, tmp_path_factory):
 
     Under pytest-xdist the first worker to need it saves it (safetensors, float32) where the
     others find it, in the run's temporary folder (pytest-xdist's recipe): a worker that reads it
-    back spends ~1 s, not the conversion's 30 again."""
+    back spends ~4.5 s, not the conversion's ~30 again."""
     from filelock import FileLock
     from transformers import AutoModelForCausalLM
 

@@ -502,7 +502,8 @@ def cpu_threads(ranks_per_node: int) -> int:
     """A CPU rank's threads: ``OMP_NUM_THREADS`` where it is set (the operator's, or the test
     suite's, whose parallel workers share the cores), else the cores this process may run on
     split between the node's ranks: each one taking all of them would oversubscribe, and a
-    kernel's OpenMP threads that wait for a descheduled one spin (4x slower decoding on 2 busy cores)."""
+    kernel's OpenMP threads that wait for a descheduled one spin (on 2 busy cores the embedded
+    model decoded up to 4x slower on 2 threads than on 1)."""
     configured = os.environ.get("OMP_NUM_THREADS", "")
     if configured.isdigit() and int(configured) > 0:
         return int(configured)
