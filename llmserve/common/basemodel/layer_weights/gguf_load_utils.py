@@ -14,11 +14,11 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 from tqdm.auto import tqdm
 
 from llmserve.common.cache import cache_root
@@ -346,13 +346,18 @@ def load_gguf(path: str, archs: Mapping[str, GGUFArch], progress: bool = True, q
 
     from llmserve.kernels.quantized_linear import QTYPES, QuantizedWeight
 
-    reader = _open_reader(path)
-    config, spec = _config_of(*_header_of(reader), path, archs)
+    layout = _read_checked(path, lambda: _read_layout(path))
+    if layout is None:                  # a layout the header's reader leaves to GGUFReader
+        reader = _open_reader(path)
+        header, file_tensors = _header_of(reader), reader.tensors
+    else:
+        header, file_tensors = (layout.meta, layout.shapes()), _read_checked(path, lambda: _mapped_tensors(path, layout))
+    config, spec = _config_of(*header, path, archs)
     n_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     bar = tqdm(
-        reader.tensors, desc="Reading GGUF" if quantized else "Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=None if progress else True
+        file_tensors, desc="Reading GGUF" if quantized else "Dequantizing GGUF", unit="tensor", file=sys.stderr, leave=False, disable=None if progress else True
     )
     with bar:
         for t in bar:
@@ -489,11 +494,38 @@ _SCALAR_FORMATS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValu
                    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
 
 
+class _TensorInfo(NamedTuple):
+    name: str
+    dims: tuple[int, ...]           # GGUF order: innermost first
+    tensor_type: int                # a GGMLQuantizationType's value
+    offset: int                     # from the start of the data section
+
+
+class _Layout(NamedTuple):
+    """A GGUF file's header: its scalar metadata (as `_metadata` gives it), its tensors' infos and
+    where the data section starts."""
+
+    meta: dict[str, Any]
+    tensors: list[_TensorInfo]
+    data_start: int
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensor shapes, in HF order."""
+        return {t.name: tuple(reversed(t.dims)) for t in self.tensors}
+
+
 def _read_header(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]] | None:
-    """The scalar metadata (as `_metadata` gives it) and the tensor shapes (HF order) of a
-    little-endian GGUF v2 / v3 file, read straight from its header: GGUFReader turns each of the
-    vocabulary's ~100k strings into numpy views first (7 CPU-s for SmolLM2's), and this needs none
-    of them. None for a file of another layout (GGUFReader reads those)."""
+    """The scalar metadata and the tensor shapes (HF order) of the file, as `_header_of` reads them
+    through GGUFReader; None where `_read_layout` is."""
+    layout = _read_layout(path)
+    return None if layout is None else (layout.meta, layout.shapes())
+
+
+def _read_layout(path: str) -> _Layout | None:
+    """The header of a little-endian GGUF v2 / v3 file, read straight from it: GGUFReader turns
+    each of the vocabulary's ~100k strings into numpy views first (3-7 CPU-s for SmolLM2's, at
+    every start of a worker), and this needs none of them. None for a file of another layout
+    (GGUFReader reads those)."""
     import mmap
     import struct
 
@@ -521,12 +553,17 @@ def _read_header(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]
 
         # GGUFReader lists the header's counts as fields too
         meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_fields}
+        alignment = GGUF_DEFAULT_ALIGNMENT
         for _ in range(n_fields):
             key = string().decode("utf-8")
             (value_type,) = struct.unpack_from("<I", buf, offs)
             offs += 4
             if value_type != GGUFValueType.ARRAY:
                 meta[key] = value(value_type)
+                if key == "general.alignment":
+                    alignment = meta[key]
+                    if value_type != GGUFValueType.UINT32 or alignment <= 0 or alignment & (alignment - 1):
+                        raise ValueError(f"bad general.alignment {alignment!r}")   # as GGUFReader
                 continue
             item_type, count = struct.unpack_from("<IQ", buf, offs)     # skipped: see _metadata
             offs += 12
@@ -537,11 +574,53 @@ def _read_header(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]
                 offs += count * struct.calcsize(_SCALAR_FORMATS[GGUFValueType(item_type)])
             else:
                 return None                                   # nested arrays: GGUFReader's
-        shapes: dict[str, tuple[int, ...]] = {}
+        tensors: list[_TensorInfo] = []
         for _ in range(n_tensors):
             name = string().decode("utf-8")
             (n_dims,) = struct.unpack_from("<I", buf, offs)
             dims = struct.unpack_from(f"<{n_dims}Q", buf, offs + 4)
-            offs += 4 + 8 * n_dims + 4 + 8                     # the dims, the type, the data offset
-            shapes[name] = tuple(reversed(dims))              # GGUF lists dimensions innermost first
-    return meta, shapes
+            offs += 4 + 8 * n_dims
+            tensor_type, offset = struct.unpack_from("<IQ", buf, offs)
+            offs += 12
+            tensors.append(_TensorInfo(name, dims, tensor_type, offset))
+    return _Layout(meta, tensors, -(-offs // alignment) * alignment)
+
+
+@dataclass(frozen=True)
+class _MappedTensor:
+    """A tensor of the file, with the fields of GGUFReader's ``ReaderTensor`` that load_gguf reads."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]          # GGUF order: innermost first
+    data: np.ndarray                # a read-only view of the memory map, shaped as GGUFReader's
+
+
+# the types GGUFReader gives as elements; every other one comes as its bytes, a block's to a row
+_ELEMENT_DTYPES = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+                   GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                   GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                   GGMLQuantizationType.I64: np.int64}
+
+
+def _mapped_tensors(path: str, layout: _Layout) -> list[_MappedTensor]:
+    """The tensors of ``layout`` as views of the file's memory map (nothing is read until used)."""
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors: list[_MappedTensor] = []
+    names: set[str] = set()
+    for info in layout.tensors:
+        if info.name in names:
+            raise ValueError(f"duplicated tensor {info.name}")
+        names.add(info.name)
+        qtype = GGMLQuantizationType(info.tensor_type)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = math.prod(info.dims) * type_size // block_size
+        start = layout.data_start + info.offset
+        if start + n_bytes > buf.size:
+            raise ValueError(f"tensor {info.name} ends past the end of the file")
+        shape = tuple(reversed(info.dims))
+        raw = buf[start:start + n_bytes]
+        dtype = _ELEMENT_DTYPES.get(qtype)
+        data = raw.view(dtype).reshape(shape) if dtype is not None else raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+        tensors.append(_MappedTensor(info.name, qtype, info.dims, data))
+    return tensors

@@ -18,7 +18,9 @@ from llmserve.common.basemodel.layer_weights.gguf_load_utils import (
     GGUFCheckpoint,
     ModelLoadError,
     _header_of,
+    _mapped_tensors,
     _read_header,
+    _read_layout,
     _rope_scaling_from_freqs,
     gguf_config,
     load_gguf,
@@ -278,9 +280,16 @@ def test_the_header_is_read_as_gguf_reader_reads_it(tmp_path: Path, smollm_path:
     write_gguf(path, "llama", tiny_hf_tensors(np.random.default_rng(3), biases=False, untied=True), extra_kv=every_type)
     for p in (str(path), smollm_path):
         meta, shapes = _read_header(p)
-        want_meta, want_shapes = _header_of(gguf.GGUFReader(p))
+        reader = gguf.GGUFReader(p)
+        want_meta, want_shapes = _header_of(reader)
         assert meta == want_meta and shapes == want_shapes
         assert {k: type(v) for k, v in meta.items()} == {k: type(v) for k, v in want_meta.items()}
+        # and load_gguf's views of the tensors are GGUFReader's: names, types, shapes, bytes
+        layout = _read_layout(p)
+        assert layout.data_start == reader.data_offset
+        for got, want in zip(_mapped_tensors(p, layout), reader.tensors, strict=True):
+            assert (got.name, got.tensor_type, list(got.shape)) == (want.name, want.tensor_type, list(want.shape))
+            assert got.data.dtype == want.data.dtype and np.array_equal(got.data, want.data), got.name
     assert _read_header(str(path))[0]["test.float32"] == 1e-5      # the shortest decimal, as config.json had it
 
 
