@@ -27,7 +27,7 @@ tokens of the step are taken first, as many as raise its tokens per unit of time
 whose copy keeps diverging drafts a token or two or none, one copying a passage the whole
 ``speculate``. A request left out for its acceptance sits the next step out and its evidence
 fades toward the prior, so it tries again a few steps later; left out for an acceptance that
-would not pay even alone, it backs off as after a miss (1, 3, 7, then 15 steps). The worker's draft is at most the
+would not pay even alone, it backs off as after a miss (1, 3, then 7 steps). The worker's draft is at most the
 budget, and shorter where its match supports less (2 tokens per matched token).
 
 Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
@@ -48,8 +48,12 @@ from llmserve.engine.request import Request
 if TYPE_CHECKING:
     from llmserve.engine.scheduler import ScheduledRequest
 
-# The most decode steps a request whose drafts gain nothing sits out between two lookups.
+# The most decode steps a request whose drafts gain nothing sits out between two lookups, and
+# one left out for its acceptance (`Drafter.add_drafts`): shorter, because a request that copies
+# its own output's loops has that acceptance between loops, and its wait delays the next loop's
+# drafts (`answer` in benchmarks/prompt_lookup.py).
 MAX_DRAFT_WAIT = 15
+MAX_SKIP_WAIT = 7
 # A request's acceptance before its first verify (the chance that each next draft token is
 # accepted), as if seen over ``PRIOR_WEIGHT`` draft tokens, and how much each verify's evidence
 # fades per later verify: the estimate follows the last few drafts.
@@ -179,6 +183,7 @@ class Drafter:
                 state = self.states[s.request]
                 if not self.cost.best_length(acceptance, limit):
                     self._missed(state)
+                    state.wait = min(state.wait, MAX_SKIP_WAIT)
                 state.fade()
                 state.wait = max(state.wait, 1)
             s.draft_budget = max(0, min(k, room))

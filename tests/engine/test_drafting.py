@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.drafting import DRAFT_COSTS, DraftCost
+from llmserve.engine.drafting import DRAFT_COSTS, MAX_SKIP_WAIT, DraftCost
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
 from scheduling_utils import EOS, TOKEN, make_request, make_scheduler, run_step
@@ -215,9 +215,9 @@ def test_a_requests_budgets_follow_what_it_accepted():
 def test_free_texts_failing_guesses_back_off_like_misses():
     """Free text: each draft continues a lone recurring token (match 1: no miss in `verified`) and
     is rejected. Left out for an acceptance that would not pay even alone, the request backs off
-    as after misses, so it verifies ever more rarely (13 steps of 200 here; 58 while skips only
-    faded its evidence, each futile verify ~0.3 of a decode step on a CPU); one accepted draft
-    puts it back to drafting every step."""
+    as after misses (up to MAX_SKIP_WAIT steps), so it verifies rarely (21 steps of 200 here; 58
+    while skips only faded its evidence, 13 with waits of up to 15, which cost answers that copy
+    their own loops their loops' starts); one accepted draft puts it back to drafting every step."""
     scheduler = make_scheduler(1000, speculate=10, draft_cost=DRAFT_COSTS["cpu"])
     req = make_request(0, 20, max_new_tokens=400)
     decoding(scheduler, req)
@@ -233,9 +233,9 @@ def test_free_texts_failing_guesses_back_off_like_misses():
         return bool(s.draft_budget)
 
     verifies = [step(accept=False) for _ in range(200)]
-    assert 3 <= sum(verifies) <= 20 and sum(verifies[100:]) <= 8
+    assert 3 <= sum(verifies) <= 30 and sum(verifies[100:]) <= 15
     state = scheduler.drafter.states[req]
-    assert state.num_misses >= 4 and state.wait <= 15
+    assert state.num_misses >= 4 and state.wait <= MAX_SKIP_WAIT
     while not step(accept=True):     # its next try is accepted: no waits after it
         pass
     assert state.num_misses == 0 and all(step(accept=True) for _ in range(5))
