@@ -182,8 +182,7 @@ class Drafter:
                 # every few steps as its evidence fades back.
                 state = self.states[s.request]
                 if not self.cost.best_length(acceptance, limit):
-                    self._missed(state)
-                    state.wait = min(state.wait, MAX_SKIP_WAIT)
+                    self._missed(state, MAX_SKIP_WAIT)
                 state.fade()
                 state.wait = max(state.wait, 1)
             s.draft_budget = max(0, min(k, room))
@@ -221,6 +220,6 @@ class Drafter:
         self.states.pop(req, None)
 
     @staticmethod
-    def _missed(state: DraftState) -> None:
+    def _missed(state: DraftState, max_wait: int = MAX_DRAFT_WAIT) -> None:
         state.num_misses += 1
-        state.wait = min(2 ** (state.num_misses - 1), MAX_DRAFT_WAIT + 1) - 1
+        state.wait = min(2 ** (state.num_misses - 1), max_wait + 1) - 1
