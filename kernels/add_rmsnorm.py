@@ -13,15 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, row_launch_config, use_triton
+from .backend import launcher, pdl, row_launch_config, use_triton
 from .rmsnorm import rmsnorm_forward_torch, row_rstd
+from .triton_math import pdl_wait
 
 
 @triton.jit
 def _add_rmsnorm_kernel(H, Delta, W, DeltaW, Y, stride_h, stride_d, stride_y, N, eps, BLOCK_N: tl.constexpr,
-                        ROUND_FIRST: tl.constexpr, NORM_DELTA: tl.constexpr):
+                        ROUND_FIRST: tl.constexpr, NORM_DELTA: tl.constexpr, PDL: tl.constexpr):
     # One program per row; rows wider than BLOCK_N are walked in chunks (twice: add, then scale;
     # with NORM_DELTA a first time, for the delta's own norm).
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     h_row = H + row * stride_h
     d_row = Delta + row * stride_d
@@ -67,7 +69,7 @@ def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: tor
         launcher(_add_rmsnorm_kernel, h2)[(h2.shape[0],)](
             h2, d2, weight, weight if delta_weight is None else delta_weight, y, h2.stride(0), d2.stride(0),
             y.stride(0), n, eps, BLOCK_N=block_n, ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None,
-            num_warps=num_warps,
+            num_warps=num_warps, **pdl(h2),
         )
     return y.view(h.shape)
 

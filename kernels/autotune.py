@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import triton
 
-from .backend import launcher, next_pow2
+from .backend import launcher, next_pow2, pdl
 
 # Row counts that share a tuning: a decode step's batch and a prompt's tokens vary step to step,
 # and tiles that win at 40 rows win at 50. Above the last bucket one tuning serves all.
@@ -107,6 +107,7 @@ def launch(tuner, t: torch.Tensor, grid: Callable[[dict], tuple], args: dict[str
     ``constexprs``: the ones the caller fixes). On the GPU the tuner picks the config; with
     ``config`` given, or in Triton's interpreter (CPU tensors, where timing means nothing), that
     config or the first that fits runs."""
+    constexprs = {**constexprs, **pdl(t)}    # its kernels take PDL (kernels/backend.py)
     if config is None and t.is_cuda:
         tuner[grid](*args.values(), **constexprs)
         return

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import LOG2E, dot_precision, launcher, next_pow2
+from .backend import LOG2E, dot_precision, launcher, next_pow2, pdl
+from .triton_math import pdl_wait
 from .triton_math import softcap as _softcap
 
 
@@ -60,7 +61,9 @@ def _decode_attention_stage1_kernel(
     GROUP, D, num_splits,
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FINAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,4 +171,5 @@ def decode_attention_stage1_triton(
         DOT_PRECISION=dot_precision(q.dtype), FINAL=final,
         BLOCK_N=block_n, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D,
         num_warps=4, num_stages=2,
+        **pdl(q),
     )

@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2
+from .backend import launcher, next_pow2, pdl
 from .decode_attention_stage1 import first_key, split_length
+from .triton_math import pdl_wait
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # as stage 1's
@@ -21,8 +22,9 @@ def _decode_attention_stage2_kernel(
     stride_ml_b, stride_ml_h, stride_ml_s,
     stride_o_b, stride_o_h, stride_o_d,
     D, num_splits, window,
-    HAS_WINDOW: tl.constexpr, ALL_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ALL_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     if ALL_SPLITS:
@@ -71,4 +73,5 @@ def decode_attention_stage2_triton(
         D, mid_o.shape[2], sliding_window,
         HAS_WINDOW=sliding_window > 0, ALL_SPLITS=b_seq_len is None, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         num_warps=4,
+        **pdl(o),
     )

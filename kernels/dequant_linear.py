@@ -44,7 +44,7 @@ import triton.language as tl
 from . import autotune
 from .backend import dot_precision, next_pow2, use_triton
 from .gemv import ACTIVATIONS
-from .triton_math import gelu_tanh, silu
+from .triton_math import gelu_tanh, pdl_wait, silu
 
 @triton.jit
 def _weight_tile(W, S, Z, offs_n, n_mask, k0, K, KW, stride_w_n, stride_s_n, stride_z_n,
@@ -243,9 +243,11 @@ def _dequant_gemv_kernel(
     X, W, S, Z, Y, N, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
     SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr, ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CV: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # ACT "": Y[n] = x . W[n] for n < N. ACT "silu" / "gelu_tanh" (a gated MLP's gate_up, W of
     # 2N rows): Y[n] = act(x . W[n]) * (x . W[N + n]), rounded as `gemv.py`'s act-and-mul is.
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     y = _gemv_rows(X, W, S, Z, offs_n, n_mask, K, KW, stride_w_n, stride_s_n, stride_z_n, TWO_TO_7,
@@ -268,9 +270,10 @@ def _dequant_gemm_kernel(
     SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, HAS_ZERO: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # ROWS (the row bucket) is only the autotuner's key.
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N

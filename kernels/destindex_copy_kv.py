@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import launcher, next_pow2, pdl, use_triton
+from .triton_math import pdl_wait
 
 KV_FP8 = torch.float8_e4m3fn
 KV_FP8_MAX = torch.finfo(KV_FP8).max    # 448
@@ -31,9 +32,10 @@ def _destindex_copy_kv_kernel(
     stride_d_n, stride_d_h, stride_d_d,
     inv_k, inv_v,
     H, HK, D,
-    QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per source token, copying all of its heads.
+    pdl_wait(PDL)
     i = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -75,6 +77,7 @@ def destindex_copy_kv_triton(src: torch.Tensor, dest_loc: torch.Tensor, dest: to
         H, H // 2, D,
         QUANT=quant, BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D),
         num_warps=4,
+        **pdl(src),
     )
 
 

@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .backend import launcher, next_pow2, use_triton
+from .backend import launcher, next_pow2, pdl, use_triton
 from .dequant_linear import dequant_linear_triton
+from .triton_math import pdl_wait
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -57,7 +58,8 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_fp8_rows_kernel(X, XQ, XS, InputScale, K, stride_x_m, stride_q_m,
                               STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     x_row = X + row.to(tl.int64) * stride_x_m
     q_row = XQ + row.to(tl.int64) * stride_q_m
@@ -99,6 +101,7 @@ def quantize_fp8_rows_triton(x: torch.Tensor, input_scale: torch.Tensor | None) 
             x, xq, scale, input_scale if input_scale is not None else scale, K, x.stride(0), xq.stride(0),
             STATIC=input_scale is not None, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, BLOCK=block,
             num_warps=4 if block <= 1024 else 8,
+            **pdl(x),
         )
     return xq, scale
 
@@ -122,9 +125,11 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 @triton.jit
 def _fp8_gemm_kernel(XQ, XS, W, WS, Y, M, N, K, ROWS, stride_x_m, stride_w_n, stride_y_m,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PDL: tl.constexpr):
     """y = (xq @ w^T) * xs[m] * ws[n] on FP8 tensor cores, the weight tile the dot's first operand
     (y^T = W xq^T: a few rows still fill the MMA's 64-row side). ROWS: the autotuner's key."""
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)

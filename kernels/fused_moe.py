@@ -43,17 +43,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import dot_precision, launcher, next_pow2, use_triton, vector_width
+from .backend import dot_precision, launcher, next_pow2, pdl, use_triton, vector_width
 from .gemv import ACT_AND_MUL_TILES, gemv_act_and_mul_triton, gemv_block_k
-from .triton_math import silu
+from .triton_math import pdl_wait, silu
 
 
 @triton.jit
 def _moe_align_kernel(TopkIds, SortedPairs, BlockExpert, NumPadded, P, num_blocks,
-                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     # One program. Pairs are numbered p = token * k + slot (topk_ids flattened); pair p of
     # expert e goes to row pad_start[e] + (its rank among e's pairs), each expert's rows rounded
     # up to whole blocks. Rows left over hold P (no pair).
+    pdl_wait(PDL)
     experts = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
     for c0 in range(0, P, CHUNK):
@@ -90,10 +91,11 @@ def _fused_moe_kernel(A, W, C, TopkWeights, SortedPairs, BlockExpert, NumPadded,
                       stride_am, stride_we, stride_wn, stride_cm,
                       SILU_MUL: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr, SORTED: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # C[pair, n] = A[pair // DIV] . W[expert, n] for the pairs of block program_id(0). With
     # SILU_MUL, W holds [gate; up] (2N rows) and C = silu(A W_gate^T) * (A W_up^T). Unless
     # SORTED, block i is pair i alone and BlockExpert is topk_ids (one token: no align launch).
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     if SORTED:
         if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -133,7 +135,7 @@ def _fused_moe_kernel(A, W, C, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 @triton.jit
 def _moe_down_gemv_kernel(Act, W2, Out, TopkWeights, TopkIds, H, I, stride_we, stride_wn, stride_om,
                           TOP_K: tl.constexpr, K_P2: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr):
     # Out[t, n] = sum over slots s of weight[t, s] * (Act[t * TOP_K + s] . W2[e_s, n]) for the
     # token program_id(0) and BLOCK_N features n: the k experts' tiles are one [K_P2, BLOCK_N,
     # BLOCK_K] load, so a program has k times a GEMV's bytes in flight. Each chunk's products are
@@ -145,6 +147,7 @@ def _moe_down_gemv_kernel(Act, W2, Out, TopkWeights, TopkIds, H, I, stride_we, s
     # the tile out with the warps along the features instead: 128 registers, 4 programs an SM,
     # and the activations pass between warps through shared memory each chunk; the [BLOCK_N,
     # K_P2, BLOCK_K] order swaps the two versions' outcomes.)
+    pdl_wait(PDL)
     token = tl.program_id(0)
     slots = tl.arange(0, K_P2)
     slot_mask = slots < TOP_K
@@ -228,7 +231,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1).to(torch.int32)
     launcher(_moe_align_kernel, ids)[(1,)](ids, sorted_pairs, block_expert, num_padded, P, num_blocks,
-                                           BLOCK_M=block_m, E_P2=next_pow2(num_experts), CHUNK=64, num_warps=4)
+                                           BLOCK_M=block_m, E_P2=next_pow2(num_experts), CHUNK=64, num_warps=4,
+                                           **pdl(ids))
     return sorted_pairs, block_expert, num_padded
 
 
@@ -260,6 +264,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weig
         n, w.shape[2], out.shape[0], a_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SILU_MUL=silu_mul, MUL_ROUTING_WEIGHT=not silu_mul, SORTED=sorted_,
         DOT_PRECISION=dot_precision(a.dtype), **cfg,
+        **pdl(a),
     )
 
 
@@ -300,6 +305,7 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         TOP_K=k, K_P2=max(2, next_pow2(k)), EVEN_N=H % block_n == 0, EVEN_K=I % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k,
         VEC=vector_width(x, block_k), num_warps=num_warps, num_stages=1,
+        **pdl(x),
     )
     return out
 

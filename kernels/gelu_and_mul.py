@@ -14,10 +14,11 @@ import triton.language as tl
 
 from .backend import use_triton
 from .silu_and_mul import launch_act_and_mul
-from .triton_math import gelu_tanh
+from .triton_math import gelu_tanh, pdl_wait
 
 @triton.jit
-def _gelu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
+def _gelu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import half_precision_on_triton, launcher, next_pow2, use_triton, vector_width
+from .backend import half_precision_on_triton, launcher, next_pow2, pdl, use_triton, vector_width
 from .gelu_and_mul import gelu_and_mul_fwd_torch
 from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
 from .silu_and_mul import silu_and_mul_fwd_torch
-from .triton_math import gelu_tanh, row_chunk, silu
+from .triton_math import gelu_tanh, pdl_wait, row_chunk, silu
 
 # (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
 # Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up
@@ -50,7 +50,7 @@ def _gemv_kernel(
     X, W, Bias, Y, N, K, stride_w_n,
     LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -61,7 +61,7 @@ def _gemv_kernel(
     # Each chunk's loads go out before the previous chunk's sums (the chunk past K: all masked
     # off, no traffic): one burst of loads a chunk, which Triton 3.6's schedule otherwise splits
     # into two waits on memory.
-    w, x = row_chunk(w_ptrs, X, 0, K, offs_k, n_mask, EVEN_K, FIRST=True)
+    w, x = row_chunk(w_ptrs, X, 0, K, offs_k, n_mask, EVEN_K, FIRST=True, PDL=PDL)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         w_next, x_next = row_chunk(w_ptrs, X, k0, K, offs_k, n_mask, EVEN_K)
         acc += tl.sum(tl.reshape(w.to(tl.float32) * x.to(tl.float32)[None, :], [BLOCK_N, BLOCK_K // VEC, VEC]), 2)
@@ -85,6 +85,7 @@ def _gemv_act_and_mul_kernel(
     LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn,
     ACT: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Y[r, n] = act(X[r // ROWS_PER_X] . W[n]) * (X[r // ROWS_PER_X] . W[I + n]) for the output row
     # r = program_id(0) and BLOCK_N features n; with HAS_EXPERTS, W is expert ExpertIds[r]'s.
@@ -99,6 +100,7 @@ def _gemv_act_and_mul_kernel(
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    pdl_wait(PDL)
     if HAS_EXPERTS:
         gate_ptrs += tl.load(ExpertIds + row).to(tl.int64) * stride_we
     up_ptrs = gate_ptrs + I * stride_wn
@@ -158,7 +160,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n,
-        BLOCK_K=block_k, VEC=vector_width(x, block_k), num_warps=num_warps, num_stages=1, **lora_constexprs,
+        BLOCK_K=block_k, VEC=vector_width(x, block_k), num_warps=num_warps, num_stages=1, **lora_constexprs, **pdl(x),
     )
     return y
 
@@ -207,7 +209,7 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
         x, weight, y, ids, I, K, rows_per_x, x.stride(-2) if x.dim() > 1 else K, stride_we, weight.stride(-2),
         *lora_args, ACT=act, HAS_EXPERTS=expert_ids is not None, HAS_LORA=lora is not None,
         EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, VEC=vector_width(x, block_k),
-        num_warps=num_warps, num_stages=1, **lora_constexprs,
+        num_warps=num_warps, num_stages=1, **lora_constexprs, **pdl(x),
     )
     return y
 

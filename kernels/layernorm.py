@@ -8,11 +8,13 @@ import triton
 import triton.language as tl
 
 from .backend import launch_row_norm, use_triton
+from .triton_math import pdl_wait
 
 
 @triton.jit
-def _layernorm_kernel(X, W, B, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
+def _layernorm_kernel(X, W, B, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     # One program per row; mean first, then the variance around it (stabler than E[x^2] - mean^2).
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y

@@ -80,8 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import dot_precision, launcher, next_pow2, use_triton, vector_width
-from .triton_math import row_chunk
+from .backend import dot_precision, launcher, next_pow2, pdl, use_triton, vector_width
+from .triton_math import pdl_wait, row_chunk
 
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
 # tiles for segments longer than DECODE_ROWS (prompts), which re-read A and B less often.
@@ -110,9 +110,10 @@ def _segment_tile(SegStart, Rows, BLOCK_M: tl.constexpr):
 def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, R_SUB,
                         stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """``P[split, i] = x[rows[i]] @ A[slot]^T`` over columns ``split * K_PER_SPLIT`` on (at most
     K_PER_SPLIT of them) for the tile's positions i: ``m * R_SUB x K_PER_SPLIT`` of A read once."""
+    pdl_wait(PDL)
     slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
     if first >= seg_end:     # no tokens of this slot in this tile
         return
@@ -143,7 +144,7 @@ def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, 
 def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Blocks, K_SPLITS, R_SUB,
                         stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """``y[rows[i], block] += (sum over splits of P[:, i]) @ B[slot, block]^T * scaling`` for the
     tile's positions i and one column block: ``R x BLOCK_N`` of B, ``K_SPLITS x BLOCK_M x R``
     partials. No loop over blocks: a program waits on three loads in a row (the segment's bounds;
@@ -151,6 +152,7 @@ def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Blocks, K_SPLITS
     # This program's columns: block program_id(0), of projection `proj` (its partials' columns
     # start at proj * R_SUB), columns col_start up to col_end of y (a block never spans two
     # projections). Loaded before the segment's bounds: they do not depend on them.
+    pdl_wait(PDL)
     block = Blocks + tl.program_id(0) * 3
     proj = tl.load(block)
     col_start = tl.load(block + 1)
@@ -208,10 +210,11 @@ def slot_value(Values, slot, NUM_SLOTS, BLOCK_S: tl.constexpr):
 @triton.jit
 def _lora_shrink_row_kernel(X, A, S, Rank, SegStart, NUM_SLOTS, K, R_TOTAL, R_SUB, stride_as, stride_ar,
                             BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                            VEC: tl.constexpr, EVEN_K: tl.constexpr):
+                            VEC: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """``S[j] = x . A[slot, j]`` (rounded to x's dtype, stored in fp32) for BLOCK_J rows j of A:
     a GEMV over A's rows, each program reading its rows whole, so s is final (no partials to sum
     downstream). Padding rows past the slot's rank read nothing and store 0."""
+    pdl_wait(PDL)
     slot, has = row_slot(SegStart, NUM_SLOTS, BLOCK_S)
     rank = slot_value(Rank, slot, NUM_SLOTS, BLOCK_S)
     if not has:
@@ -316,6 +319,7 @@ def lora_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.T
         x, a, s, slot_rank, seg_start, num_slots, k, r_total, r_sub, a.stride(0), a.stride(1),
         BLOCK_J=ROW_SHRINK_ROWS, BLOCK_K=block_k, BLOCK_S=max(2, next_pow2(num_slots)),
         VEC=vector_width(x, block_k), EVEN_K=k % block_k == 0, num_warps=max(4, min(16, block_k // 1024)),
+        **pdl(x),
     )
     return RowLora(s, b, scaling, seg_start, tuple(splits), r_sub)
 
@@ -416,6 +420,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
             x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
             BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(x.dtype),
             num_stages=plan.num_stages, num_warps=8 if block_m * block_r >= 8192 else 4,
+            **pdl(x),
         )
     return Shrunk(partials, block_m, tiles, busy)
 
@@ -436,6 +441,7 @@ def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling
         partials.stride(0), partials.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rs, SPLIT_BLOCK=split_block,
         DOT_PRECISION=dot_precision(y.dtype),
+        **pdl(y),
     )
 
 

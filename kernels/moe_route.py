@@ -11,12 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import launcher, next_pow2, pdl, use_triton
+from .triton_math import pdl_wait
 
 
 @triton.jit
 def _moe_route_kernel(Logits, Weights, Ids, n, E, stride_l, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                      RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, E_P2: tl.constexpr):
+                      RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, E_P2: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, E_P2)
     slots = tl.arange(0, K_P2)
@@ -59,6 +61,7 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
         launcher(_moe_route_kernel, logits)[(triton.cdiv(n, BLOCK_T),)](
             logits, weights, ids, n, E, logits.stride(0), TOP_K=top_k, K_P2=next_pow2(top_k), RENORMALIZE=renormalize,
             BLOCK_T=BLOCK_T, E_P2=E_P2, num_warps=num_warps,
+            **pdl(logits),
         )
     return weights, ids
 

@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import launcher, next_pow2, pdl, use_triton
 from .rmsnorm import rmsnorm_forward_torch
+from .triton_math import pdl_wait
 
 
 @triton.jit
@@ -35,7 +36,9 @@ def _rmsnorm_heads(X, W, stride_h, H, D, eps, H_P2: tl.constexpr, D_P2: tl.const
 
 @triton.jit
 def _qk_rmsnorm_kernel(Q, K, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, HQ, HK, D, eps,
-                       HQ_P2: tl.constexpr, HK_P2: tl.constexpr, D_P2: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                       HQ_P2: tl.constexpr, HK_P2: tl.constexpr, D_P2: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     _rmsnorm_heads(Q + token * stride_qt, WQ, stride_qh, HQ, D, eps, HQ_P2, D_P2, ROUND_FIRST)
     _rmsnorm_heads(K + token * stride_kt, WK, stride_kh, HK, D, eps, HK_P2, D_P2, ROUND_FIRST)
@@ -53,6 +56,7 @@ def qk_rmsnorm_triton_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
         q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), HQ, HK, D, eps,
         HQ_P2=HQ_P2, HK_P2=HK_P2, D_P2=D_P2, ROUND_FIRST=round_first,
         num_warps=4 if (HQ_P2 + HK_P2) * D_P2 <= 8192 else 8,
+        **pdl(q),
     )
 
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .backend import launch_row_norm, use_triton
+from .triton_math import pdl_wait
 
 
 @triton.jit
@@ -23,8 +24,10 @@ def row_rstd(x_row, N, eps, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
+def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+                    ROUND_FIRST: tl.constexpr):
     # One program per row; rows wider than BLOCK_N are walked in chunks.
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import launcher, next_pow2, pdl, use_triton
+from .triton_math import pdl_wait
 
 
 @triton.jit
@@ -23,9 +24,10 @@ def _rotary_emb_kernel(
     stride_x_t, stride_x_h, stride_x_d,
     stride_c_t, stride_c_d, stride_s_t, stride_s_d,
     H, HALF,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (token t, block of heads); cos/sin are loaded once for all those heads.
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -70,6 +72,7 @@ def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
         # No fused multiply-add: compiled, x1*cos - x2*sin became fma(x1, cos, -x2s) in bf16, one
         # rounding fewer than HF's eager ops (and than the torch twin) on ~14% of values.
         enable_fp_fusion=False,
+        **pdl(x),
     )
 
 

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import launcher, next_pow2, use_triton
+from .backend import launcher, next_pow2, pdl, use_triton
 from .destindex_copy_kv import destindex_copy_kv_torch, fp8_scaled, kv_quantization
 from .rotary_emb import rotary_emb_fwd_torch, rotate_halves
+from .triton_math import pdl_wait
 
 # Heads per program: the rotary kernel's block.
 _MAX_BLOCK_H = 16
@@ -35,10 +36,11 @@ def _rotary_emb_copy_kv_kernel(
     stride_o_n, stride_o_h, stride_o_d,
     inv_k, inv_v,  # QUANT: a float8 cache stores K * inv_k and V * inv_v
     HQ, HKV, HALF, Q_BLOCKS,
-    QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (token t, block of heads): the first Q_BLOCKS blocks are q's heads, rotated in
     # place; the others are kv heads, each program storing the same block of K and of V heads.
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -98,6 +100,7 @@ def rotary_emb_copy_kv_triton(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tens
         hq, hkv, d // 2, q_blocks,
         QUANT=quant, BLOCK_H=block_h, BLOCK_HALF=next_pow2(d // 2), num_warps=4,
         enable_fp_fusion=False,  # as rotary_emb's launch: no FMA, each product rounds to the dtype
+        **pdl(q),
     )
 
 

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import as_rows, launcher, next_pow2, use_triton
-from .triton_math import silu
+from .backend import as_rows, launcher, next_pow2, pdl, use_triton
+from .triton_math import pdl_wait, silu
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -30,7 +31,7 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
 
 
 def launch_act_and_mul(kernel: Any, x: torch.Tensor) -> torch.Tensor:
-    """Run a gated activation ``kernel(X, Y, stride_x, stride_y, I, BLOCK=...)`` over x ``[n, 2*I]``
+    """Run a gated activation ``kernel(X, Y, stride_x, stride_y, I, BLOCK=..., PDL=...)`` over x ``[n, 2*I]``
     (``[gate | up]``), a program per row and block of columns; returns the new ``[n, I]`` output."""
     I = x.shape[-1] // 2
     x2 = as_rows(x)
@@ -38,7 +39,7 @@ def launch_act_and_mul(kernel: Any, x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0:
         BLOCK = min(next_pow2(I), 1024)
         launcher(kernel, x2)[(x2.shape[0], triton.cdiv(I, BLOCK))](
-            x2, y, x2.stride(0), y.stride(0), I, BLOCK=BLOCK, num_warps=4,
+            x2, y, x2.stride(0), y.stride(0), I, BLOCK=BLOCK, num_warps=4, **pdl(x2),
         )
     return y.view(*x.shape[:-1], I)
 

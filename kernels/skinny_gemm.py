@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from .backend import half_precision_on_triton, launcher, next_pow2, use_triton
+from .backend import half_precision_on_triton, launcher, next_pow2, pdl, use_triton
+from .triton_math import pdl_wait
 
 # Tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and where they beat cuBLAS, from the H100 sweep
 # (`benchmarks/decode_linear.py --sweep`, Llama-3-8B's weights): up to 16 rows, on every weight
@@ -42,8 +43,9 @@ def tiles_for(rows: int, n: int) -> tuple[int, int, int, int] | None:
 def _skinny_gemm_kernel(
     X, W, Bias, Y, M, N, K, stride_x_m, stride_w_n, stride_y_m,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -90,6 +92,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
+        **pdl(x),
     )
     return y.view(*x.shape[:-1], N)
 

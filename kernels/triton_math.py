@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Under programmatic dependent launch (``PDL``, kernels/backend.py's `pdl`): wait until the
+    kernel before has ended and its writes are visible, then let the next kernel launch. A PDL
+    kernel calls this in every program before it reads anything an earlier kernel may have
+    written and before it writes anything, and before any early return: a
+    kernel whose programs all skipped the wait could end before the kernel before it. Reads
+    before the wait see everything but the kernel before's writes (that kernel was let go only
+    after its own wait): weights, and an adapter pool filled between steps, may be read there.
+    The next launch is let go only after the wait, so at most one kernel waits ahead."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
 
 @triton.jit
 def tanh(x):
@@ -33,19 +50,26 @@ def gelu_tanh(g):
 
 
 @triton.jit
-def row_chunk(w_ptrs, X, k0, K, offs_k, row_mask, EVEN_K: tl.constexpr, FIRST: tl.constexpr = False):
+def row_chunk(w_ptrs, X, k0, K, offs_k, row_mask, EVEN_K: tl.constexpr, FIRST: tl.constexpr = False,
+              PDL: tl.constexpr = False):
     """Chunk ``k0`` of a one-row GEMV's loop over K: the weight tile ``w_ptrs + k0`` (``[rows,
     BLOCK_K]``, the rows past ``row_mask`` off) and x's columns, zeros past K (a chunk past K moves
     no memory). EVEN_K (the chunk width divides K): one condition a chunk, not one a column; none
-    for the FIRST (k0 = 0), which is in K (the condition cost the dense GEMV 8 registers on sm_90)."""
+    for the FIRST (k0 = 0), which is in K (the condition cost the dense GEMV 8 registers on sm_90).
+    The FIRST chunk waits for the kernel before (`pdl_wait`) between its weight tile and x: the
+    weights are read while that kernel ends."""
     if EVEN_K and FIRST:
         w = tl.load(w_ptrs + k0, mask=row_mask[:, None], other=0.0)
-        x = tl.load(X + k0 + offs_k)
     elif EVEN_K:
         w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & (k0 < K), other=0.0)
+    else:
+        w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+    if FIRST:
+        pdl_wait(PDL)
+    if EVEN_K and FIRST:
+        x = tl.load(X + k0 + offs_k)
+    elif EVEN_K:
         x = tl.load(X + k0 + offs_k, mask=k0 < K, other=0.0)
     else:
-        k_mask = (k0 + offs_k) < K
-        w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        x = tl.load(X + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0)
     return w, x

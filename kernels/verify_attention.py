@@ -31,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import LOG2E, dot_precision, launcher, next_pow2, softmax_scale, use_triton
+from .backend import LOG2E, dot_precision, launcher, next_pow2, pdl, softmax_scale, use_triton
 from .context_attention import context_attention_fwd_torch
 from .decode_attention import DECODE_BLOCK_N, decode_num_splits
 from .decode_attention_stage1 import split_length
 from .decode_attention_stage2 import decode_attention_stage2_triton
+from .triton_math import pdl_wait
 from .triton_math import softcap as _softcap
 
 # The most new tokens a request may bring for a batch to take this path: a verify step's 1 + K
@@ -77,8 +78,9 @@ def _verify_attention_stage1_kernel(
     stride_ml_t, stride_ml_h, stride_ml_s,
     GROUP, D, num_splits, row_blocks,
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kv_h = tl.program_id(1) // row_blocks
     row_block = tl.program_id(1) % row_blocks
@@ -201,6 +203,7 @@ def verify_attention_fwd_triton(
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=logit_softcap > 0,
         DOT_PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         num_warps=4, num_stages=2,
+        **pdl(q),
     )
     decode_attention_stage2_triton(mid_o, mid_lse, o, None, block_n=block_n)
 
