@@ -2,10 +2,11 @@
 (offline.py's shapes, Llama-3-8B by default), grouped by kernel, next to the step's wall time.
 
     python benchmarks/profile_step.py --batch 1 --prompt-len 512 [--graphs]
-        [--model-size gemma2-9b] [--quantization fp8|fp8-block|int4] [--lora 8]
+        [--model-size gemma2-9b] [--quantization fp8|fp8-block|int4] [--lora 8] [--verify 4]
 
 ``--lora N`` loads N random rank-16 adapters on every projection (lora.py's) and gives request i
-adapter i mod N.
+adapter i mod N. ``--verify K`` profiles speculative verify steps of 1 + K tokens a request
+instead (random drafts, every row's logits, the drafts then cut: offline.py's ``--verify``).
 
 If the kernels' summed time is well below the step time, the step is bound by host-side work
 (Python, launches, synchronisations), not by the GPU. The sum counts kernel rows only: the
@@ -44,15 +45,16 @@ def main() -> None:
     ap.add_argument("--model-size", choices=sorted(CONFIGS), default="8b")
     ap.add_argument("--quantization", choices=["fp8", *BENCH_QUANTIZERS], default=None)
     ap.add_argument("--lora", type=int, default=0, metavar="N", help="N random rank-16 adapters, request i on i mod N")
+    ap.add_argument("--verify", type=int, default=0, metavar="K", help="verify steps of 1 + K tokens a request")
     args = ap.parse_args()
     device = torch.device("cuda")
     cfg = CONFIGS[args.model_size]
     weights = None
     if args.quantization in BENCH_QUANTIZERS:
         weights = quantized_linears(random_llama_weights(cfg, device, torch.bfloat16), BENCH_QUANTIZERS[args.quantization])
-    model = build_model(cfg, device, torch.bfloat16, args.batch, args.prompt_len + args.steps + 16,
+    model = build_model(cfg, device, torch.bfloat16, args.batch, args.prompt_len + args.steps + 16 + args.verify,
                         graphs=args.graphs, weights=weights,
-                        quantization="fp8" if args.quantization == "fp8" else None)
+                        quantization="fp8" if args.quantization == "fp8" else None, speculate=args.verify)
     slots = None
     if args.lora:
         from llmserve.lora.pool import LoraPool
@@ -71,8 +73,18 @@ def main() -> None:
     tokens = prefill(model, rows, args.prompt_len).argmax(-1)
     lens = [args.prompt_len] * args.batch
 
+    drafts = torch.randint(model.vocab_size, (args.batch, args.verify), device=device)
+
     def step() -> None:
         nonlocal tokens, lens
+        if args.verify:    # every row's logits; the token after the first row's goes on, the drafts are cut
+            ids = torch.cat([tokens[:, None], drafts], dim=1).flatten()
+            logits = model.forward(ids, rows, lens, [1 + args.verify] * args.batch, b_lora_slot=slots,
+                                   return_all_logits=True)
+            tokens = logits.argmax(-1).view(args.batch, 1 + args.verify)[:, 0]
+            lens = [n + 1 for n in lens]
+            model.req_manager.truncate_batch(rows, lens)
+            return
         tokens = model.forward(tokens, rows, lens, [1] * args.batch, b_lora_slot=slots).argmax(-1)
         lens = [n + 1 for n in lens]
 
@@ -88,7 +100,8 @@ def main() -> None:
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
     launches = sum(e.count for e in kernels) / args.steps
-    what = " ".join(x for x in (args.model_size, args.quantization, f"lora x{args.lora}" if args.lora else "") if x)
+    what = " ".join(x for x in (args.model_size, args.quantization, f"lora x{args.lora}" if args.lora else "",
+                                f"verify 1+{args.verify}" if args.verify else "") if x)
     print(f"{what}, batch {args.batch}{' (CUDA graph)' if args.graphs else ''}: wall {wall_ms:.2f} ms/step, "
           f"GPU kernels {gpu_ms:.2f} ms/step ({launches:.0f} kernels a step)")
     print(f"{'kernel':<80} {'ms/step':>8} {'calls/step':>10}")

@@ -153,9 +153,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (what `lora_add` would add after it, without its launches)."""
     N, K = weight.shape
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
-    block_n, max_block_k, num_warps = tiles
+    block_n, block_k, num_warps = gemv_tile(K, tiles)
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    block_k = gemv_block_k(K, max_block_k)
     lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args,
@@ -169,6 +168,16 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # TILES' widest chunk (the same bytes in flight a program, the same registers).
 ACT_AND_MUL_TILES = (4, 1024, 4)
 ACTIVATIONS = {"silu": silu_and_mul_fwd_torch, "gelu_tanh": gelu_and_mul_fwd_torch}  # the twins'
+
+
+def gemv_tile(K: int, tiles: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of ``tiles`` for a K: `gemv_block_k`'s chunk, and where that
+    is narrower than the widest (a K like Gemma 2's 3584 = 7 x 512) up to 4x the rows a program,
+    so that a program keeps the widest tile's bytes in flight. A feature's sum order does not
+    depend on the rows a program takes."""
+    block_n, largest, num_warps = tiles
+    block_k = gemv_block_k(K, largest)
+    return block_n * min(4, max(1, largest // block_k)), block_k, num_warps
 
 
 def gemv_block_k(K: int, largest: int) -> int:
@@ -202,8 +211,7 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
     else:
         rows, ids, stride_we = expert_ids.numel(), expert_ids, weight.stride(0)
         y = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-    block_n, largest_k, num_warps = tiles
-    block_k = gemv_block_k(K, largest_k)
+    block_n, block_k, num_warps = gemv_tile(K, tiles)
     lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_act_and_mul_kernel, x)[(rows, triton.cdiv(I, block_n))](
         x, weight, y, ids, I, K, rows_per_x, x.stride(-2) if x.dim() > 1 else K, stride_we, weight.stride(-2),
