@@ -5,7 +5,8 @@ A decode step's linear layers are bound by reading their weights, and how fast a
 depends on the card (H100 or H200), the weight's format and the shape: too few programs leave SMs
 idle, too many bytes a thread spill registers. So the quantized linears (`dequant_linear`) try a
 handful of tiles on the first call for each key (the weight's shape, the format, a bucket of the
-row count: `rows_bucket`) and keep the fastest for the life of the process.
+row count: `rows_bucket`) and keep the fastest for the life of the process; the bf16 one-row
+GEMVs (`gemv`) and the choice between `skinny_gemm` and cuBLAS do the same through `fastest`.
 
 When tuning happens: the first call of a key, which must not be inside a CUDA-graph capture
 (timing synchronizes). The decode graphs run each batch bucket once eagerly before capturing it
@@ -22,7 +23,7 @@ each config once (Triton then keeps it on disk for later starts).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import triton
@@ -71,21 +72,30 @@ def bench(kernel_call: Callable[[], Any], quantiles: Sequence[float] = (0.5, 0.2
     return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
 
 
-# `faster`'s verdicts, by the caller's key. Worker processes run one step at a time on one
+# `fastest`'s choices, by the caller's key. Worker processes run one step at a time on one
 # thread: no lock.
-_faster: dict[Any, bool] = {}
+_fastest: dict[Any, Any] = {}
+
+T = TypeVar("T")
+
+
+def fastest(key: Any, choices: Sequence[T], run: Callable[[T], Any]) -> T:
+    """The choice whose ``run(choice)`` is fastest (the same product by several routes or tiles),
+    timed by `bench` on the first call of ``key`` and remembered. Inside a CUDA-graph capture an
+    unmeasured key gets the first choice, untimed and not remembered (the graphs run each shape
+    eagerly before capturing it, so serving's keys are measured by then)."""
+    if key not in _fastest:
+        if torch.cuda.is_current_stream_capturing():
+            return choices[0]
+        times = [bench(lambda c=c: run(c))[0] for c in choices]
+        _fastest[key] = choices[times.index(min(times))]
+    return _fastest[key]
 
 
 def faster(key: Any, candidate: Callable[[], Any], baseline: Callable[[], Any]) -> bool:
-    """Whether ``candidate`` runs faster than ``baseline`` (the same product by two routes),
-    timed by `bench` on the first call of ``key`` and remembered. Inside a CUDA-graph capture an
-    unmeasured key answers True, the caller's choice without timing (the graphs run each shape
-    eagerly before capturing it, so serving's keys are measured by then)."""
-    if key not in _faster:
-        if torch.cuda.is_current_stream_capturing():
-            return True
-        _faster[key] = bench(candidate)[0] < bench(baseline)[0]
-    return _faster[key]
+    """Whether ``candidate`` runs faster than ``baseline`` (`fastest` of the two; inside a capture
+    an unmeasured key answers True, the caller's choice)."""
+    return fastest(key, (True, False), lambda c: candidate() if c else baseline())
 
 
 def autotune(configs: list[triton.Config], key: list[str], prune: Callable | None = None):

@@ -28,11 +28,14 @@ is `fused_moe`'s gate_up for a few tokens: output row p reads its expert's weigh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import autotune
 from .backend import half_precision_on_triton, launcher, next_pow2, pdl, use_triton, vector_width
 from .gelu_and_mul import gelu_and_mul_fwd_torch
 from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
@@ -147,12 +150,16 @@ def _lora_args(lora: RowLora | None, t: torch.Tensor) -> tuple[tuple, dict]:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                *, lora: RowLora | None = None, tiles: tuple[int, int, int] = TILES) -> torch.Tensor:
-    """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) for the benchmark's
-    sweep. ``lora``: the row's adapter product for weight's output columns, added in the epilogue
-    (what `lora_add` would add after it, without its launches)."""
+                *, lora: RowLora | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) forces a tile (the
+    benchmark's sweep), else the fastest of `GEMV_CANDIDATES` for this shape on this card. ``lora``:
+    the row's adapter product for weight's output columns, added in the epilogue (what `lora_add`
+    would add after it, without its launches)."""
     N, K = weight.shape
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
+    if tiles is None:
+        key = ("gemv", x.device, N, K, x.dtype, bias is not None, lora is not None)
+        tiles = fastest_tiles(key, x, K, GEMV_CANDIDATES, lambda t: gemv_triton(x, weight, bias, lora=lora, tiles=t))
     block_n, block_k, num_warps = gemv_tile(K, tiles)
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     lora_args, lora_constexprs = _lora_args(lora, weight)
@@ -167,6 +174,28 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # gemv_act_and_mul's (BLOCK_N, largest BLOCK_K, num_warps): two weight tiles a chunk, so half
 # TILES' widest chunk (the same bytes in flight a program, the same registers).
 ACT_AND_MUL_TILES = (4, 1024, 4)
+
+# The tiles a GEMV tries on the card for each weight shape (`fastest_tiles`), the default first
+# (what the interpreter runs, and a capture that meets an untimed shape). On an H200 (2026-11-28,
+# one shape at a time over 1.5 GB of weight copies, CUDA graphs) the best differed by shape:
+# Gemma 2's o (3584 x 4096) 9.0 us at TILES, 7.4 at 4 x 1024; Phi-3's gate_up (2 x 8192 x 3072)
+# 26.0 us at ACT_AND_MUL_TILES, 25.0 at 8 x 1024; Gemma 2's gate_up (2 x 14336 x 3584) 51.5 at
+# its default, 50.4 at 16 x 512.
+GEMV_CANDIDATES = (TILES, (4, 1024, 4), (4, 512, 4), (8, 1024, 4), (16, 512, 4))
+ACT_AND_MUL_CANDIDATES = (ACT_AND_MUL_TILES, (4, 512, 4), (8, 1024, 4), (16, 512, 4))
+
+
+def fastest_tiles(key: tuple, x: torch.Tensor, K: int, candidates: tuple[tuple[int, int, int], ...],
+                  run: Callable[[tuple[int, int, int]], object]) -> tuple[int, int, int]:
+    """Of ``candidates``, the tiles that ``run`` (one GEMV with them) is fastest with on this GPU,
+    timed once per ``key`` (`autotune.fastest`), candidates that come to the same tile at this K
+    (`gemv_tile`) timed once; the first candidate in Triton's interpreter."""
+    if not x.is_cuda:
+        return candidates[0]
+    distinct: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    for tiles in candidates:
+        distinct.setdefault(gemv_tile(K, tiles), tiles)
+    return autotune.fastest(key, list(distinct.values()), run)
 ACTIVATIONS = {"silu": silu_and_mul_fwd_torch, "gelu_tanh": gelu_and_mul_fwd_torch}  # the twins'
 
 
@@ -194,12 +223,13 @@ def gemv_block_k(K: int, largest: int) -> int:
 def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
                             expert_ids: torch.Tensor | None = None, rows_per_x: int = 1,
                             lora: RowLora | None = None,
-                            tiles: tuple[int, int, int] = ACT_AND_MUL_TILES) -> torch.Tensor:
+                            tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton version of `gemv_act_and_mul`. With ``expert_ids`` ``[P]`` the weight is
     ``[E, 2I, K]`` and the output ``[P, I]``: row p through expert ``expert_ids[p]`` from x's row
     ``p // rows_per_x`` (x ``[n, K]``, unit-stride rows). ``lora`` (one row, no experts): the
     adapter product of gate and up (a group of two projections), added before the activation.
-    `tiles` as `gemv_triton`'s."""
+    `tiles` as `gemv_triton`'s (the candidates `ACT_AND_MUL_CANDIDATES`; with experts,
+    `ACT_AND_MUL_TILES` unless given)."""
     assert act in ACTIVATIONS, act
     assert lora is None or (expert_ids is None and len(lora.splits) == 2), "LoRA on one row's gate and up"
     I, K = weight.shape[-2] // 2, weight.shape[-1]
@@ -211,7 +241,11 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
     else:
         rows, ids, stride_we = expert_ids.numel(), expert_ids, weight.stride(0)
         y = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps = gemv_tile(K, tiles)
+    if tiles is None and expert_ids is None:
+        key = ("gemv_act_and_mul", x.device, I, K, x.dtype, act, lora is not None)
+        tiles = fastest_tiles(key, x, K, ACT_AND_MUL_CANDIDATES,
+                              lambda t: gemv_act_and_mul_triton(x, weight, act, lora=lora, tiles=t))
+    block_n, block_k, num_warps = gemv_tile(K, tiles or ACT_AND_MUL_TILES)
     lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_act_and_mul_kernel, x)[(rows, triton.cdiv(I, block_n))](
         x, weight, y, ids, I, K, rows_per_x, x.stride(-2) if x.dim() > 1 else K, stride_we, weight.stride(-2),

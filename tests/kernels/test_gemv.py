@@ -8,8 +8,11 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICES, linear_reference, randn, rng
 
-from llmserve.kernels import backend, quantized_linear
-from llmserve.kernels.gemv import ACTIVATIONS, gemv_act_and_mul_triton, gemv_triton, takes_gemv
+from llmserve.kernels import autotune, backend, quantized_linear
+from llmserve.kernels.gemv import (
+    ACT_AND_MUL_CANDIDATES, ACTIVATIONS, GEMV_CANDIDATES, fastest_tiles, gemv_act_and_mul_triton, gemv_tile, gemv_triton,
+    takes_gemv,
+)
 
 # (N, K): K a multiple of the 2048-wide chunk, a power of two below it, ragged K, N not a multiple of
 # the 4-row block, one output feature.
@@ -79,3 +82,46 @@ def test_act_and_mul_is_the_linear_layer_then_the_activation(device, dtype, I, K
     want = ACTIVATIONS[act](linear_reference(x, w, None))
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-3,
                                rtol=1e-5 if dtype == torch.float32 else 1.6e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("K", [4096, 3584])
+def test_every_candidate_tile_matches_the_linear_layer(device, K):
+    """Each tile the card may pick (`GEMV_CANDIDATES`, `ACT_AND_MUL_CANDIDATES`) at a power-of-two K
+    and at one of 7 x 512 (Gemma 2's hidden size: chunks narrower than the widest, more rows)."""
+    g = rng(K)
+    x = randn(g, 1, K, dtype=torch.bfloat16, device=device)
+    w = randn(g, 40, K, dtype=torch.bfloat16, device=device, scale=K ** -0.5)
+    want = linear_reference(x, w, None)
+    for tiles in GEMV_CANDIDATES:
+        torch.testing.assert_close(gemv_triton(x, w, tiles=tiles), want, atol=1e-2, rtol=1.6e-2, msg=str(tiles))
+    gate_up = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    for tiles in ACT_AND_MUL_CANDIDATES:
+        got = gemv_act_and_mul_triton(x, w, "silu", tiles=tiles)
+        torch.testing.assert_close(got, ACTIVATIONS["silu"](gate_up), atol=1e-2, rtol=1.6e-2, msg=str(tiles))
+
+
+def test_the_fastest_tiles_are_timed_once_a_shape(monkeypatch):
+    """On a GPU each key times its candidates once (those that come to the same tile at this K
+    once), and keeps the fastest; the interpreter runs the first untimed."""
+    timed = []
+    speed = dict(zip(GEMV_CANDIDATES, [3.0, 1.0, 4.0, 2.0, 2.5]))
+    monkeypatch.setattr(autotune, "bench", lambda call: [speed[call()]])
+    monkeypatch.setattr(autotune, "_fastest", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU torch has none)
+
+    def run(tiles):
+        timed.append(tiles)
+        return tiles
+
+    on_gpu = type("Row", (), {"is_cuda": True})()
+    assert fastest_tiles("o", on_gpu, 4096, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
+    assert fastest_tiles("o", on_gpu, 4096, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
+    assert timed == list(GEMV_CANDIDATES)                   # every tile differs at 4096; timed once
+    timed.clear()
+    # at 3584 (7 x 512) the first, fourth and fifth are all 16 x 512: three tiles to time
+    assert [gemv_tile(3584, t) for t in GEMV_CANDIDATES] == [(16, 512, 4), (8, 512, 4), (4, 512, 4), (16, 512, 4),
+                                                              (16, 512, 4)]
+    assert fastest_tiles("qkv", on_gpu, 3584, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
+    assert timed == list(GEMV_CANDIDATES[:3])
+    assert fastest_tiles("cpu", torch.zeros(1), 4096, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[0]

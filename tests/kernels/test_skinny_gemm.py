@@ -70,7 +70,7 @@ def test_the_faster_route_is_timed_once_a_key_and_never_in_a_capture(monkeypatch
     timed = []
     times = {"ours": 1.0, "cublas": 2.0, "slow": 3.0}
     monkeypatch.setattr(autotune, "bench", lambda call: timed.append(call()) or [times[timed[-1]]])
-    monkeypatch.setattr(autotune, "_faster", {})
+    monkeypatch.setattr(autotune, "_fastest", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU torch has none)
     assert autotune.faster("a", lambda: "ours", lambda: "cublas")
     assert not autotune.faster("b", lambda: "slow", lambda: "cublas")
