@@ -48,9 +48,14 @@ def rotate_halves(P1, P2, cos, sin, mask):
     """The rotated halves (x1', x2'), in the dtype of x, of the heads of x whose halves P1, P2
     point at; cos and sin are fp32 holding values already rounded to that dtype. Shared with
     rotary_emb_copy_kv, so the two kernels round alike."""
-    dt = P1.dtype.element_ty
     x1 = tl.load(P1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(P2, mask=mask, other=0.0).to(tl.float32)
+    return rotate_values(x1, x2, cos, sin, P1.dtype.element_ty)
+
+
+@triton.jit
+def rotate_values(x1, x2, cos, sin, dt):
+    """`rotate_halves` of halves already loaded (fp32 holding values of the dtype ``dt``)."""
     # Each product rounds to x's dtype before the sum, as HF's eager ops do (see the module doc);
     # the launch turns off FMA contraction, which would fuse a product into the sum.
     x1c, x2s = (x1 * cos).to(dt).to(tl.float32), (x2 * sin).to(dt).to(tl.float32)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import CUDA, cos_sin, cpu_triton, randn, rng
+from kernel_test_utils import CUDA, cos_sin, cpu_triton, randn, rng, tol
 
 from llmserve.kernels.destindex_copy_kv import destindex_copy_kv_torch, destindex_copy_kv_triton
+from llmserve.kernels.qk_rmsnorm import QKNorm, qk_rmsnorm_torch_, qk_rmsnorm_triton_
 from llmserve.kernels.rotary_emb import rotary_emb_fwd_torch, rotary_emb_fwd_triton
 from llmserve.kernels.rotary_emb_copy_kv import rotary_emb_copy_kv_torch, rotary_emb_copy_kv_triton
 
@@ -125,3 +126,43 @@ def test_fp8_triton_is_the_twin(dtype):
     rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, caches[0], **FP8_SCALES)
     rotary_emb_copy_kv_torch(q2, kv2, cos, sin, dest_loc, caches[1], **FP8_SCALES)
     assert torch.equal(q, q2) and torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+
+
+# -- q and k norms first (Qwen3, Gemma 3: qk_norm) ------------------------------------------------
+def qk_norm(d: int, dtype: torch.dtype, device: str, round_first: bool) -> QKNorm:
+    g = rng(d + 1)
+    wq, wk = randn(g, d, dtype=dtype, device=device), randn(g, d, dtype=dtype, device=device)
+    if not round_first:  # Gemma's weights: the fp32 1 + w
+        wq, wk = 1.0 + wq.float(), 1.0 + wk.float()
+    return QKNorm(wq, wk, 1e-6, round_first)
+
+
+@pytest.mark.parametrize("round_first", [True, False], ids=["llama", "gemma"])
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n,Hq,Hkv,D", [(1, 4, 2, 64), (7, 3, 3, 128), (5, 9, 17, 32)])
+def test_qk_norm_is_the_norm_then_rotary(device, dtype, round_first, n, Hq, Hkv, D):
+    """With qk_norm: q and the cache as `qk_rmsnorm_` then the plain launch give them (within a
+    unit in the last place: the sum of squares runs in another order), and V as it was."""
+    norm = qk_norm(D, dtype, device, round_first)
+    qkv, q, kv, cos, sin, dest_loc, cache = layer_inputs(n, Hq, Hkv, D, dtype, device, torch.int32, seed=7)
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    w_q, w_kv = want_qkv[:, : Hq * D].view(-1, Hq, D), want_qkv[:, Hq * D:].view(-1, 2 * Hkv, D)
+    qk_rmsnorm_triton_(w_q, w_kv[:, :Hkv], norm.q_weight, norm.k_weight, norm.eps, round_first)
+    rotary_emb_copy_kv_triton(w_q, w_kv, cos, sin, dest_loc, want_cache)
+    rotary_emb_copy_kv_triton(q, kv, cos, sin, dest_loc, cache, qk_norm=norm)
+    torch.testing.assert_close(q, w_q, **tol(dtype))
+    torch.testing.assert_close(cache, want_cache, **tol(dtype))
+    assert torch.equal(cache[dest_loc.long(), Hkv:], kv[:, Hkv:])     # V stored as it was
+
+
+@pytest.mark.parametrize("round_first", [True, False], ids=["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qk_norm_twin_is_the_twins_in_order(dtype, round_first):
+    norm = qk_norm(64, dtype, "cpu", round_first)
+    qkv, q, kv, cos, sin, dest_loc, cache = layer_inputs(7, 3, 1, 64, dtype, "cpu", torch.int64, seed=8)
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    w_q, w_kv = want_qkv[:, : 3 * 64].view(-1, 3, 64), want_qkv[:, 3 * 64:].view(-1, 2, 64)
+    qk_rmsnorm_torch_(w_q, w_kv[:, :1], norm.q_weight, norm.k_weight, norm.eps, round_first)
+    two_kernels(rotary_emb_fwd_torch, destindex_copy_kv_torch, w_q, w_kv, cos, sin, dest_loc, want_cache)
+    rotary_emb_copy_kv_torch(q, kv, cos, sin, dest_loc, cache, qk_norm=norm)
+    assert torch.equal(qkv, want_qkv) and torch.equal(cache, want_cache)

@@ -13,7 +13,7 @@ class Gemma3TransformerLayerInfer(Qwen3TransformerLayerInfer, Gemma2TransformerL
     through ``norm_round_first``), the sliding layers rotating with their own tables. The window
     pattern comes from the config; attention scores are never soft-capped: HF's Gemma3Attention
     keeps the config's ``attn_logit_softcapping`` but does not apply it (the final-logit cap it
-    applies). (MRO: Qwen3's ``_get_qkv`` on top of Gemma 2's layer.)"""
+    applies). (MRO: Qwen3's ``_qk_norm`` on top of Gemma 2's layer.)"""
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
@@ -23,4 +23,5 @@ class Gemma3TransformerLayerInfer(Qwen3TransformerLayerInfer, Gemma2TransformerL
         if not self.is_sliding_:
             return super()._store_kv(q, kv, infer_state, layer_weight)
         rotary_emb_copy_kv(q, kv, infer_state.local_cos, infer_state.local_sin, infer_state.mem_index,
-                           infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state))
+                           infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state),
+                           qk_norm=self._qk_norm(layer_weight))

@@ -11,6 +11,7 @@ from llmserve.kernels import (
     silu_and_mul_fwd,
 )
 from llmserve.kernels.gemv import gemv_act_and_mul, takes_gemv
+from llmserve.kernels.qk_rmsnorm import QKNorm
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 from llmserve.quantization.weights import PackedWeight
 
@@ -47,7 +48,13 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
     def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> None:
         # Rotary on q (in place) and k (on its way into the cache), and the store: one launch.
         rotary_emb_copy_kv(q, kv, infer_state.position_cos, infer_state.position_sin, infer_state.mem_index,
-                           infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state))
+                           infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state),
+                           qk_norm=self._qk_norm(layer_weight))
+
+    def _qk_norm(self, layer_weight) -> QKNorm | None:
+        """Per-head norms of q and k before rotary (Qwen3's, Gemma 3's), applied by the store's
+        launch; Llama has none."""
+        return None
 
     def _ffn(self, x: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         lora = infer_state.lora
