@@ -229,17 +229,22 @@ def wall_median_ms(fn: Callable[[], object], device: torch.device, iters: int) -
     return statistics.median(times)
 
 
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Microseconds a call, from a CUDA graph of `calls` calls replayed `replays` times."""
+def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """A CUDA graph of one call of ``fn`` (run once before, outside the capture: compiles, warm-up)
+    and what the captured call returned (its tensors are filled by each replay)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
+    with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        out = fn()
+    return graph, out
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds a replay of ``graph``, the mean of ``replays`` back to back (after one untimed)."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -247,7 +252,13 @@ def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
+    return start.elapsed_time(end) / replays
+
+
+def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Microseconds a call, from a CUDA graph of `calls` calls replayed `replays` times."""
+    graph, _ = capture_graph(lambda: [fn() for _ in range(calls)])
+    return replay_ms(graph, replays) * 1e3 / calls
 
 
 @contextlib.contextmanager

@@ -23,7 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-from common import environment, markdown_table, measure_copy_bandwidth, remove_script_dir_from_sys_path, write_json
+from common import (
+    capture_graph, environment, markdown_table, measure_copy_bandwidth, remove_script_dir_from_sys_path, replay_ms,
+    write_json,
+)
 
 remove_script_dir_from_sys_path()
 
@@ -74,24 +77,8 @@ def graph_ms(run: Callable[[], torch.Tensor], pdl: bool, replays: int = 20) -> t
     """Capture ``run`` with PDL on or off (the launches read the variable as they are captured),
     then the best of 5 means of ``replays`` replays, and the output of the last."""
     os.environ[PDL_ENV_VAR] = "1" if pdl else "0"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()                                     # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    graph.replay()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / replays)
+    graph, out = capture_graph(run)
+    best = min(replay_ms(graph, replays) for _ in range(5))
     os.environ.pop(PDL_ENV_VAR)
     return best, out.clone()
 
