@@ -310,9 +310,12 @@ def _config(block_n: int, block_k: int, num_warps: int, num_stages: int, block_m
 # or come within 1% of it. 4 rows a program won everywhere but FP8 qkv (8 x 1024, by 1%);
 # PREFETCH (two steps in flight, at 128-255 registers) never won for FP8 and won 4-bit's o and
 # down by 1-5%; tiles of 16-32 rows or 256 bytes a thread lost 10-60%. 16 x 2048 stays for cards
-# with more bandwidth an SM (an H200), which want more bytes in flight.
+# with more bandwidth an SM (an H200), which want more bytes in flight. On an H200 the FP8 step
+# at one row went from 3.00 ms (the tiles before that cut: 16-32 rows, 8 warps) to 3.63 with
+# these alone (2026-11-28), so FP8 keeps those wider tiles and two PREFETCH ones to choose from.
 GEMV_TILES = {
-    1: [(4, 2048, 4, False), (8, 1024, 4, False), (4, 4096, 4, False), (8, 2048, 4, False), (16, 2048, 4, False)],
+    1: [(4, 2048, 4, False), (8, 1024, 4, False), (4, 4096, 4, False), (8, 2048, 4, False), (16, 2048, 4, False),
+        (16, 1024, 4, False), (16, 2048, 8, False), (32, 1024, 8, False), (4, 2048, 4, True), (8, 2048, 4, True)],
     8: [(4, 4096, 4, False), (4, 4096, 4, True), (8, 2048, 4, False), (8, 4096, 4, False), (16, 2048, 4, False)],
 }
 _GEMV_BY_PACK = {pack: [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch}, num_warps=w, num_stages=1)
