@@ -252,3 +252,6 @@ class FailingEngine:
 
     def end_session(self, session_id: str) -> None:
         pass
+
+    def watch_loras(self, on_changed) -> None:
+        pass

@@ -42,8 +42,8 @@ def test_end_session_and_a_session_id_reach_the_engine():
     engine, (a, b) = Engine(), socket.socketpair()
     with a, b:
         core = EngineCore(engine, a)
-        core._handle(AddRequest(3, [1, 2], SamplingParams(max_new_tokens=1), session_id="chat-1"))
-        core._handle(EndSession("chat-1"))
+        core._handle(AddRequest(3, [1, 2], SamplingParams(max_new_tokens=1), session_id="chat-1"), core.clients[0])
+        core._handle(EndSession("chat-1"), core.clients[0])
         core._executor.shutdown()
     assert [r.session_id for r in engine.queued] == ["chat-1"] and engine.ended == ["chat-1"]
 
@@ -81,4 +81,4 @@ def test_a_ping_is_answered_during_a_step_and_the_rest_waits_for_its_end():
         answers = core._in_thread(step)
         core._executor.shutdown()
     assert [type(m) for m in answers] == [Pong]
-    assert [type(m) for m in core._inbox] == [AddRequest] and core._inbox[0].req_id == 3
+    assert [type(m) for _, m in core._inbox] == [AddRequest] and core._inbox[0][1].req_id == 3
