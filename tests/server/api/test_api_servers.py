@@ -14,7 +14,9 @@ import httpx
 import pytest
 from lora_utils import AdapterSpec, make_peft_adapter
 
-from serving_utils import ServerProcess, child_pids, pid_alive, tgi_stream_events, wait_until
+from serving_utils import (
+    ServerProcess, assert_ended_with_error, child_pids, pid_alive, streams_across, tgi_stream_events, wait_until,
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3,"]
 
@@ -126,12 +128,17 @@ def test_interactive_sessions_are_refused(two):
 
 
 # Last: it ends the module's server.
-def test_sigint_stops_every_process(two):
+def test_sigint_ends_every_processs_streams_and_stops_every_process(two):
+    """Eight streams over eight connections (both processes', as a rule), then SIGINT to the
+    launcher: every stream ends with the shutdown's error event, and every process exits."""
     http = [p for p in child_pids(two.proc.pid) if "api_server_main" in open(f"/proc/{p}/cmdline").read()]
     cores = [p for p in child_pids(two.proc.pid) if p not in http]
     workers = [w for core in cores for w in child_pids(core)]
     assert len(http) == 1 and len(cores) == 1 and len(workers) == 1
-    assert two.stop(signal.SIGINT, timeout=30) == 0, two.output()
+    for events in asyncio.run(streams_across(two.url, 8, lambda: two.proc.send_signal(signal.SIGINT))):
+        assert_ended_with_error(events)
+        assert "shutting down" in events[-1]["error"], events[-1]
+    assert two.stop(timeout=30) == 0, two.output()
     wait_until(lambda: not any(pid_alive(p) for p in http + cores + workers), 10, "every process exits")
     banners = [line for line in two.output().splitlines() if "llmserve: serving" in line]
     assert len(banners) == 1, two.output()
