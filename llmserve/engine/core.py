@@ -74,6 +74,7 @@ class EngineCore:
         self._owners: dict[int, Client] = {}     # request id -> the connection it came on
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-step")
         self._last_stats: EngineStats | None = None
+        self._num_output_tokens = 0       # EngineStats.num_output_tokens
         # what arrived while a step ran, handled once it is done
         self._inbox: list[tuple[Client, object]] = []
 
@@ -245,11 +246,14 @@ class EngineCore:
                            num_draft_tokens=e.num_draft_tokens, num_accepted_tokens=e.num_accepted_tokens,
                            accepted_length_counts=tuple(e.accepted_length_counts),
                            num_cached_slots=s.num_cached_slots, num_cache_queried_tokens=s.prefix_cache.num_queried_tokens,
-                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens, num_loras_resident=len(s.loras.resident))
+                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens, num_loras_resident=len(s.loras.resident),
+                           num_output_tokens=self._num_output_tokens)
 
     def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
         """One message per step to each HTTP process, with its own requests' deltas (and the
         stats, which every one shows); between steps, only when the stats changed (an abort, say)."""
+        if deltas:
+            self._num_output_tokens += sum(delta.token_id is not None for delta in deltas)
         stats = self._stats()
         if deltas is None and stats == self._last_stats:
             return

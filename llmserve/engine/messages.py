@@ -128,6 +128,9 @@ class EngineStats:
     num_cache_queried_tokens: int = 0
     num_cache_hit_tokens: int = 0
     num_loras_resident: int = 0       # LoRA adapters in the workers' device pool
+    # Tokens sent to the HTTP processes since start: with --api-server-count > 1 the status line's
+    # generation throughput (each HTTP process streams only its own).
+    num_output_tokens: int = 0
 
     @classmethod
     def total(cls, snapshots: list[EngineStats]) -> EngineStats:

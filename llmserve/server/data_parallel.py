@@ -109,7 +109,7 @@ class DataParallelEngineClient:
             kv_total = sum(replica.info.max_total_token_num for replica in self.replicas)
             self._stats_task = asyncio.get_running_loop().create_task(
                 log_stats(self.log_stats_interval, kv_total, lambda: EngineStats.total([r.stats for r in self.replicas]),
-                          lambda: sum(r.num_generated_tokens for r in self.replicas)), name="llmserve-stats-log")
+                          lambda: sum(r.server_generated_tokens() for r in self.replicas)), name="llmserve-stats-log")
 
     def fail_all(self, message: str) -> None:
         for replica in self.replicas:

@@ -271,6 +271,7 @@ class EngineClient:
         self._proc = proc
         self._streams: dict[int, RequestStream] = {}
         self.api_server = api_server
+        self.api_server_count = api_server_count
         self._ids = itertools.count(api_server, api_server_count)     # ids apart from the other HTTP processes'
         self._on_lora_changed: Callable[[str, str | None], None] | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -361,6 +362,11 @@ class EngineClient:
         self._send(UpdateLora(call_id, name, path))
         return await answer
 
+    def server_generated_tokens(self) -> int:
+        """Tokens the whole server streamed (its status line's count): this process's, or with
+        several HTTP processes, the core's count (each process streams only its own)."""
+        return self.num_generated_tokens if self.api_server_count == 1 else self.stats.num_output_tokens
+
     def watch_loras(self, on_changed: Callable[[str, str | None], None]) -> None:
         """Call ``on_changed(name, path)`` when another HTTP process loads adapter ``name`` from
         ``path`` (None: unloads it)."""
@@ -374,7 +380,7 @@ class EngineClient:
         if self.log_stats_interval > 0:
             self._stats_task = loop.create_task(
                 log_stats(self.log_stats_interval, self.info.max_total_token_num, lambda: self.stats,
-                          lambda: self.num_generated_tokens), name="llmserve-stats-log")
+                          self.server_generated_tokens), name="llmserve-stats-log")
 
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown): each stream gets ``EngineError``."""
