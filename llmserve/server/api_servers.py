@@ -87,8 +87,9 @@ class ApiServerProcesses:
             except OSError:
                 pass        # it died already: wait_ready says so
 
-    def wait_ready(self) -> None:
-        """Until every one serves; ``EngineError`` if one exits first."""
+    def wait_ready(self, check_cores: Callable[[], None]) -> None:
+        """Until every one serves; ``EngineError`` if one exits first, or if ``check_cores()`` says
+        an engine core did (they would wait for it for ever)."""
         pending = dict(zip(self._ready_pipes, range(1, len(self.procs) + 1)))
         while pending:
             ready, _, _ = select.select(list(pending), [], [], _POLL_S)
@@ -99,6 +100,7 @@ class ApiServerProcesses:
             for fd, index in pending.items():
                 if self.procs[index - 1].poll() is not None:
                     raise self._exited(index, "while starting")
+            check_cores()
         for fd in self._ready_pipes:
             os.close(fd)
         self._ready_pipes = []

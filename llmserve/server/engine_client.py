@@ -166,14 +166,14 @@ class EngineCoreProcess:
         """Connect, and wait until the core has loaded the model (however long that takes: a core
         that dies is noticed at once). Re-raises the core's start-up error."""
         try:
-            self.sock = connect_to_core(self._address, self._check_alive)
-            return receive_ready(self.sock, self._check_alive)
+            self.sock = connect_to_core(self._address, self.check_alive)
+            return receive_ready(self.sock, self.check_alive)
         except BaseException:
             self.stop(graceful=False)
             raise
 
-    def _check_alive(self, when: str, closed: bool = False) -> None:
-        """``closed``: the core closed its end, so it is on its way out: wait for its exit code."""
+    def check_alive(self, when: str, closed: bool = False) -> None:
+        """``EngineError`` if the core has exited. ``closed``: the core closed its end, so it is on its way out: wait for its exit code."""
         if closed:
             self.proc.wait()
         if self.proc.poll() is not None:

@@ -6,6 +6,9 @@ close cleanly instead of being cut), uvicorn stops accepting and drains, then th
 is told to stop, and it stops its workers. If a worker or an engine core dies, a worker's
 device fails, or a step hangs past --step-timeout, /health turns 503, open requests fail, and the
 process exits non-zero rather than serving errors (or nothing) forever.
+
+With ``--api-server-count N`` this process is HTTP process 0 of N (``api_servers.py`` says how the
+others are started, stopped and watched); ``serve_api_server`` is each other one's life.
 """
 
 from __future__ import annotations
@@ -161,7 +164,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
                                tokenizer, chat_template, sampling_defaults, log_level, log_stats_interval,
                                api_servers)
         if api_servers is not None:
-            api_servers.wait_ready()    # the banner says the server serves: all of it
+            def check_cores() -> None:
+                for core in cores:
+                    core.check_alive("while the HTTP processes started")
+
+            api_servers.wait_ready(check_cores)     # the banner says the server serves: all of it
         server.run(sockets=[listen_socket])
         if server.exit_code:
             report_error(str(server.error))
