@@ -78,11 +78,6 @@ class EngineCore:
         # what arrived while a step ran, handled once it is done
         self._inbox: list[tuple[Client, object]] = []
 
-    @property
-    def sock(self) -> socket.socket:
-        """The launcher's connection (the only one without --api-server-count)."""
-        return self.clients[0].sock
-
     def run(self) -> None:
         """Serve until ``Shutdown`` or every HTTP process hangs up. A worker's failure raises
         ``WorkerError``, after the HTTP processes were told (``EngineDead``)."""
@@ -145,7 +140,8 @@ class EngineCore:
         if not self.clients:
             raise HungUp
         # info, not warning: at a clean shutdown every HTTP process but the launcher leaves this way
-        logger.info("HTTP process %d hung up; %d request(s) of its aborted", client.index, len(client.req_ids))
+        logger.info("connection %d (an HTTP process) hung up; %d request(s) of its aborted", client.index,
+                    len(client.req_ids))
 
     def _handle(self, message: object, client: Client) -> None:
         if isinstance(message, AddRequest):
