@@ -258,9 +258,11 @@ class FailingEngine:
         pass
 
 
-async def streams_across(url: str, n: int, action, timeout: float = 30.0) -> list[list[dict]]:
+async def streams_across(url: str, n: int, action, timeout: float = 30.0,
+                         return_exceptions: bool = False) -> list[list[dict] | BaseException]:
     """Open ``n`` long streams, wait until each has a token, run ``action()``, then read every
-    stream to its end (each must end within ``timeout``)."""
+    stream to its end (each must end within ``timeout``; ``return_exceptions``: a stream that
+    fails, a cut connection say, gives its exception instead of raising it)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=httpx.Limits(max_connections=n)) as client:
         started = [asyncio.Event() for _ in range(n)]
         tasks = [asyncio.ensure_future(tgi_stream_events(client, url, {"inputs": f"Story number {i}:",
@@ -270,7 +272,7 @@ async def streams_across(url: str, n: int, action, timeout: float = 30.0) -> lis
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
             action()
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=return_exceptions), timeout)
         finally:
             for t in tasks:
                 t.cancel()

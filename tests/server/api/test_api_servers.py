@@ -2,11 +2,13 @@
 front of one engine core. Connections reach both and give one process's greedy tokens; a stream
 its client leaves is aborted in the core; /metrics counts both processes' requests; a LoRA
 adapter loaded through one is served by both; interactive sessions are refused; and SIGINT stops
-every process (last: it stops the module's server)."""
+every process (last: it stops the module's server). An HTTP process that dies ends the whole
+server with an error naming it (a server of its own)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +28,14 @@ def two(tiny_llama_dir):
     with ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--api-server-count", "2",
                        "--allow-runtime-lora-updating", "--max-lora-rank", "8") as server:
         yield server
+
+
+def processes(server: ServerProcess) -> tuple[list[int], list[int], list[int]]:
+    """The launcher's other HTTP processes, its engine cores, and their workers."""
+    children = child_pids(server.proc.pid)
+    http = [p for p in children if "api_server_main" in open(f"/proc/{p}/cmdline").read()]
+    cores = [p for p in children if p not in http]
+    return http, cores, [w for core in cores for w in child_pids(core)]
 
 
 def info(server: ServerProcess) -> dict:
@@ -131,9 +141,7 @@ def test_interactive_sessions_are_refused(two):
 def test_sigint_ends_every_processs_streams_and_stops_every_process(two):
     """Eight streams over eight connections (both processes', as a rule), then SIGINT to the
     launcher: every stream ends with the shutdown's error event, and every process exits."""
-    http = [p for p in child_pids(two.proc.pid) if "api_server_main" in open(f"/proc/{p}/cmdline").read()]
-    cores = [p for p in child_pids(two.proc.pid) if p not in http]
-    workers = [w for core in cores for w in child_pids(core)]
+    http, cores, workers = processes(two)
     assert len(http) == 1 and len(cores) == 1 and len(workers) == 1
     for events in asyncio.run(streams_across(two.url, 8, lambda: two.proc.send_signal(signal.SIGINT))):
         assert_ended_with_error(events)
@@ -143,3 +151,19 @@ def test_sigint_ends_every_processs_streams_and_stops_every_process(two):
     banners = [line for line in two.output().splitlines() if "llmserve: serving" in line]
     assert len(banners) == 1, two.output()
     assert "Traceback" not in two.output(), two.output()
+
+
+def test_an_http_process_that_dies_ends_the_server_with_an_error(tiny_llama_dir):
+    """SIGKILL to HTTP process 1 while a stream runs on each: the launcher's stream ends with an
+    error event, the server exits non-zero naming the process, and nothing is left running."""
+    with ServerProcess(tiny_llama_dir, "--api-server-count", "2") as server:
+        http, cores, workers = processes(server)
+        results = asyncio.run(streams_across(server.url, 4, lambda: os.kill(http[0], signal.SIGKILL),
+                                             return_exceptions=True))
+        rc = server.proc.wait(timeout=30)
+        assert rc != 0, server.output()
+        for events in results:       # the dead one's streams are cut; the launcher's end with an error event
+            assert isinstance(events, httpx.HTTPError) or set(events[-1]) == {"error", "error_type"}, events
+        error_lines = [line for line in server.output().splitlines() if line.startswith("llmserve: error:")]
+        assert len(error_lines) == 1 and f"HTTP process 1 (pid {http[0]}) exited" in error_lines[0], server.output()
+        wait_until(lambda: not any(pid_alive(p) for p in http + cores + workers), 10, "every process exits")
