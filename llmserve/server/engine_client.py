@@ -173,7 +173,8 @@ class EngineCoreProcess:
             raise
 
     def check_alive(self, when: str, closed: bool = False) -> None:
-        """``EngineError`` if the core has exited. ``closed``: the core closed its end, so it is on its way out: wait for its exit code."""
+        """``EngineError`` if the core has exited. ``closed``: the core closed its end, so it is on
+        its way out: wait for its exit code."""
         if closed:
             self.proc.wait()
         if self.proc.poll() is not None:

@@ -66,7 +66,7 @@ class _Server(uvicorn.Server):
         self.exit_code = 0
         self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._watch: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None     # watching api_servers (held: the loop keeps only a weak reference)
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGINT and not self.handles_sigint:

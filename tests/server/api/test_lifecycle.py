@@ -22,7 +22,7 @@ import torch
 
 from serving_utils import (
     API_KEY, STARTUP_STALL_S, ServerProcess, assert_ended_with_error, engine_processes_of, free_port, llmserve_command,
-    pid_alive, streams_across, tgi_stream_events, wait_until,
+    pid_alive, streams_across, wait_until,
 )
 
 EXIT_TIMEOUT_S = 15.0
