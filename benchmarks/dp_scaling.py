@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import httpx
 from common import markdown_table, remove_script_dir_from_sys_path, write_json
-from server_process import llmserve_server, serving_load
+from server_process import llmserve_server, requests_per_replica, serving_load
 
 remove_script_dir_from_sys_path()
 
@@ -31,14 +30,15 @@ GOALS = {"random tok/s": 1.8, "shared-prefix hit rate": 0.98}     # dp=2 against
 
 def measure(args: argparse.Namespace, dp: int) -> dict[str, float | list[int]]:
     c = args.concurrency
-    flags = ["--dp", str(dp), "--tp", str(args.tp), "--max-concurrent-requests", str(4 * c)]
+    flags = ["--dp", str(dp), "--tp", str(args.tp), "--max-concurrent-requests", str(4 * c),
+             "--api-server-count", str(args.api_server_count)]
     flags += ["--dtype", args.dtype] if args.dtype else []
     with llmserve_server(args.model, 18100 + dp, flags) as url:
         lengths = (args.model, c, 4 * c, args.input_len, args.output_len)
         random = serving_load(url, *lengths)
         shared = serving_load(url, *lengths, "--workload", "shared-prefix", "--shared-prefix-len",
                               str(args.shared_prefix_len), "--seed", "1")
-        routed = [r["requests"] for r in httpx.get(url + "/info", timeout=10).json()["replicas"]]
+        routed = requests_per_replica(url)
     numbers = {"random tok/s": random["output_throughput"], "shared-prefix tok/s": shared["output_throughput"],
                "shared-prefix hit rate": shared["prefix_cache"]["hit_rate"], "requests per replica": routed}
     print(f"dp={dp}: {numbers}", file=sys.stderr)
@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--shared-prefix-len", type=int, default=2000)
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes of every server (llmserve serve --api-server-count; default: 1)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -75,10 +77,11 @@ def main() -> int:
             verdict = "" if goal is None else f">= {goal}: " + ("met" if ratio >= goal else "MISSED")
             rows.append([dp, metric, f"{value:.3f}", f"{ratio:.3f}", verdict])
     print(f"\n### Data-parallel scaling, tp={args.tp}, C={args.concurrency}, in {args.input_len} / out "
-          f"{args.output_len}, shared prefix {args.shared_prefix_len}\n")
+          f"{args.output_len}, shared prefix {args.shared_prefix_len}, {args.api_server_count} HTTP process(es)\n")
     print(markdown_table(["dp", "metric", "value", f"/ dp={dps[0]}", "goal"], rows))
     if args.json:
         write_json(args.json, {"benchmark": "dp_scaling", "model": args.model, "tp": args.tp,
+                               "api_server_count": args.api_server_count,
                                "concurrency": args.concurrency, "input_len": args.input_len,
                                "output_len": args.output_len, "shared_prefix_len": args.shared_prefix_len,
                                "results": {str(dp): numbers for dp, numbers in results.items()}})

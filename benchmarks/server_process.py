@@ -56,3 +56,16 @@ def serving_load(url: str, tokenizer: str, concurrency: int, num_prompts: int, i
                         "--result-file", out.name, *workload], check=True)
         with open(out.name) as f:
             return json.load(f)["summary"]
+
+
+def requests_per_replica(url: str) -> list[int]:
+    """Generations each data-parallel replica ran, from /metrics: the whole server's count, which
+    /info's per-replica counts are not with --api-server-count > 1 (each HTTP process's own)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    routed = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "llmserve_replica_requests_total":
+                routed[int(sample.labels["replica"])] = int(sample.value)
+    return [routed[r] for r in sorted(routed)]

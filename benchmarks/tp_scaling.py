@@ -85,7 +85,8 @@ def step_floor_ms(model: str, tp: int, bandwidth: float) -> float:
 
 
 def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int) -> float:
-    flags = ["--tp", str(tp), "--max-concurrent-requests", str(4 * concurrency)] + (["--dtype", args.dtype] if args.dtype else [])
+    flags = ["--tp", str(tp), "--max-concurrent-requests", str(4 * concurrency),
+             "--api-server-count", str(args.api_server_count)] + (["--dtype", args.dtype] if args.dtype else [])
     if all_reduce == "custom":
         flags += ["--enable-custom-all-reduce"]
     if args.cuda_graph_max_bs is not None:
@@ -102,6 +103,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--concurrency", default="1,32,128", help="offline C values (default: 1,32,128)")
     p.add_argument("--serving-concurrency", type=int, default=128)
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes of the serving runs' servers (llmserve serve --api-server-count; default: 1)")
     p.add_argument("--no-serving", action="store_true", help="offline numbers only")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
@@ -144,11 +147,13 @@ def main() -> int:
             floor = step_floor_ms(args.model, r.tp, bandwidth) if m == "tpot C=1" else None
             rows.append([r.label, m, f"{r.numbers[m]:.2f}", f"{ratio:.3f}", "" if floor is None else f"{floor:.2f}",
                          "" if floor is None else f"{r.numbers[m] / floor:.2f}", verdict])
-    print(f"\n### Tensor-parallel scaling, in {args.input_len} / out {args.output_len}\n")
+    print(f"\n### Tensor-parallel scaling, in {args.input_len} / out {args.output_len}, serving with "
+          f"{args.api_server_count} HTTP process(es)\n")
     print(markdown_table(["tp", "metric", "value", f"/ tp={tps[0]}", "floor ms", "x floor", "goal"], rows))
     if args.json:
         write_json(args.json, {"benchmark": "tp_scaling", "environment": environment(device), "model": args.model,
                                "input_len": args.input_len, "output_len": args.output_len,
+                               "api_server_count": args.api_server_count,
                                "copy_bandwidth_bytes_per_s": bandwidth,
                                "step_floor_ms_c1": {tp: step_floor_ms(args.model, tp, bandwidth) for tp in tps},
                                "results": [asdict(r) for r in results]})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -252,3 +253,34 @@ class FailingEngine:
 
     def end_session(self, session_id: str) -> None:
         pass
+
+    def watch_loras(self, on_changed) -> None:
+        pass
+
+
+async def streams_across(url: str, n: int, action, timeout: float = 30.0,
+                         return_exceptions: bool = False) -> list[list[dict] | BaseException]:
+    """Open ``n`` long streams, wait until each has a token, run ``action()``, then read every
+    stream to its end (each must end within ``timeout``; ``return_exceptions``: a stream that
+    fails, a cut connection say, gives its exception instead of raising it)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=httpx.Limits(max_connections=n)) as client:
+        started = [asyncio.Event() for _ in range(n)]
+        tasks = [asyncio.ensure_future(tgi_stream_events(client, url, {"inputs": f"Story number {i}:",
+                                                                       "parameters": {"max_new_tokens": 400}},
+                                                         on_event=started[i].set))
+                 for i in range(n)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
+            action()
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=return_exceptions), timeout)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def assert_ended_with_error(events: list[dict]) -> None:
+    assert len(events) >= 2, events
+    assert all("token" in e for e in events[:-1]), events
+    last = events[-1]
+    assert set(last) == {"error", "error_type"}, last
+    assert isinstance(last["error"], str) and last["error"]

@@ -4,6 +4,11 @@ The loop, on one thread: take what the HTTP process sent (new requests, aborts),
 step, send back one ``EngineOutputs`` with every request's delta of that step. While there is
 nothing to run it waits on the socket, checking now and then that the workers live.
 
+With ``--api-server-count N`` there are N HTTP processes, each with its own connection (a
+``Client``): a request's deltas go back on the connection it came on, an abort touches only
+that connection's requests, and an HTTP process that hangs up loses its requests while the others
+are served on. Only the launcher (the first) says ``Shutdown``.
+
 A step runs on a helper thread only so that the loop can notice a dead worker while it waits
 (in TP the surviving ranks may wait in a collective forever), and answer the HTTP process's
 ``Ping`` (``/health``) at once however long the step takes; it keeps whatever else arrives
@@ -30,7 +35,7 @@ from llmserve.engine.config import ModelSpec
 from llmserve.engine.engine import LLMEngine
 from llmserve.engine.messages import (
     AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, Ping,
-    LoraUpdated, Pong, Shutdown, StartEngine, StartupFailed, StepFailed, UpdateLora, encode,
+    LoraChanged, LoraUpdated, Pong, Shutdown, StartEngine, StartupFailed, StepFailed, UpdateLora, encode,
 )
 from llmserve.engine.request import FinishReason, Request, RequestDelta
 from llmserve.engine.worker_client import ModelWorkerGroup
@@ -47,21 +52,35 @@ T = TypeVar("T")
 
 
 class HungUp(Exception):
-    """The HTTP process closed its end: it is gone or done with us."""
+    """Every HTTP process closed its end: they are gone or done with us."""
+
+
+class Client:
+    """One HTTP process's connection (``--api-server-count`` gives several): the bytes of a frame
+    not yet whole, and which requests are its own (their deltas go back to it only)."""
+
+    def __init__(self, sock: socket.socket, index: int):
+        self.sock = sock
+        self.index = index
+        self.frames = FrameBuffer()
+        self.req_ids: set[int] = set()
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, sock: socket.socket):
+    def __init__(self, engine: LLMEngine, *socks: socket.socket):
+        """``socks``: one connected socket per HTTP process, the launcher's first."""
         self.engine = engine
-        self.sock = sock
-        self._frames = FrameBuffer()
+        self.clients = [Client(sock, i) for i, sock in enumerate(socks)]
+        self._owners: dict[int, Client] = {}     # request id -> the connection it came on
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-step")
         self._last_stats: EngineStats | None = None
-        self._inbox: list[object] = []     # what arrived while a step ran, handled once it is done
+        self._num_output_tokens = 0       # EngineStats.num_output_tokens
+        # what arrived while a step ran, handled once it is done
+        self._inbox: list[tuple[Client, object]] = []
 
     def run(self) -> None:
-        """Serve until ``Shutdown`` or the HTTP process hangs up. A worker's failure raises
-        ``WorkerError``, after the HTTP process was told (``EngineDead``)."""
+        """Serve until ``Shutdown`` or every HTTP process hangs up. A worker's failure raises
+        ``WorkerError``, after the HTTP processes were told (``EngineDead``)."""
         try:
             while True:
                 busy = self.engine.has_unfinished()
@@ -70,73 +89,115 @@ class EngineCore:
                     self._check_workers()
                 messages, self._inbox = self._inbox, []
                 messages += self._receive(timeout=0 if busy or messages else LIVENESS_INTERVAL_S)
-                for message in messages:
+                for client, message in messages:
                     if isinstance(message, Shutdown):
                         return
-                    self._handle(message)
+                    self._handle(message, client)
                 deltas = self._step() if self.engine.has_unfinished() else None
                 self._send_outputs(deltas)
         except HungUp:
             return
         except WorkerError as e:
             logger.error("the engine failed: %s", e)
-            self._try_send(EngineDead(str(e)))
+            for client in list(self.clients):
+                self._try_send(EngineDead(str(e)), client)
             raise
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    # -- from the HTTP process -----------------------------------------------------------
-    def _receive(self, timeout: float) -> list[object]:
-        """What the HTTP process sent, waiting up to ``timeout`` for it; its pings are answered."""
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        if not ready:
-            return []
-        data = self.sock.recv(_RECV_BYTES)
-        if not data:
-            raise HungUp
-        # Each frame holds what the HTTP process sent in one turn of its event loop.
-        messages = [message for frame in self._frames.feed(data) for message in frame]
-        if any(isinstance(message, Ping) for message in messages):
-            self._send(Pong())
-        return [message for message in messages if not isinstance(message, Ping)]
+    # -- from the HTTP processes ---------------------------------------------------------
+    def _receive(self, timeout: float) -> list[tuple[Client, object]]:
+        """What the HTTP processes sent, waiting up to ``timeout`` for it; their pings are answered."""
+        ready, _, _ = select.select([client.sock for client in self.clients], [], [], timeout)
+        received = []
+        for client in [client for client in self.clients if client.sock in ready]:
+            try:
+                data = client.sock.recv(_RECV_BYTES)
+            except OSError:
+                data = b""
+            if not data:
+                self._hang_up(client)
+                continue
+            # Each frame holds what the HTTP process sent in one turn of its event loop.
+            messages = [message for frame in client.frames.feed(data) for message in frame]
+            if any(isinstance(message, Ping) for message in messages):
+                self._send(Pong(), client)
+            received += [(client, message) for message in messages if not isinstance(message, Ping)]
+        return received
 
-    def _handle(self, message: object) -> None:
+    def _hang_up(self, client: Client) -> None:
+        """An HTTP process closed its end. Its requests are aborted (no one would read their
+        tokens) and the others are served on: whether the server goes on without it is the
+        launcher's call (it stops the whole server, and then says Shutdown). With none left,
+        ``HungUp``."""
+        if client not in self.clients:
+            return                      # told already (a failed send, then its EOF)
+        self.clients.remove(client)
+        self._inbox = [(sender, message) for sender, message in self._inbox if sender is not client]
+        for req_id in client.req_ids:
+            self.engine.abort_request(req_id)
+            del self._owners[req_id]
+        if not self.clients:
+            raise HungUp
+        # info, not warning: at a clean shutdown every HTTP process but the launcher leaves this way
+        logger.info("connection %d (an HTTP process) hung up; %d request(s) of its aborted", client.index,
+                    len(client.req_ids))
+
+    def _handle(self, message: object, client: Client) -> None:
         if isinstance(message, AddRequest):
-            self._add(message)
+            self._add(message, client)
         elif isinstance(message, AbortRequests):
             for req_id in message.req_ids:
-                self.engine.abort_request(req_id)
+                if self._owners.get(req_id) is client:    # never another HTTP process's request
+                    self._forget(req_id)
+                    self.engine.abort_request(req_id)
         elif isinstance(message, EndSession):
             self.engine.end_session(message.session_id)
         elif isinstance(message, UpdateLora):
-            self._update_lora(message)
+            self._update_lora(message, client)
         else:
             raise TypeError(f"unexpected message from the HTTP process: {type(message).__name__}")
 
-    def _add(self, message: AddRequest) -> None:
+    def _add(self, message: AddRequest, client: Client) -> None:
         # Admitted by check_request at the API edge; the engine only asserts, and a failed
         # assertion here is a bug of ours that costs this request only.
         req = Request(message.req_id, message.prompt_token_ids, message.params, pixel_values=message.pixel_values,
                       session_id=message.session_id, lora_name=message.lora_name)
         try:
+            if req.req_id in self._owners:
+                raise ValueError(f"request id {req.req_id} is in use (HTTP processes must number apart)")
             self.engine.enqueue(req)
         except Exception as e:
             logger.exception("request %d could not be queued", req.req_id)
             self._send(EngineOutputs([RequestDelta(req.req_id, None, finish_reason=FinishReason.ERROR,
-                                                   error=error_line(e))], self._stats()))
+                                                   error=error_line(e))], self._stats()), client)
+            return
+        self._owners[req.req_id] = client
+        client.req_ids.add(req.req_id)
 
-    def _update_lora(self, message: UpdateLora) -> None:
+    def _forget(self, req_id: int) -> Client | None:
+        """The request is over for its HTTP process: its owner, no longer recorded."""
+        client = self._owners.pop(req_id, None)
+        if client is not None:
+            client.req_ids.discard(req_id)
+        return client
+
+    def _update_lora(self, message: UpdateLora, client: Client) -> None:
         try:
             if message.path is None:
                 self.engine.unload_lora(message.name)
             else:
                 self.engine.load_lora(message.name, message.path)
         except KeyError:
-            self._send(LoraUpdated(message.call_id, f"LoRA adapter {message.name!r} is not loaded", not_found=True))
+            self._send(LoraUpdated(message.call_id, f"LoRA adapter {message.name!r} is not loaded", not_found=True),
+                       client)
         except ValueError as e:       # AdapterLoadError included: the adapter cannot be served
-            self._send(LoraUpdated(message.call_id, error_line(e)))
+            self._send(LoraUpdated(message.call_id, error_line(e)), client)
         else:
-            self._send(LoraUpdated(message.call_id))
+            self._send(LoraUpdated(message.call_id), client)
+            for other in list(self.clients):
+                if other is not client:
+                    self._send(LoraChanged(message.name, message.path), other)
 
     # -- one step ------------------------------------------------------------------------
     def _step(self) -> list[RequestDelta]:
@@ -149,10 +210,13 @@ class EngineCore:
             raise
         except Exception as e:
             logger.exception("an engine step failed; ending the requests in flight")
-            req_ids = list(self.engine.requests)
-            for req_id in req_ids:
+            failed: dict[Client, list[int]] = {}
+            for req_id in list(self.engine.requests):
                 self.engine.abort_request(req_id)
-            self._send(StepFailed(req_ids, f"the engine step failed: {e}"))
+                if (client := self._forget(req_id)) is not None:
+                    failed.setdefault(client, []).append(req_id)
+            for client, req_ids in failed.items():
+                self._send(StepFailed(req_ids, f"the engine step failed: {e}"), client)
             return []
         return deltas
 
@@ -178,25 +242,39 @@ class EngineCore:
                            num_draft_tokens=e.num_draft_tokens, num_accepted_tokens=e.num_accepted_tokens,
                            accepted_length_counts=tuple(e.accepted_length_counts),
                            num_cached_slots=s.num_cached_slots, num_cache_queried_tokens=s.prefix_cache.num_queried_tokens,
-                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens, num_loras_resident=len(s.loras.resident))
+                           num_cache_hit_tokens=s.prefix_cache.num_hit_tokens, num_loras_resident=len(s.loras.resident),
+                           num_output_tokens=self._num_output_tokens)
 
     def _send_outputs(self, deltas: list[RequestDelta] | None) -> None:
-        """One message per step; between steps, only when the stats changed (an abort, say)."""
+        """One message per step to each HTTP process, with its own requests' deltas (and the
+        stats, which every one shows); between steps, only when the stats changed (an abort, say)."""
+        if deltas:
+            self._num_output_tokens += sum(delta.token_id is not None for delta in deltas)
         stats = self._stats()
-        if deltas is not None or stats != self._last_stats:
-            step_tokens = self.engine.last_step_num_tokens if deltas is not None else 0
-            self._send(EngineOutputs(deltas or [], stats, step_tokens))
-            self._last_stats = stats
+        if deltas is None and stats == self._last_stats:
+            return
+        self._last_stats = stats
+        step_tokens = self.engine.last_step_num_tokens if deltas is not None else 0
+        own: dict[Client, list[RequestDelta]] = {client: [] for client in self.clients}
+        for delta in deltas or ():
+            client = self._owners.get(delta.req_id)
+            if client is None:          # aborted by its HTTP process while the step ran
+                continue
+            own[client].append(delta)
+            if delta.finish_reason is not None:
+                self._forget(delta.req_id)
+        for client, client_deltas in own.items():
+            self._send(EngineOutputs(client_deltas, stats, step_tokens), client)
 
-    def _send(self, message: object) -> None:
+    def _send(self, message: object, client: Client) -> None:
         try:
-            self.sock.sendall(encode(message))
+            client.sock.sendall(encode(message))
         except OSError:
-            raise HungUp from None
+            self._hang_up(client)       # its end is gone: as if we had read its EOF
 
-    def _try_send(self, message: object) -> None:
+    def _try_send(self, message: object, client: Client) -> None:
         try:
-            self._send(message)
+            self._send(message, client)
         except HungUp:
             pass
 
@@ -206,8 +284,8 @@ class EngineCore:
 def serve(address: str) -> int:
     """The engine-core process's life: read what to run from stdin (the HTTP process writes a
     ``StartEngine`` there as it starts us, and the ``ModelSpec`` once it has checked the model),
-    start the workers, build the engine, then accept the HTTP process on ``address`` and serve
-    it. Returns the exit code."""
+    start the workers, build the engine, then accept the HTTP process (``--api-server-count``:
+    each of them) on ``address`` and serve them. Returns the exit code."""
     try:
         start = pickle.load(sys.stdin.buffer)
     except EOFError:
@@ -215,7 +293,7 @@ def serve(address: str) -> int:
     assert isinstance(start, StartEngine), start
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path(address))
-    listener.listen(1)      # the HTTP process may connect now; it waits for EngineReady
+    listener.listen(start.num_clients)     # the HTTP process may connect now; it waits for EngineReady
     engine: LLMEngine | None = None
     workers: ModelWorkerGroup | None = None
     first: object | None = None
@@ -234,20 +312,51 @@ def serve(address: str) -> int:
         workers.close()
     if first is None:
         return 1
-    sock, _ = listener.accept()
+    socks = _accept_clients(listener, first, start.num_clients if engine is not None else 1)
     listener.close()
     try:
-        with sock:
-            sock.sendall(encode(first))
-            if engine is None:
-                return 1
-            EngineCore(engine, sock).run()
-            return 0
+        if engine is None or len(socks) < start.num_clients:
+            return 1
+        EngineCore(engine, *socks).run()
+        return 0
     except WorkerError:
         return 1
     finally:
+        for sock in socks:
+            sock.close()
         if engine is not None:
             engine.shutdown()
+
+
+def _accept_clients(listener: socket.socket, first: object, num_clients: int) -> list[socket.socket]:
+    """Accept the HTTP processes, sending each ``first``. The launcher connects first (it starts
+    the others once it has the core's answer); if it hangs up before the others have come (one of
+    them died starting), the sockets so far: fewer than ``num_clients``."""
+    sock, _ = listener.accept()
+    socks = [sock]
+    sock.sendall(encode(first))
+    listener.settimeout(LIVENESS_INTERVAL_S)
+    while len(socks) < num_clients:
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            if _closed(socks[0]):
+                break
+            continue
+        sock.settimeout(None)
+        sock.sendall(encode(first))
+        socks.append(sock)
+    return socks
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (what it sent meanwhile stays to be read)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _picklable(e: BaseException) -> BaseException:

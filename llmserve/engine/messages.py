@@ -8,10 +8,15 @@ step (every request's ``RequestDelta`` of that step, token ids and no text, plus
 snapshot), ``StepFailed`` when a step raised for no request of its own, ``Pong`` for each ``Ping``,
 and ``EngineDead`` last if the engine cannot go on.
 
+With ``--api-server-count N`` the core has N such connections, one per HTTP process: each gets
+the deltas of the requests it sent (and every step's stats), the answers to its own pings and
+LoRA updates, and ``LoraChanged`` when another HTTP process changed the adapters served.
+
 Each HTTP -> core frame on the socket is a list of messages: all that the HTTP process
 sent in one turn of its event loop, taken in whole by the core between two steps.
 
-Requests arrive validated and tokenized; their ids are the HTTP process's. Both ends are the
+Requests arrive validated and tokenized; their ids are the HTTP process's (with several, each
+numbers its own residue class modulo N, so ids never collide; the core checks). Both ends are the
 same program (one source tree), so pickle is safe here and needs no schema.
 """
 
@@ -43,6 +48,7 @@ class StartEngine:
     torch), then reads the ``ModelSpec`` that follows on stdin once the HTTP process has its
     tokenizer (``inspect_model`` needs it), and loads the model."""
     config: EngineConfig
+    num_clients: int = 1      # HTTP processes that connect (--api-server-count); the first is the launcher
 
 
 @dataclass
@@ -122,6 +128,9 @@ class EngineStats:
     num_cache_queried_tokens: int = 0
     num_cache_hit_tokens: int = 0
     num_loras_resident: int = 0       # LoRA adapters in the workers' device pool
+    # Tokens sent to the HTTP processes since start: with --api-server-count > 1 the status line's
+    # generation throughput (each HTTP process streams only its own).
+    num_output_tokens: int = 0
 
     @classmethod
     def total(cls, snapshots: list[EngineStats]) -> EngineStats:
@@ -156,6 +165,14 @@ class LoraUpdated:
     call_id: int
     error: str | None = None          # None: done
     not_found: bool = False           # unloading a name that is not loaded
+
+
+@dataclass
+class LoraChanged:
+    """Another HTTP process loaded adapter ``name`` from ``path`` (None: unloaded it): every HTTP
+    process serves the same adapters."""
+    name: str
+    path: str | None
 
 
 @dataclass

@@ -42,10 +42,13 @@ class DataParallelEngineClient:
 
     def __init__(self, cores: list[tuple[socket.socket, EngineReady, subprocess.Popen | None]], tokenizer,
                  metrics: ServerMetrics | None = None, on_fatal: Callable[[BaseException], None] | None = None,
-                 log_stats_interval: float = 0.0):
+                 log_stats_interval: float = 0.0, api_server: int = 0, api_server_count: int = 1):
+        """``api_server``, ``api_server_count``: as ``EngineClient``'s. With several HTTP processes
+        each has its own connection to every replica and routes with its own ``CacheAwareRouter``:
+        the prefix-aware routing knows only the prompts this process sent."""
         # Each replica's status lines would interleave: one line for them all (``start``).
         self.replicas = [EngineClient(sock, ready, tokenizer, metrics, on_fatal=functools.partial(self._failed, r),
-                                      proc=proc, replica=r)
+                                      proc=proc, replica=r, api_server=api_server, api_server_count=api_server_count)
                          for r, (sock, ready, proc) in enumerate(cores)]
         first = self.replicas[0]
         self.config, self.model_path, self.tokenizer = first.config, first.model_path, first.tokenizer
@@ -91,6 +94,10 @@ class DataParallelEngineClient:
         answers = await asyncio.gather(*(replica.update_lora(name, path) for replica in self.replicas))
         return next((answer for answer in answers if answer.error is not None), answers[0])
 
+    def watch_loras(self, on_changed: Callable[[str, str | None], None]) -> None:
+        for replica in self.replicas:    # each says so: on_changed must not mind hearing it dp times
+            replica.watch_loras(on_changed)
+
     def replica_states(self) -> list[dict]:
         return [state for replica in self.replicas for state in replica.replica_states()]
 
@@ -102,7 +109,7 @@ class DataParallelEngineClient:
             kv_total = sum(replica.info.max_total_token_num for replica in self.replicas)
             self._stats_task = asyncio.get_running_loop().create_task(
                 log_stats(self.log_stats_interval, kv_total, lambda: EngineStats.total([r.stats for r in self.replicas]),
-                          lambda: sum(r.num_generated_tokens for r in self.replicas)), name="llmserve-stats-log")
+                          lambda: sum(r.server_generated_tokens() for r in self.replicas)), name="llmserve-stats-log")
 
     def fail_all(self, message: str) -> None:
         for replica in self.replicas:

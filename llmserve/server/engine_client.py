@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from llmserve.common.logs import status_logger
 from llmserve.engine.config import EngineConfig, ModelSpec
 from llmserve.engine.messages import (
-    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, LoraUpdated,
-    Ping, Pong, Shutdown, StartEngine, StartupFailed, StepFailed, UpdateLora, encode, frame_size,
+    AbortRequests, AddRequest, EndSession, EngineDead, EngineOutputs, EngineReady, EngineStats, FrameBuffer, LoraChanged,
+    LoraUpdated, Ping, Pong, Shutdown, StartEngine, StartupFailed, StepFailed, UpdateLora, encode, frame_size,
 )
 from llmserve.engine.request import FinishReason, RequestDelta
 from llmserve.ipc import ABSTRACT_SOCKETS, socket_path
@@ -125,9 +125,11 @@ class EngineCoreProcess:
     ``start_model``); ``wait_ready`` connects and waits until the model is loaded (its workers are
     its children)."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "warning", env: dict[str, str] | None = None):
+    def __init__(self, config: EngineConfig, log_level: str = "warning", env: dict[str, str] | None = None,
+                 num_clients: int = 1):
         """``env``: variables to set in the core's environment (and so its workers': a data-parallel
-        replica's ``CUDA_VISIBLE_DEVICES``)."""
+        replica's ``CUDA_VISIBLE_DEVICES``); ``num_clients``: the HTTP processes that will connect
+        (``--api-server-count``), this one first."""
         # The HTTP process's PID in the name tells whose core this is (ss -xlp; tests look for it).
         self._tmpdir = None if ABSTRACT_SOCKETS else tempfile.TemporaryDirectory(prefix="llmserve-")
         prefix = f"@llmserve-{os.getpid()}-{secrets.token_hex(4)}-" if self._tmpdir is None else self._tmpdir.name + "/"
@@ -136,7 +138,7 @@ class EngineCoreProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmserve.engine.core_main", self._address, str(os.getpid()), log_level],
             stdin=subprocess.PIPE, env=None if env is None else {**os.environ, **env})
-        self._send_on_stdin(StartEngine(config))
+        self._send_on_stdin(StartEngine(config, num_clients))
         self.sock: socket.socket | None = None
 
     def start_model(self, model: ModelSpec) -> None:
@@ -155,51 +157,26 @@ class EngineCoreProcess:
         except OSError:
             pass        # it died already: wait_ready says so, with its exit code
 
+    @property
+    def address(self) -> str:
+        """Where the core accepts its HTTP processes (``--api-server-count``: the others connect too)."""
+        return self._address
+
     def wait_ready(self) -> EngineReady:
         """Connect, and wait until the core has loaded the model (however long that takes: a core
         that dies is noticed at once). Re-raises the core's start-up error."""
         try:
-            self.sock = self._connect(self._address)
-            reply = self._receive_one()
-            if isinstance(reply, StartupFailed):
-                raise reply.error
-            assert isinstance(reply, EngineReady), reply
-            self.sock.settimeout(None)
-            return reply
+            self.sock = connect_to_core(self._address, self.check_alive)
+            return receive_ready(self.sock, self.check_alive)
         except BaseException:
             self.stop(graceful=False)
             raise
 
-    def _connect(self, address: str) -> socket.socket:
-        # No deadline: a new interpreter importing torch on a busy machine can take minutes, and a
-        # core that died is noticed at once anyway.
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        while True:
-            try:
-                sock.connect(socket_path(address))
-                return sock
-            except (FileNotFoundError, ConnectionRefusedError):
-                self._check_alive("during start-up")
-                time.sleep(0.05)
-
-    def _receive_one(self) -> object:
-        """The core's first message, however long loading the model takes (it dies if it fails)."""
-        frames = FrameBuffer()
-        self.sock.settimeout(_POLL_S)
-        while True:
-            try:
-                data = self.sock.recv(1 << 20)
-            except TimeoutError:
-                self._check_alive("while loading the model")
-                continue
-            if not data:
-                self.proc.wait()
-                self._check_alive("while loading the model")
-            messages = frames.feed(data)
-            if messages:
-                return messages[0]
-
-    def _check_alive(self, when: str) -> None:
+    def check_alive(self, when: str, closed: bool = False) -> None:
+        """``EngineError`` if the core has exited. ``closed``: the core closed its end, so it is on
+        its way out: wait for its exit code."""
+        if closed:
+            self.proc.wait()
         if self.proc.poll() is not None:
             raise EngineError(f"the engine core exited {when} (exit code {self.proc.returncode})")
 
@@ -221,6 +198,46 @@ class EngineCoreProcess:
             self._tmpdir.cleanup()
 
 
+def connect_to_core(address: str, check_alive: Callable[..., None]) -> socket.socket:
+    """A connection to the engine core at ``address``. No deadline: a new interpreter importing
+    torch on a busy machine can take minutes; ``check_alive(when)`` raises once the core is gone."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    while True:
+        try:
+            sock.connect(socket_path(address))
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            check_alive("during start-up")
+            time.sleep(0.05)
+
+
+def receive_ready(sock: socket.socket, check_alive: Callable[..., None]) -> EngineReady:
+    """The core's first message, however long loading the model takes; re-raises its start-up
+    error. ``check_alive(when, closed=False)`` raises once the core is gone (``closed``: it
+    closed its end)."""
+    when = "while loading the model"
+    frames = FrameBuffer()
+    sock.settimeout(_POLL_S)
+    while True:
+        try:
+            data = sock.recv(1 << 20)
+        except TimeoutError:
+            check_alive(when)
+            continue
+        if not data:
+            check_alive(when, closed=True)
+            raise EngineError(f"the engine core closed its connection {when}")
+        messages = frames.feed(data)
+        if messages:
+            break
+    reply = messages[0]
+    if isinstance(reply, StartupFailed):
+        raise reply.error
+    assert isinstance(reply, EngineReady), reply
+    sock.settimeout(None)
+    return reply
+
+
 # -- the client ----------------------------------------------------------------------------
 
 class EngineClient:
@@ -231,9 +248,13 @@ class EngineClient:
 
     def __init__(self, sock: socket.socket, ready: EngineReady, tokenizer, metrics: ServerMetrics | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None, proc: subprocess.Popen | None = None,
-                 log_stats_interval: float = 0.0, replica: int = 0):
+                 log_stats_interval: float = 0.0, replica: int = 0, api_server: int = 0, api_server_count: int = 1):
         """``log_stats_interval``: seconds between the status lines of a busy engine (0: none);
-        ``replica``: its index among data-parallel replicas (its metrics' label)."""
+        ``replica``: its index among data-parallel replicas (its metrics' label); ``api_server``:
+        this HTTP process's index among ``api_server_count`` (``--api-server-count``), which
+        numbers its requests apart from the others'. Only the launcher (index 0) tells the core to
+        shut down, and counts the engine's own counters in /metrics (every HTTP process gets the
+        same stats)."""
         self.info: WorkerInfo = ready.info
         self.config: EngineConfig = ready.config
         self.model_path: str = ready.model.path
@@ -250,7 +271,10 @@ class EngineClient:
         self._sock = sock
         self._proc = proc
         self._streams: dict[int, RequestStream] = {}
-        self._ids = itertools.count()
+        self.api_server = api_server
+        self.api_server_count = api_server_count
+        self._ids = itertools.count(api_server, api_server_count)     # ids apart from the other HTTP processes'
+        self._on_lora_changed: Callable[[str, str | None], None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._outbox: list[object] = []         # messages of this turn of the loop (see _send)
         self._task: asyncio.Task | None = None
@@ -339,6 +363,16 @@ class EngineClient:
         self._send(UpdateLora(call_id, name, path))
         return await answer
 
+    def server_generated_tokens(self) -> int:
+        """Tokens the whole server streamed (its status line's count): this process's, or with
+        several HTTP processes, the core's count (each process streams only its own)."""
+        return self.num_generated_tokens if self.api_server_count == 1 else self.stats.num_output_tokens
+
+    def watch_loras(self, on_changed: Callable[[str, str | None], None]) -> None:
+        """Call ``on_changed(name, path)`` when another HTTP process loads adapter ``name`` from
+        ``path`` (None: unloads it)."""
+        self._on_lora_changed = on_changed
+
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
@@ -347,7 +381,7 @@ class EngineClient:
         if self.log_stats_interval > 0:
             self._stats_task = loop.create_task(
                 log_stats(self.log_stats_interval, self.info.max_total_token_num, lambda: self.stats,
-                          lambda: self.num_generated_tokens), name="llmserve-stats-log")
+                          self.server_generated_tokens), name="llmserve-stats-log")
 
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown): each stream gets ``EngineError``."""
@@ -368,7 +402,8 @@ class EngineClient:
             except (asyncio.CancelledError, Exception):
                 pass
         if self._writer is not None:
-            self._send(Shutdown())
+            if self.api_server == 0:     # the others only hang up: the core serves on until the launcher's word
+                self._send(Shutdown())
             self._flush()
             self._writer.close()
             try:
@@ -406,6 +441,9 @@ class EngineClient:
                     call = self._lora_calls.pop(message.call_id, None)
                     if call is not None and not call.done():
                         call.set_result(message)
+                elif isinstance(message, LoraChanged):
+                    if self._on_lora_changed is not None:
+                        self._on_lora_changed(message.name, message.path)
                 elif isinstance(message, EngineDead):
                     self._die(EngineError(message.error))
                     return
@@ -431,7 +469,7 @@ class EngineClient:
 
     def _publish(self, outputs: EngineOutputs) -> None:
         self.stats = outputs.stats
-        if self.metrics is not None:
+        if self.metrics is not None and self.api_server == 0:
             self.metrics.observe_engine(outputs, self.replica)
         now = time.monotonic()
         for delta in outputs.deltas:

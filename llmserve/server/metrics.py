@@ -6,16 +6,24 @@ thing; the README's table maps them), and every series carries a ``model_name`` 
 that vLLM's and TGI's dashboards port with a change of names: ``docker/grafana/llmserve.json``
 is one ready to import. Per-request times come from the engine core with each request's first
 token (``RequestDelta.queue_time``, ``prefill_time``) and from the HTTP process's own clock.
+
+With ``--api-server-count N`` each HTTP process counts what it serves in files under a directory
+the launcher makes (prometheus_client's multiprocess mode: ``use_shared_dir``), and any of them
+answers /metrics with the sum of all; the engine's own counters are counted by the launcher alone
+(every HTTP process gets the same stats), and the engine's gauges are read live, as with one.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from llmserve.engine.messages import EngineOutputs, EngineStats
 from llmserve.engine.request import FinishReason
@@ -51,6 +59,14 @@ class RequestOutcome(str, enum.Enum):
     ERROR = "error"            # the engine failed (a worker died, the server shut down)
 
 
+def use_shared_dir(path: str) -> None:
+    """Count this process's metrics created from now on (and, through the environment, those of
+    the processes it starts) in files under ``path``, which every HTTP process reads at /metrics."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    # prometheus_client picks its value class when imported, from this variable: pick again
+    values.ValueClass = values.get_value_class()
+
+
 class ServerMetrics:
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -59,13 +75,19 @@ class ServerMetrics:
         bounds the length histograms. ``lora_names``: the LoRA adapters served (a series each)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        # What /metrics renders: this registry, or with several HTTP processes, the sum of their files
+        # (this process's among them) beside this process's live engine gauges.
+        self._exposed = self.registry
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed)
         r, m, name = self.registry, ["model_name"], model_name
 
         def counter(metric: str, doc: str) -> Counter:
             return Counter(metric, doc, m, registry=r).labels(name)
 
-        def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(metric, doc, m, registry=r).labels(name)
+        def gauge(metric: str, doc: str, multiprocess_mode: str) -> Gauge:
+            return Gauge(metric, doc, m, registry=r, multiprocess_mode=multiprocess_mode).labels(name)
 
         def histogram(metric: str, doc: str, buckets) -> Histogram:
             return Histogram(metric, doc, m, buckets=buckets, registry=r).labels(name)
@@ -74,11 +96,11 @@ class ServerMetrics:
         self._requests = Counter("llmserve_requests", "Finished client requests by outcome.", [*m, "outcome"], registry=r)
         for outcome in RequestOutcome:
             self._requests.labels(name, outcome.value)   # every series exists from the start, at 0
-        # set_function'ed by the server to its count of admitted generations
+        # the server's admitted generations (several HTTP processes: the sum of theirs)
         self.in_flight = gauge("llmserve_requests_in_flight",
                                "Generations being served now (a client request with several prompts or choices "
-                               "counts each; --max-concurrent-requests bounds this).")
-        self.healthy = gauge("llmserve_healthy", "1 while every model worker is alive.")
+                               "counts each; --max-concurrent-requests bounds this).", "livesum")
+        self.healthy = gauge("llmserve_healthy", "1 while every model worker is alive.", "livemin")
 
         # -- tokens --------------------------------------------------------------------------
         self.prompt_tokens = counter("llmserve_prompt_tokens", "Prompt tokens of admitted requests.")
@@ -115,14 +137,11 @@ class ServerMetrics:
         for reason in FinishReason:
             self._finished.labels(name, reason.value)
 
-        # -- the engine's state --------------------------------------------------------------
-        self.queue_size = gauge("llmserve_queue_size", "Requests waiting for admission (or re-admission after preemption).")
-        self.batch_size = gauge("llmserve_running_batch_size", "Requests in the running batch.")
-        self.kv_slots_used = gauge("llmserve_kv_cache_slots_used", "KV-cache token slots held by running requests.")
-        self.kv_slots_total = gauge("llmserve_kv_cache_slots_total", "KV-cache token slots in the pool.")
-        self.kv_usage = gauge("llmserve_kv_cache_usage_ratio", "Share of the KV-cache token slots in use, 0 to 1.")
-        self.kv_slots_cached = gauge("llmserve_kv_cache_slots_cached",
-                                     "KV-cache token slots held only by the prefix cache (evictable).")
+        # -- the engine's state: read live at each scrape (EngineGauges) -----------------------
+        self._engine_gauges = EngineGauges(model_name)
+        r.register(self._engine_gauges)
+        if self._exposed is not r:
+            self._exposed.register(self._engine_gauges)
         self.prefix_cache_queried = counter("llmserve_prefix_cache_queried_tokens",
                                             "Tokens of admitted requests looked up in the prefix cache.")
         self.prefix_cache_hits = counter("llmserve_prefix_cache_hit_tokens",
@@ -148,7 +167,6 @@ class ServerMetrics:
         for lora in lora_names:
             for per_adapter in (self._lora_requests, self._lora_prompt_tokens, self._lora_generated_tokens):
                 per_adapter.labels(name, lora)
-        self.loras_resident = gauge("llmserve_lora_adapters_resident", "LoRA adapters in the device pool now.")
         # -- data-parallel replicas (--dp) -------------------------------------------------------
         self._replica_requests = Counter("llmserve_replica_requests", "Generations routed to each data-parallel "
                                          "replica (one replica: all of them to replica 0).", [*m, "replica"], registry=r)
@@ -158,24 +176,11 @@ class ServerMetrics:
         # observed (``_count_growth``), and per replica the accepted-length histogram's counts per length.
         self._totals: dict[tuple[Counter, int], int] = {}
         self._accepted_length_counts: dict[int, tuple[int, ...]] = {}
-        self._engines: dict[int, tuple[Callable[[], EngineStats], int]] = {}   # track_engine's
 
     def track_engine(self, replica: int, stats: Callable[[], EngineStats], kv_total: int) -> None:
         """Read an engine's live state (its latest ``EngineStats``) at scrape time, so a gauge is
         never stale. With data-parallel replicas each engine is tracked, and the gauges add up."""
-        self._engines[replica] = (stats, kv_total)
-        total = sum(kv for _, kv in self._engines.values())
-
-        def live(field: str) -> Callable[[], int]:
-            return lambda: sum(getattr(read(), field) for read, _ in self._engines.values())
-
-        self.queue_size.set_function(live("num_waiting"))
-        self.batch_size.set_function(live("num_running"))
-        self.kv_slots_used.set_function(used := live("num_used_slots"))
-        self.kv_slots_cached.set_function(live("num_cached_slots"))
-        self.loras_resident.set_function(live("num_loras_resident"))
-        self.kv_slots_total.set(total)
-        self.kv_usage.set_function(lambda: used() / total if total else 0.0)
+        self._engine_gauges.engines[replica] = (stats, kv_total)
 
     def observe_engine(self, outputs: EngineOutputs, replica: int = 0) -> None:
         """What one message of an engine core (data-parallel ``replica``) says beyond its requests'
@@ -243,4 +248,40 @@ class ServerMetrics:
         self._requests.labels(self.model_name, outcome.value).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)
+
+
+class EngineGauges:
+    """The engines' state as gauges, read at scrape time from each engine's latest ``EngineStats``
+    (a collector rather than ``Gauge``s: in multiprocess mode a gauge shows only what was written to
+    its file, and these are the same in every HTTP process, which all get every step's stats)."""
+
+    # name, help, the EngineStats field they add up
+    _FIELDS = (
+        ("llmserve_queue_size", "Requests waiting for admission (or re-admission after preemption).", "num_waiting"),
+        ("llmserve_running_batch_size", "Requests in the running batch.", "num_running"),
+        ("llmserve_kv_cache_slots_used", "KV-cache token slots held by running requests.", "num_used_slots"),
+        ("llmserve_kv_cache_slots_cached", "KV-cache token slots held only by the prefix cache (evictable).",
+         "num_cached_slots"),
+        ("llmserve_lora_adapters_resident", "LoRA adapters in the device pool now.", "num_loras_resident"),
+    )
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.engines: dict[int, tuple[Callable[[], EngineStats], int]] = {}   # replica -> (its stats, its KV slots)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = [read() for read, _ in self.engines.values()]
+        total = sum(kv for _, kv in self.engines.values())
+
+        def family(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            return g
+
+        for metric, doc, field in self._FIELDS:
+            yield family(metric, doc, sum(getattr(s, field) for s in stats))
+        yield family("llmserve_kv_cache_slots_total", "KV-cache token slots in the pool.", total)
+        used = sum(s.num_used_slots for s in stats)
+        yield family("llmserve_kv_cache_usage_ratio", "Share of the KV-cache token slots in use, 0 to 1.",
+                     used / total if total else 0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
@@ -129,6 +130,8 @@ def create_app(state: ServerState) -> FastAPI:
             # per data-parallel replica (--dp): generations routed there, in flight, running, waiting, and
             # its prefix cache's looked-up and found prompt tokens
             "replicas": state.engine.replica_states(),
+            # which of the --api-server-count HTTP processes answered (the counts above are its own)
+            "api_server": {"index": state.config.api_server, "count": state.config.api_server_count, "pid": os.getpid()},
             "router": "llmserve", "version": __version__,
         }
 

@@ -152,6 +152,11 @@ def build_router(state: ServerState) -> APIRouter:
 
     @router.post("/chat/interactive")
     async def chat_interactive(body: InteractiveRequest, http_request: HTTPRequest):
+        if state.config.api_server_count > 1:
+            # A session's turns and cached tokens are kept by one HTTP process, and a client's next
+            # connection may reach another: refused rather than served from the wrong one's state.
+            raise APIError("interactive sessions need a server of one HTTP process (--api-server-count 1)",
+                           HTTPStatus.NOT_IMPLEMENTED, "not_implemented")
         lora_name = check_model(state, body.model)
         if body.adapter_name is not None:
             require(body.adapter_name in state.lora_modules,

@@ -24,6 +24,7 @@ _WHY = {
     HTTPStatus.UNSUPPORTED_MEDIA_TYPE: "The body is not sent as `Content-Type: application/json`",
     HTTPStatus.UNPROCESSABLE_ENTITY: "Invalid request (TGI routes), or a conversation the chat template refuses",
     HTTPStatus.CONFLICT: "The interactive session is still running its previous turn",
+    HTTPStatus.NOT_IMPLEMENTED: "Interactive sessions are off: the server runs several HTTP processes (--api-server-count)",
     HTTPStatus.FAILED_DEPENDENCY: "The engine failed the generation (a worker died, the server is shutting down)",
     HTTPStatus.TOO_MANY_REQUESTS: "Overloaded: --max-concurrent-requests generations are in flight",
     HTTPStatus.SERVICE_UNAVAILABLE: ("Unhealthy: a model worker or the engine core died, failed on the device or hung, "
@@ -44,7 +45,8 @@ ROUTE_ERRORS: dict[str, list[HTTPStatus]] = {
     "/v1/models/{model_id}": [HTTPStatus.NOT_FOUND],
     "/v1/completions": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY + _GENERATION,
     "/v1/chat/completions": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND] + _BODY + _GENERATION,
-    "/v1/chat/interactive": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.CONFLICT] + _BODY + _GENERATION,
+    "/v1/chat/interactive": [HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.CONFLICT,
+                             HTTPStatus.NOT_IMPLEMENTED] + _BODY + _GENERATION,
     "/health": [HTTPStatus.SERVICE_UNAVAILABLE],
     # --allow-runtime-lora-updating only
     "/v1/load_lora_adapter": [HTTPStatus.BAD_REQUEST, HTTPStatus.FAILED_DEPENDENCY] + _BODY,

@@ -73,6 +73,10 @@ class ServerConfig:
     max_sessions: int = 256
     session_idle_timeout: float = 600.0
     ui: bool = True                        # the chat page at GET / (server/api/ui.py); off: --no-ui
+    # --api-server-count: the HTTP processes serving the port (server/api_servers.py), and this
+    # one's index among them (0: the launcher). Limits such as --max-concurrent-requests hold per process.
+    api_server_count: int = 1
+    api_server: int = 0
 
 
 @dataclass
@@ -104,6 +108,7 @@ class ServerState:
         # The LoRA adapters served (--lora-modules): name -> directory. An OpenAI request selects
         # one by its `model`, a TGI request by `adapter_id`.
         self.lora_modules: dict[str, str] = dict(engine.config.lora_modules)
+        engine.watch_loras(self._lora_changed)      # another HTTP process's runtime load or unload
         self.started_at = int(time.time())
         # HF fast tokenizers must not be used by two threads at once ("Already borrowed"): the
         # event loop uses the client's tokenizer (single-token texts, echo), and prompts are
@@ -135,7 +140,6 @@ class ServerState:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.sessions = SessionStore(config.max_sessions, config.session_idle_timeout, engine.end_session)
         self._in_flight = 0
-        metrics.in_flight.set_function(lambda: self._in_flight)
 
     # -- admission -------------------------------------------------------------------
     def admit(self, generations: int = 1) -> Slot:
@@ -150,10 +154,18 @@ class ServerState:
             self.metrics.count(RequestOutcome.OVERLOADED)
             raise overloaded_error()
         self._in_flight += generations
+        self.metrics.in_flight.inc(generations)
         return Slot(self, generations)
 
     def _release(self, generations: int) -> None:
         self._in_flight -= generations
+        self.metrics.in_flight.dec(generations)
+
+    def _lora_changed(self, name: str, path: str | None) -> None:
+        if path is None:
+            self.lora_modules.pop(name, None)
+        else:
+            self.lora_modules[name] = path
 
     # -- tokens ----------------------------------------------------------------------
     def encode(self, text: str, param: str = "inputs", add_special_tokens: bool = True,

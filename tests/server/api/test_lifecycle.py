@@ -21,37 +21,11 @@ import text_generation
 import torch
 
 from serving_utils import (
-    API_KEY, STARTUP_STALL_S, ServerProcess, engine_processes_of, free_port, llmserve_command, pid_alive, tgi_stream_events,
-    wait_until,
+    API_KEY, STARTUP_STALL_S, ServerProcess, assert_ended_with_error, engine_processes_of, free_port, llmserve_command,
+    pid_alive, streams_across, wait_until,
 )
 
 EXIT_TIMEOUT_S = 15.0
-
-
-async def streams_across(url: str, n: int, action, timeout: float = 30.0) -> list[list[dict]]:
-    """Open ``n`` long streams, wait until each has a token, run ``action()``, then read every
-    stream to its end (each must end within ``timeout``)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=httpx.Limits(max_connections=n)) as client:
-        started = [asyncio.Event() for _ in range(n)]
-        tasks = [asyncio.ensure_future(tgi_stream_events(client, url, {"inputs": f"Story number {i}:",
-                                                                       "parameters": {"max_new_tokens": 400}},
-                                                         on_event=started[i].set))
-                 for i in range(n)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
-            action()
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
-        finally:
-            for t in tasks:
-                t.cancel()
-
-
-def assert_ended_with_error(events: list[dict]) -> None:
-    assert len(events) >= 2, events
-    assert all("token" in e for e in events[:-1]), events
-    last = events[-1]
-    assert set(last) == {"error", "error_type"}, last
-    assert isinstance(last["error"], str) and last["error"]
 
 
 def port_is_free(port: int) -> bool:
