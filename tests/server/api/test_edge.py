@@ -248,7 +248,7 @@ EXPECTED_ERRORS = {
     ("post", "/generate"): TGI_GENERATION, ("post", "/generate_stream"): TGI_GENERATION,
     ("post", "/"): TGI_GENERATION, ("post", "/tokenize"): {"400", "404", "413", "415", "422"},
     ("post", "/v1/completions"): OPENAI_GENERATION, ("post", "/v1/chat/completions"): OPENAI_GENERATION,
-    ("post", "/v1/chat/interactive"): OPENAI_GENERATION | {"409"},
+    ("post", "/v1/chat/interactive"): OPENAI_GENERATION | {"409", "501"},   # 501: --api-server-count > 1
     ("get", "/v1/models"): set(), ("get", "/info"): set(), ("get", "/metrics"): set(), ("get", "/health"): {"503"},
     ("post", "/detokenize"): {"400", "404", "413", "415"}, ("get", "/tokenizer_info"): set(),
     ("get", "/v1/models/{model_id}"): {"404"}, ("get", "/version"): set(),
