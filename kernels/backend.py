@@ -84,7 +84,8 @@ PDL_ENV_VAR = "LLMSERVE_PDL"
 
 @functools.cache
 def _pdl_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    # NVIDIA's griddepcontrol (sm_90 on); a ROCm build's "CUDA" devices have none
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def pdl(t: torch.Tensor) -> dict[str, bool]:
