@@ -174,6 +174,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # gemv_act_and_mul's (BLOCK_N, largest BLOCK_K, num_warps): two weight tiles a chunk, so half
 # TILES' widest chunk (the same bytes in flight a program, the same registers).
 ACT_AND_MUL_TILES = (4, 1024, 4)
+ACTIVATIONS = {"silu": silu_and_mul_fwd_torch, "gelu_tanh": gelu_and_mul_fwd_torch}  # the twins'
 
 # The tiles a GEMV tries on the card for each weight shape (`fastest_tiles`), the default first
 # (what the interpreter runs, and a capture that meets an untimed shape). On an H200 (2026-11-28,
@@ -196,7 +197,6 @@ def fastest_tiles(key: tuple, x: torch.Tensor, K: int, candidates: tuple[tuple[i
     for tiles in candidates:
         distinct.setdefault(gemv_tile(K, tiles), tiles)
     return autotune.fastest(key, list(distinct.values()), run)
-ACTIVATIONS = {"silu": silu_and_mul_fwd_torch, "gelu_tanh": gelu_and_mul_fwd_torch}  # the twins'
 
 
 def gemv_tile(K: int, tiles: tuple[int, int, int]) -> tuple[int, int, int]:

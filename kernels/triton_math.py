@@ -10,13 +10,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Under programmatic dependent launch (``PDL``, kernels/backend.py's `pdl`): wait until the
-    kernel before has ended and its writes are visible, then let the next kernel launch. A PDL
-    kernel calls this in every program before it reads anything an earlier kernel may have
-    written and before it writes anything, and before any early return: a
-    kernel whose programs all skipped the wait could end before the kernel before it. Reads
-    before the wait see everything but the kernel before's writes (that kernel was let go only
-    after its own wait): weights, and an adapter pool filled between steps, may be read there.
-    The next launch is let go only after the wait, so at most one kernel waits ahead."""
+    kernel before has ended and its writes are visible, then let the next kernel launch.
+
+    A PDL kernel calls this in every program before it reads anything an earlier kernel may have
+    written, before it writes anything, and before any early return (a kernel whose programs all
+    skipped the wait could end before the kernel before it). Reads before the wait see everything
+    but the kernel before's writes (that kernel was let go only after its own wait): weights, and
+    an adapter pool filled between steps, may be read there. The next launch is let go only after
+    the wait, so at most one kernel waits ahead."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -47,9 +47,13 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
 
     def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> None:
         # Rotary on q (in place) and k (on its way into the cache), and the store: one launch.
-        rotary_emb_copy_kv(q, kv, infer_state.position_cos, infer_state.position_sin, infer_state.mem_index,
-                           infer_state.mem_manager.kv_buffer[self.layer_num_], **self._kv_scales(infer_state),
-                           qk_norm=self._qk_norm(layer_weight))
+        cos, sin = self._rotary_tables(infer_state)
+        rotary_emb_copy_kv(q, kv, cos, sin, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_],
+                           **self._kv_scales(infer_state), qk_norm=self._qk_norm(layer_weight))
+
+    def _rotary_tables(self, infer_state: LlamaInferStateInfo) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the batch's positions for this layer (Gemma 3's sliding layers: their own)."""
+        return infer_state.position_cos, infer_state.position_sin
 
     def _qk_norm(self, layer_weight) -> QKNorm | None:
         """Per-head norms of q and k before rotary (Qwen3's, Gemma 3's), applied by the store's
