@@ -34,6 +34,10 @@ CALIBRATION_TEXT = (DATA / "calibration.txt").read_text()   # another text: GPTQ
 # Measured (CPU, float32): FP8 dynamic 92.5% (compressed-tensors' own forward gives the same: the
 # model, not our numerics), block FP8 93.6%, GPTQ 74.0% (round-to-nearest: 72.6%). AWQ's loader
 # makes the same weight of the same values as GPTQ's (test_formats), so it is not scored twice.
+# The issue's 85% for 4-bit is past what GPTQ reaches on this 135M model (HF's forward, groups of
+# 64, 2026-11-28): calibrated on the scored text itself, an upper bound no real calibration
+# reaches, 78.3%; on the 370 tokens here 74.8%; on those plus the GPL-3 text (7,658 tokens of
+# legal English) 70.4%, and with 10x the damping 73.4%.
 FLOORS = {"fp8-dynamic": 0.92, "fp8-block": 0.93, "gptq": 0.73}
 # The float8 KV cache with the unquantized weights, scales 1.0: 95.3%, mean |d logprob| 0.067.
 KV_FP8_FLOOR = 0.95
