@@ -27,7 +27,8 @@ tokens of the step are taken first, as many as raise its tokens per unit of time
 whose copy keeps diverging drafts a token or two or none, one copying a passage the whole
 ``speculate``. A request left out for its acceptance sits the next step out and its evidence
 fades toward the prior, so it tries again a few steps later; left out for an acceptance that
-would not pay even alone, it backs off as after a miss (1, 3, then 7 steps). The worker's draft is at most the
+would not pay even alone, it backs off as after a miss (1, 3, then 7 steps; up to 15 while none of
+its draft tokens has ever been accepted). The worker's draft is at most the
 budget, and shorter where its match supports less (2 tokens per matched token).
 
 Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
@@ -49,9 +50,12 @@ if TYPE_CHECKING:
     from llmserve.engine.scheduler import ScheduledRequest
 
 # The most decode steps a request whose drafts gain nothing sits out between two lookups, and
-# one left out for its acceptance (`Drafter.add_drafts`): shorter, because a request that copies
-# its own output's loops has that acceptance between loops, and its wait delays the next loop's
-# drafts (`answer` in benchmarks/prompt_lookup.py).
+# one left out for its acceptance (`Drafter.add_drafts`) once a draft of it was accepted: shorter,
+# because a request that copies its own output's loops has that acceptance between loops, and its
+# wait delays the next loop's drafts (`answer` in benchmarks/prompt_lookup.py). One never accepted
+# (free text guessing from lone recurring tokens) waits up to MAX_DRAFT_WAIT: each of its tries is
+# a failed verify step, which on an H200 with the embedded model cost ~0.37 of a decode step, so
+# a try every 8 steps lost 4% (0.96x, benchmarks/README.md, 2026-11-28) and one every 16 about 2%.
 MAX_DRAFT_WAIT = 15
 MAX_SKIP_WAIT = 7
 # A request's acceptance before its first verify (the chance that each next draft token is
@@ -117,13 +121,14 @@ DRAFT_COSTS = {"cpu": DraftCost(per_step=0.07, per_token=0.13, per_request=0.22,
 @dataclass
 class DraftState:
     """One request's drafting: its draft attempts in a row that gained nothing, the decode steps
-    it sits out before its next budget, and its recent drafts' tokens accepted and rejections
-    (each faded by ``ACCEPTANCE_DECAY`` a verify)."""
+    it sits out before its next budget, its recent drafts' tokens accepted and rejections (each
+    faded by ``ACCEPTANCE_DECAY`` a verify), and whether any draft token of it was ever accepted."""
 
     num_misses: int = 0
     wait: int = 0
     accepted: float = 0.0
     rejected: float = 0.0
+    ever_accepted: bool = False
 
     @property
     def acceptance(self) -> float:
@@ -137,6 +142,7 @@ class DraftState:
         self.fade()
         self.accepted += num_accepted
         self.rejected += num_accepted < num_drafted
+        self.ever_accepted |= num_accepted > 0
 
     def fade(self) -> None:
         """Older evidence counts less: a request skipped for its low acceptance drifts back to
@@ -182,7 +188,7 @@ class Drafter:
                 # every few steps as its evidence fades back.
                 state = self.states[s.request]
                 if not self.cost.best_length(acceptance, limit):
-                    self._missed(state, MAX_SKIP_WAIT)
+                    self._missed(state, MAX_SKIP_WAIT if state.ever_accepted else MAX_DRAFT_WAIT)
                 state.fade()
                 state.wait = max(state.wait, 1)
             s.draft_budget = max(0, min(k, room))

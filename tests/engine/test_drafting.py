@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.drafting import DRAFT_COSTS, MAX_SKIP_WAIT, DraftCost
+from llmserve.engine.drafting import DRAFT_COSTS, MAX_DRAFT_WAIT, MAX_SKIP_WAIT, DraftCost
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
 from scheduling_utils import EOS, TOKEN, make_request, make_scheduler, run_step
@@ -215,11 +215,13 @@ def test_a_requests_budgets_follow_what_it_accepted():
 def test_free_texts_failing_guesses_back_off_like_misses():
     """Free text: each draft continues a lone recurring token (match 1: no miss in `verified`) and
     is rejected. Left out for an acceptance that would not pay even alone, the request backs off
-    as after misses (up to MAX_SKIP_WAIT steps), so it verifies rarely (21 steps of 200 here; 58
-    while skips only faded its evidence, 13 with waits of up to 15, which cost answers that copy
-    their own loops their loops' starts); one accepted draft puts it back to drafting every step."""
-    scheduler = make_scheduler(1000, speculate=10, draft_cost=DRAFT_COSTS["cpu"])
-    req = make_request(0, 20, max_new_tokens=400)
+    as after misses, up to MAX_DRAFT_WAIT steps while none of its draft tokens was ever accepted,
+    so it verifies rarely (13 steps of 200 here; 58 while skips only faded its evidence, 21 with
+    waits of up to MAX_SKIP_WAIT, the cap once a draft was accepted: waits of 15 there cost answers
+    that copy their own loops their loops' starts); one accepted draft puts it back to drafting
+    every step."""
+    scheduler = make_scheduler(2000, speculate=10, draft_cost=DRAFT_COSTS["cpu"])
+    req = make_request(0, 20, max_new_tokens=1000)
     decoding(scheduler, req)
 
     def step(accept: bool) -> int:
@@ -232,13 +234,21 @@ def test_free_texts_failing_guesses_back_off_like_misses():
             req.append_token(TOKEN)
         return bool(s.draft_budget)
 
+    def gaps(verifies: list[bool]) -> list[int]:
+        at = [i for i, v in enumerate(verifies) if v]
+        return [b - a for a, b in zip(at, at[1:])]
+
     verifies = [step(accept=False) for _ in range(200)]
-    assert 3 <= sum(verifies) <= 30 and sum(verifies[100:]) <= 15
     state = scheduler.drafter.states[req]
-    assert state.num_misses >= 4 and state.wait <= MAX_SKIP_WAIT
+    assert 3 <= sum(verifies) <= 16 and state.num_misses >= 4
+    assert max(gaps(verifies)) > MAX_SKIP_WAIT + 2 and set(gaps(verifies[100:])) == {MAX_DRAFT_WAIT + 2}
     while not step(accept=True):     # its next try is accepted: no waits after it
         pass
     assert state.num_misses == 0 and all(step(accept=True) for _ in range(5))
+    # Once a draft of it was accepted, its failing guesses wait MAX_SKIP_WAIT steps at a time
+    # (twice in a row where its evidence has not faded enough after one wait).
+    verifies = [step(accept=False) for _ in range(200)]
+    assert set(gaps(verifies[100:])) <= {MAX_SKIP_WAIT + 2, 2 * MAX_SKIP_WAIT + 3} and sum(verifies[100:]) >= 7
 
 
 @settings(max_examples=60, deadline=None)
