@@ -153,58 +153,56 @@ class DraftState:
         self.rejected *= ACCEPTANCE_DECAY
 
 
-# StepCosts: how far one measured step moves an estimate towards what it measured; how far each
-# plain decode step moves a batch size's per-step term back towards the constants' (so that an
-# estimate that stopped drafts, and with them its own measurements, is tried again: after ~70
-# plain steps it is halfway back); and the ratio to a plain decode step past which a measurement
-# is taken for a stall of the host (a one-time warm-up, a pause), not the step's cost.
-STEP_COST_WEIGHT = 0.25
-STEP_COST_FORGET = 0.01
+# How much one measured step moves StepCosts' running averages, and how far past the average a
+# measurement may fall before it is taken for a stall (a pause of the host, not the step's cost).
+STEP_COST_WEIGHT = 0.1
 STEP_COST_OUTLIER = 4.0
 
 
 class StepCosts:
-    """What this engine's decode steps measured, by batch size: the seconds of a plain decode
-    step, and the per-step term of the cost model (``DraftCost.per_step``) that makes a step that
-    granted draft budgets cost what it measured. The device's constants (`DRAFT_COSTS`) were fitted
-    on one model a device (on a GPU, 8B shapes: a verify step 1.16-1.19x a decode step); a small
-    model is host-bound there and pays more: the embedded model on an H200 verified a lone-token
-    guess at ~1.37x a decode step and batch-8 drafts at ~1.8x (2026-11-28). `cost` gives the
-    constants with that measured per-step term."""
+    """What this engine's decode steps measured, by batch size: the seconds of a plain decode step,
+    and of one that verified drafts with its draft rows, as running averages. The device's constants
+    (`DRAFT_COSTS`) were fitted on one model a device (on a GPU, 8B shapes: a verify step 1.16-1.19x
+    a decode step); a small model is host-bound there and pays more: the embedded model on an H200
+    verified a lone-token guess at ~1.37x a decode step and batch-8 drafts at ~1.8x (2026-11-28).
+    `cost` gives the constants with their per-step term made to match what was measured."""
 
     def __init__(self, prior: DraftCost) -> None:
         self.prior = prior
-        self.decode: dict[int, float] = {}      # batch -> seconds of a plain decode step
-        self.per_step: dict[int, float] = {}    # batch -> the measured per-step term
+        self.decode: dict[int, float] = {}                  # batch -> seconds of a plain decode step
+        self.verify: dict[int, tuple[float, float]] = {}    # batch -> (seconds, draft rows) of a verify step
 
     def record(self, batch: int, seconds: float, draft_rows: int | None = None) -> None:
         """A decode step of ``batch`` requests took ``seconds``. ``draft_rows``: the draft tokens
         it verified, if it granted draft budgets (None: it granted none). A step that granted one
         costs more even where rank 0 found no draft: rank 0 reads the step before first (a draft
         continues its request's last token), so the overlapped loop waits there once."""
-        decode = self.decode.get(batch)
-        if draft_rows is None:
-            if decode is None or seconds <= STEP_COST_OUTLIER * decode:
-                self.decode[batch] = seconds if decode is None else _towards(decode, seconds, STEP_COST_WEIGHT)
-            if batch in self.per_step:
-                self.per_step[batch] = _towards(self.per_step[batch], self.prior.per_step, STEP_COST_FORGET)
-        elif decode is not None:
-            p = self.prior
-            ratio = min(seconds / decode, STEP_COST_OUTLIER)
-            extra = (ratio - 1) * (1 + p.per_request * (batch - 1))     # in batch-1 decode steps
-            measured = extra - p.per_request_verified * batch - p.per_token * draft_rows
-            self.per_step[batch] = _towards(self.per_step.get(batch, p.per_step), measured, STEP_COST_WEIGHT)
+        if draft_rows is not None:
+            old = self.verify.get(batch)
+            if old is None:
+                self.verify[batch] = (seconds, float(draft_rows))
+            elif seconds <= STEP_COST_OUTLIER * old[0]:
+                self.verify[batch] = (_towards(old[0], seconds), _towards(old[1], draft_rows))
+        else:
+            old = self.decode.get(batch)
+            if old is None or seconds <= STEP_COST_OUTLIER * old:
+                self.decode[batch] = seconds if old is None else _towards(old, seconds)
 
     def cost(self, batch: int) -> DraftCost:
-        """The step costs to plan a step of ``batch`` decodes with: the constants, with this batch
-        size's measured per-step term once it has one (a zero prior, a bare scheduler's, stays zero)."""
-        if batch not in self.per_step or self.prior == DraftCost():
+        """The step costs to plan a step of ``batch`` decodes with: the prior's, its ``per_step``
+        set so that a verify step of the measured draft rows costs what was measured over a
+        decode step of this batch size (once both were measured; a zero prior stays zero)."""
+        decode, verify = self.decode.get(batch), self.verify.get(batch)
+        if decode is None or verify is None or self.prior == DraftCost():
             return self.prior
-        return replace(self.prior, per_step=max(0.0, self.per_step[batch]))
+        seconds, rows = verify
+        p = self.prior
+        extra = (seconds / decode - 1) * (1 + p.per_request * (batch - 1))   # in batch-1 decode steps
+        return replace(p, per_step=max(0.0, extra - p.per_request_verified * batch - p.per_token * rows))
 
 
-def _towards(average: float, value: float, weight: float) -> float:
-    return average + weight * (value - average)
+def _towards(average: float, value: float) -> float:
+    return average + STEP_COST_WEIGHT * (value - average)
 
 
 class Drafter:
