@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from llmserve import LLM  # noqa: E402
 from llmserve.engine.config import resolve_model_path  # noqa: E402
-from llmserve.engine.drafting import DraftCost, StepCosts  # noqa: E402
+from llmserve.engine.drafting import DraftCost  # noqa: E402
 from llmserve.engine.engine import LLMEngine  # noqa: E402
 from llmserve.worker.prompt_lookup import PromptLookup  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
@@ -254,11 +254,11 @@ def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: 
         out_off, s_off, _ = run_batch(engine, prompts, off)
         out_on, s_on, forwards, (drafted, accepted, verifies) = run_drafting(engine, prompts, on)
         if ab_sizing:
-            sized, drafter.costs = drafter.costs, StepCosts(DraftCost())
+            sized, drafter.cost = drafter.cost, DraftCost()
             try:
                 out_unsized, s_unsized, _, counts = run_drafting(engine, prompts, on)
             finally:
-                drafter.costs = sized
+                drafter.cost = sized
             unequal += sum(a != b for a, b in zip(out_unsized, out_off))
             unsized.append((s_off.wall / s_unsized.wall, counts))
         if out_on != out_off:

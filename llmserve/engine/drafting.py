@@ -19,9 +19,7 @@ accepts none of a well-matched draft) backs off: see ``Drafter.verified``; with 
 loop its back-off starts a step late (the step after a verify is scheduled before it is read).
 
 How long a budget: the step's budgets are planned together (``DraftCost.draft_lengths``), from
-each request's recent acceptance (``DraftState.acceptance``) and what the step costs (the device's
-constants, their per-step term corrected by what this engine's own decode and verify steps took:
-``StepCosts``, fed by the engine): on a CPU
+each request's recent acceptance (``DraftState.acceptance``) and what the step costs: on a CPU
 every row of a step costs (a decode step of 8 requests is about 2.5 of one request's, a draft
 token's row 0.13), and a step that carries drafts takes the verify path with all its rows, so at
 batch 8 a verify pays only where several requests' drafts are likely kept. The likeliest draft
@@ -43,7 +41,7 @@ is the engine's estimate here, a step late under overlap), and the GPU measureme
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmserve.engine.request import Request
@@ -153,63 +151,11 @@ class DraftState:
         self.rejected *= ACCEPTANCE_DECAY
 
 
-# How much one measured step moves StepCosts' running averages, and how far past the average a
-# measurement may fall before it is taken for a stall (a pause of the host, not the step's cost).
-STEP_COST_WEIGHT = 0.1
-STEP_COST_OUTLIER = 4.0
-
-
-class StepCosts:
-    """What this engine's decode steps measured, by batch size: the seconds of a plain decode step,
-    and of one that verified drafts with its draft rows, as running averages. The device's constants
-    (`DRAFT_COSTS`) were fitted on one model a device (on a GPU, 8B shapes: a verify step 1.16-1.19x
-    a decode step); a small model is host-bound there and pays more: the embedded model on an H200
-    verified a lone-token guess at ~1.37x a decode step and batch-8 drafts at ~1.8x (2026-11-28).
-    `cost` gives the constants with their per-step term made to match what was measured."""
-
-    def __init__(self, prior: DraftCost) -> None:
-        self.prior = prior
-        self.decode: dict[int, float] = {}                  # batch -> seconds of a plain decode step
-        self.verify: dict[int, tuple[float, float]] = {}    # batch -> (seconds, draft rows) of a verify step
-
-    def record(self, batch: int, seconds: float, draft_rows: int | None = None) -> None:
-        """A decode step of ``batch`` requests took ``seconds``. ``draft_rows``: the draft tokens
-        it verified, if it granted draft budgets (None: it granted none). A step that granted one
-        costs more even where rank 0 found no draft: rank 0 reads the step before first (a draft
-        continues its request's last token), so the overlapped loop waits there once."""
-        if draft_rows is not None:
-            old = self.verify.get(batch)
-            if old is None:
-                self.verify[batch] = (seconds, float(draft_rows))
-            elif seconds <= STEP_COST_OUTLIER * old[0]:
-                self.verify[batch] = (_towards(old[0], seconds), _towards(old[1], draft_rows))
-        else:
-            old = self.decode.get(batch)
-            if old is None or seconds <= STEP_COST_OUTLIER * old:
-                self.decode[batch] = seconds if old is None else _towards(old, seconds)
-
-    def cost(self, batch: int) -> DraftCost:
-        """The step costs to plan a step of ``batch`` decodes with: the prior's, its ``per_step``
-        set so that a verify step of the measured draft rows costs what was measured over a
-        decode step of this batch size (once both were measured; a zero prior stays zero)."""
-        decode, verify = self.decode.get(batch), self.verify.get(batch)
-        if decode is None or verify is None or self.prior == DraftCost():
-            return self.prior
-        seconds, rows = verify
-        p = self.prior
-        extra = (seconds / decode - 1) * (1 + p.per_request * (batch - 1))   # in batch-1 decode steps
-        return replace(p, per_step=max(0.0, extra - p.per_request_verified * batch - p.per_token * rows))
-
-
-def _towards(average: float, value: float) -> float:
-    return average + STEP_COST_WEIGHT * (value - average)
-
-
 class Drafter:
     def __init__(self, speculate: int, max_batch: int, cost: DraftCost = DraftCost()) -> None:
         self.speculate = speculate      # draft tokens per decoding request per step, at most; 0: off
         self.max_batch = max_batch
-        self.costs = StepCosts(cost)    # the engine records its steps' times (`Engine._timed`)
+        self.cost = cost
         # The requests that have asked for a draft, until they finish (``forget``).
         self.states: defaultdict[Request, DraftState] = defaultdict(DraftState)
 
@@ -233,8 +179,7 @@ class Drafter:
                 continue
             acceptances[i] = state.acceptance
             limits[i] = max(0, min(self.speculate, req.params.max_new_tokens - req.max_num_output_tokens - 1))
-        cost = self.costs.cost(len(decodes))
-        for s, k, acceptance, limit in zip(decodes, cost.draft_lengths(acceptances, limits), acceptances, limits):
+        for s, k, acceptance, limit in zip(decodes, self.cost.draft_lengths(acceptances, limits), acceptances, limits):
             if limit and not k:
                 # At its recent acceptance its draft does not pay: it sits this step and the next
                 # out, its evidence fading (a copy may start later). If it would not pay even
@@ -242,7 +187,7 @@ class Drafter:
                 # (no miss in `verified`) keep failing, then retries after ever longer waits, not
                 # every few steps as its evidence fades back.
                 state = self.states[s.request]
-                if not cost.best_length(acceptance, limit):
+                if not self.cost.best_length(acceptance, limit):
                     self._missed(state, MAX_SKIP_WAIT if state.ever_accepted else MAX_DRAFT_WAIT)
                 state.fade()
                 state.wait = max(state.wait, 1)

@@ -81,7 +81,6 @@ class LLMEngine:
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet
-        self._last_read: float | None = None    # when the last step's output came back (_timed)
         # Requests whose step just sent completes their prefill, or draws their last token (retired
         # from the scheduler): their tokens go in the prefix cache (see _cache_prefilled).
         self._prefilled: list[Request] = []
@@ -224,7 +223,6 @@ class LLMEngine:
         self.last_step_num_tokens = plan.num_tokens
         started = time.perf_counter()
         outputs = self.workers.step(step)
-        read_at = time.perf_counter()
         if self._trace is not None:
             self._trace.write(json.dumps({"start": started, "end": time.perf_counter(), "decode": plan.num_decode_tokens,
                                           "prefill": plan.num_prefill_tokens, "draft_slots": plan.num_draft_slots,
@@ -242,22 +240,9 @@ class LLMEngine:
                 s.request.num_cached -= s.num_new_tokens
             self._prefilled.clear()
         self._cache_prefilled()
-        if len(outputs) == 1 and self._last_read is not None:
-            self._timed(done[0], outputs[0], read_at - self._last_read)
-        self._last_read = read_at if outputs else None
         deltas = [delta for plan, output in zip(done, outputs) for delta in self._take_step(plan, output)]
         self._cache_retired()
         return deltas
-
-    def _timed(self, plan: SchedulerOutput, result: StepOutput, seconds: float) -> None:
-        """The time between reading the step before and this one is this step's cost in the loop
-        (with overlap the device ran it in that time; without, the host sent and waited for it):
-        a decode step's goes to the drafter, which sizes drafts by what steps cost here."""
-        if plan.num_prefill_tokens or not plan.scheduled or result.forward_failed or plan.preempted:
-            return
-        budgeted = [i for i, s in enumerate(plan.scheduled) if s.draft_budget]
-        draft_rows = sum(result.run_of(i).num_drafted for i in budgeted) if budgeted else None
-        self.scheduler.drafter.costs.record(len(plan.scheduled), seconds, draft_rows)
 
     def _sent(self, plan: SchedulerOutput, overlap: bool = False) -> None:
         """The workers have the step: its tokens are in the KV cache, or on their way there, and

@@ -5,11 +5,10 @@ test_prompt_lookup.py.)"""
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.drafting import DRAFT_COSTS, MAX_DRAFT_WAIT, MAX_SKIP_WAIT, DraftCost, StepCosts
+from llmserve.engine.drafting import DRAFT_COSTS, MAX_DRAFT_WAIT, MAX_SKIP_WAIT, DraftCost
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
 from scheduling_utils import EOS, TOKEN, make_request, make_scheduler, run_step
@@ -284,44 +283,3 @@ def test_drafts_never_cause_a_preemption(pool, shapes, accept):
                     break
         drafted = output.num_draft_slots > 0
         event(f"drafted: {drafted}")
-
-
-def test_step_costs_follow_what_the_steps_measured():
-    """StepCosts: the prior's constants until a batch size's decode and verify steps are both
-    measured, then a per-step term that makes a verify of the measured draft rows cost what it
-    measured over a decode step; running averages, a stall ignored, a zero prior left at zero."""
-    prior = DRAFT_COSTS["cuda"]
-    costs = StepCosts(prior)
-    costs.record(1, 0.010)
-    assert costs.cost(1) == prior and costs.cost(8) == prior
-    costs.record(1, 0.0137, 2)     # a failed 1 + 2 verify at 1.37x a decode step
-    assert costs.cost(1).per_step == pytest.approx(0.37 - 2 * prior.per_token)
-    assert costs.cost(1).per_token == prior.per_token and costs.cost(8) == prior
-    costs.record(1, 0.020)
-    assert costs.decode[1] == pytest.approx(0.011)
-    costs.record(1, 1.0)        # a stall of the host, not a step's cost
-    assert costs.decode[1] == pytest.approx(0.011)
-    zero = StepCosts(DraftCost())
-    zero.record(1, 0.01)
-    zero.record(1, 0.05, 2)
-    assert zero.cost(1) == DraftCost()
-
-
-def test_measured_step_costs_plan_the_drafts():
-    """Where verify steps measured 1.8x a decode step at batch 8 (the embedded model on an H200),
-    eight decodes whose drafts are accepted 40% of the time draft nothing; at the GPU's constants
-    (a verify 1.17x a decode step) they do."""
-    def budgets(measured: bool) -> dict[int, int]:
-        scheduler = make_scheduler(4000, speculate=10, draft_cost=DRAFT_COSTS["cuda"])
-        reqs = [make_request(i, 20, max_new_tokens=100) for i in range(8)]
-        decoding(scheduler, *reqs)
-        for req in reqs:
-            scheduler.drafter.states[req].rejected = 0.75
-            assert scheduler.drafter.states[req].acceptance == pytest.approx(0.4)
-        if measured:
-            scheduler.drafter.costs.record(8, 0.010)
-            scheduler.drafter.costs.record(8, 0.018, 24)
-        return drafts(scheduler.schedule())
-
-    assert len(budgets(measured=False)) == 8
-    assert budgets(measured=True) == {}

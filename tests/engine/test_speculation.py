@@ -20,7 +20,7 @@ from transformers import BloomConfig, LlamaConfig
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.config import SPECULATE_MAX_BATCH, EngineConfig, with_device_defaults
-from llmserve.engine.drafting import DraftCost, StepCosts
+from llmserve.engine.drafting import DraftCost
 from parity_utils import build_tiny_hf_model, build_tiny_llava
 from speculation_utils import (MAX_BATCH, SPECULATE, assert_all_overlapped, assert_same_tokens, generate_counting,
                                overlapped, plain)
@@ -124,7 +124,7 @@ def test_overlapped_drafts_equal_plain_under_preemption(tied_llama_dir):
              max_total_token_num=192) as llm:
         # Drafts as long as their match allows: at batch 8 the CPU's costs (drafting.DRAFT_COSTS)
         # soon stop a random model's drafts, and this test is of the drafts' bookkeeping.
-        llm.engine.scheduler.drafter.costs = StepCosts(DraftCost())
+        llm.engine.scheduler.drafter.cost = DraftCost()
         prompts, params = random_workload(512, 8, seed=6)
         # Long enough that the random model's output cycles (drafts are accepted) and outgrows the pool.
         params = [dataclasses.replace(p, max_new_tokens=40) for p in params]
@@ -135,18 +135,6 @@ def test_overlapped_drafts_equal_plain_under_preemption(tied_llama_dir):
         assert_same_tokens(got, want)
         assert_all_overlapped(records)
         assert accepted > 0 and llm.engine.scheduler.num_preemptions > preemptions
-
-
-def test_the_engine_times_its_decode_steps_for_the_drafter(tied_llama_dir):
-    # The drafter plans with what this engine's steps cost (drafting.StepCosts): plain decode
-    # steps and verify steps each give it their batch size and time.
-    with LLM(tied_llama_dir, speculate=SPECULATE) as llm:
-        llm.engine.scheduler.drafter.costs = costs = StepCosts(DraftCost(per_step=0.01))
-        prompt = [7, 8, 9, 10] * 6
-        llm.generate([prompt], [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)])
-        assert llm.engine.num_draft_tokens > 0
-        assert set(costs.decode) == set(costs.verify) == {1}
-        assert 0 < costs.decode[1] < 10 and costs.verify[1][1] > 0
 
 
 def test_max_batch_default_is_the_devices():

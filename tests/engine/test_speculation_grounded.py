@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.drafting import DraftCost, StepCosts
+from llmserve.engine.drafting import DraftCost
 from llmserve.engine.engine import LLMEngine
 from speculation_utils import (MAX_BATCH, SPECULATE, assert_all_overlapped, assert_same_tokens, generate_counting,
                                overlapped, plain)
@@ -46,7 +46,7 @@ def llm(default_model_path):
     with LLM(default_model_path, speculate=SPECULATE, speculate_max_batch=MAX_BATCH) as llm:
         # Drafts as long as their match allows (the policy's cuts are test_drafting.py's): long
         # accepted runs, for the stops placed inside them.
-        llm.engine.scheduler.drafter.costs = StepCosts(DraftCost())
+        llm.engine.scheduler.drafter.cost = DraftCost()
         yield llm
 
 

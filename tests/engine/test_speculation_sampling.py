@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.drafting import DraftCost, StepCosts
+from llmserve.engine.drafting import DraftCost
 from parity_utils import build_tiny_hf_model
 
 DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")
@@ -50,7 +50,7 @@ def llm(small_vocab_llama_dir):
     with LLM(small_vocab_llama_dir, dtype=DTYPE, speculate=4, speculate_max_batch=2 * NUM_SAMPLES) as llm:
         # Drafts as long as their match allows: at a batch of NUM_SAMPLES the CPU's costs
         # (drafting.DRAFT_COSTS) rightly draft nothing, and this test is of what drafts sample.
-        llm.engine.scheduler.drafter.costs = StepCosts(DraftCost())
+        llm.engine.scheduler.drafter.cost = DraftCost()
         yield llm
 
 
