@@ -54,8 +54,9 @@ if TYPE_CHECKING:
 # because a request that copies its own output's loops has that acceptance between loops, and its
 # wait delays the next loop's drafts (`answer` in benchmarks/prompt_lookup.py). One never accepted
 # (free text guessing from lone recurring tokens) waits up to MAX_DRAFT_WAIT: each of its tries is
-# a failed verify step, which on an H200 with the embedded model cost ~0.37 of a decode step, so
-# a try every 8 steps lost 4% (0.96x, benchmarks/README.md, 2026-11-28) and one every 16 about 2%.
+# a failed verify step, which on an H200 with the embedded model cost 0.4-1 of a decode step (the
+# overlapped loop's look-ahead is lost on that step and the next), so with a try every 8 steps free
+# text ran at 0.96x there (benchmarks/README.md, 2026-11-28).
 MAX_DRAFT_WAIT = 15
 MAX_SKIP_WAIT = 7
 # A request's acceptance before its first verify (the chance that each next draft token is
