@@ -77,7 +77,21 @@ def _graph_of(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _rank_main(rank: int, world: int, port: int) -> None:
+def _rank_main(rank: int, world: int, port: int, report_dir: str) -> None:
+    """One rank's checks. What fails is written to ``report_dir`` at once: its peer then waits at
+    the next barrier, and this rank's own cleanup (destroying the NCCL group) may wait with it, so
+    the exception would otherwise never reach the test (`_join_within` reads the reports)."""
+    import traceback
+    from pathlib import Path
+
+    try:
+        _check_rank(rank, world, port)
+    except BaseException:
+        Path(report_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _check_rank(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
     device = torch.device("cuda", rank)
@@ -122,25 +136,30 @@ def _rank_main(rank: int, world: int, port: int) -> None:
 
 
 @two_gpus
-def test_equals_nccl_eagerly_and_in_cuda_graphs():
+def test_equals_nccl_eagerly_and_in_cuda_graphs(tmp_path):
     import torch.multiprocessing as mp
 
     from llmserve.engine.worker_client import free_tcp_port
 
-    context = mp.start_processes(_rank_main, args=(2, free_tcp_port()), nprocs=2, start_method="spawn", join=False)
-    _join_within(context, seconds=240)
+    context = mp.start_processes(_rank_main, args=(2, free_tcp_port(), str(tmp_path)), nprocs=2,
+                                 start_method="spawn", join=False)
+    _join_within(context, seconds=240, report_dir=tmp_path)
 
 
-def _join_within(context, seconds: float) -> None:
-    """Join the ranks, failing the test (and killing them) if they have not ended in ``seconds``:
-    a rank stuck at a kernel's barrier would otherwise hang the suite."""
+def _join_within(context, seconds: float, report_dir) -> None:
+    """Join the ranks, failing the test (and killing them) as soon as a rank has reported a failure
+    (`_rank_main`), or if they have not ended in ``seconds``: a rank stuck at a kernel's barrier
+    would otherwise hang the suite."""
     import time
 
     deadline = time.monotonic() + seconds
     while not context.join(timeout=5):
-        if time.monotonic() > deadline:
+        reports = sorted(report_dir.glob("rank*.txt"))
+        if reports or time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
+            if reports:
+                pytest.fail("\n".join(f"{r.stem} failed:\n{r.read_text()}" for r in reports))
             pytest.fail(f"the ranks did not finish within {seconds} s (a kernel waiting at its barrier?)")
 
 
