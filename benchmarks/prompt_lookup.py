@@ -163,6 +163,9 @@ class Result:
     # pays): its median pair's speed-up over off, and its drafted / accepted per verify.
     speedup_unsized: float = 0.0
     unsized_drafted_accepted: str = ""
+    # The last "on" run's verifies (a request's step that carried a draft), so that a row's lost
+    # time can be put per verify: (off s - on s) / verifies is what a verify cost beyond its tokens.
+    verifies: int = 0
 
 
 @dataclass
@@ -276,7 +279,7 @@ def measure(engine: LLMEngine, name: str, prompts: list[list[int]], output_len: 
                   1e3 * median(r[2] for r in runs) / tokens,
                   1e3 * median(r[3] for r in runs) / tokens, median(r[2] / max(r[3], 1e-9) for r in runs),
                   "/".join(f"{x:.1f}" for x in loads), runs, unequal, *copy_profile(prompts, out_on),
-                  *_unsized_columns(unsized))
+                  *_unsized_columns(unsized), verifies=verifies)
 
 
 def _unsized_columns(unsized: list[tuple[float, tuple[int, int, int]]]) -> tuple[float, str]:
@@ -533,12 +536,12 @@ def main() -> int:
         print(f"\n### Prompt lookup, K = {args.speculate}, greedy, {args.repeats} off/on pair(s) a row; proposal at a "
               f"32k context: {proposal_us():.1f} us\n")
         print(markdown_table(["workload", "batch", "max tokens", "tokens", "from prompt / own output", "tokens / forward",
-                              "drafted / verify", "accepted / verify", "wasted", "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off",
+                              "verifies", "drafted / verify", "accepted / verify", "wasted", "off tok/s", "on tok/s", "speed-up", "best / best", "CPU ms / token off",
                               "on", "CPU speed-up", "load (1 min)",
                               *(["unsized: speed-up", "drafted / accepted"] if args.ab_sizing else [])],
                              [[r.workload, r.batch, r.output_len, r.output_tokens,
                                f"{r.from_prompt:.0%} / {r.from_own_output:.0%}", f"{r.tokens_per_forward_on:.2f}",
-                               f"{r.mean_draft_len:.2f}", f"{r.mean_accepted_len:.2f}", f"{r.wasted:.0%}",
+                               r.verifies, f"{r.mean_draft_len:.2f}", f"{r.mean_accepted_len:.2f}", f"{r.wasted:.0%}",
                                f"{r.tok_per_s_off:.1f}", f"{r.tok_per_s_on:.1f}",
                                f"{r.speedup:.2f}x", f"{r.speedup_best:.2f}x", f"{r.cpu_ms_per_token_off:.0f}",
                                f"{r.cpu_ms_per_token_on:.0f}",
