@@ -16,7 +16,7 @@ import sys
 import torch
 
 from common import add_device_arguments, dtype_name, markdown_table, remove_script_dir_from_sys_path, resolve_dtype
-from offline import CONFIGS, random_llama_weights
+from offline import CONFIGS, random_hf_weights
 
 remove_script_dir_from_sys_path()
 
@@ -39,7 +39,7 @@ def main() -> int:
         if kv not in KV_CACHE_DTYPES:
             raise SystemExit(f"--kv-cache-dtypes: {kv!r} is not one of {KV_CACHE_DTYPES}")
         model = get_model_class(cfg["model_type"])(ModelInitParams(
-            model_path="", device=str(device), dtype=dtype, config=cfg, weights=random_llama_weights(cfg, device, dtype),
+            model_path="", device=str(device), dtype=dtype, config=cfg, weights=random_hf_weights(cfg, device, dtype),
             kv_cache_dtype=kv))
         pool = sum(t.nbytes for t in model.mem_manager.kv_buffer)
         rows.append([kv, model.kv_cache_description, model.max_total_token_num, f"{pool / 2**30:.2f}"])

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from make_random_model import load_source_tokenizer, write_shards  # also sets up sys.path (see common.py)
-from offline import random_llama_weights
+from offline import random_hf_weights
 
 IMAGE_TOKEN = "<image>"
 PROMPT = "USER: <image>\nDescribe this image in detail. ASSISTANT:"
@@ -77,7 +77,7 @@ def write_llava(out: Path, shape: str, device: torch.device, dtype: torch.dtype,
     config.save_pretrained(out)
 
     def layers():
-        for layer in random_llama_weights(text, device, dtype):
+        for layer in random_hf_weights(text, device, dtype):
             yield {("lm_head.weight" if k == "lm_head.weight" else "model.language_model." + k.removeprefix("model.")): v
                    for k, v in layer.items()}
         with torch.device(device):

@@ -12,10 +12,15 @@ What it writes (into ``--out``)
                                   checkpoints (tiny twins: ``mixtral-tiny``, ``qwen3-moe-tiny``);
                                   ``--num-layers`` shrinks any
   model-0000i-of-0000N.safetensors
-  model.safetensors.index.json    the weights, drawn by ``offline.random_llama_weights`` (the same
-                                  seed gives the same weights as ``offline.py``), one layer at a
-                                  time, in shards of at most ``--shard-size`` bytes (5 GB, as HF)
+  model.safetensors.index.json    the weights, drawn by ``random_hf_weights``
+                                  (llmserve/common/basemodel/layer_weights/random_weights.py: the
+                                  same seed gives the same weights as ``offline.py`` and
+                                  ``--load-format dummy``), one layer at a time, in shards of at most ``--shard-size`` bytes (5 GB, as HF)
   tokenizer.json, ...             ``--tokenizer``'s tokenizer, padded to the config's vocab size
+
+  With ``--config-only`` no weights: the server draws the same random weights at load
+  (``llmserve serve --load-format dummy``), which is how a 70B shape (``--shape 70b``) is
+  benchmarked without writing 141 GB.
 
 The tokenizer
   There is no network and no Llama-3 tokenizer here, so any saved HF tokenizer (by default the
@@ -47,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from offline import CONFIGS, random_llama_weights  # also takes this folder off sys.path (see common.py)
+from offline import CONFIGS, random_hf_weights  # also takes this folder off sys.path (see common.py)
 
 from common import dtype_name, resolve_dtype  # noqa: E402  (sys.modules hit: common is already imported by offline)
 
@@ -203,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory to write (created; must be empty if it exists)")
-    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); qwen3-8b, gemma2-9b: Qwen3-8B's, Gemma-2-9B's; qwen3-30b-a3b, mixtral-8x7b: those MoE models' (per-expert tensors, as published); tiny, qwen3-tiny, gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: 2 small layers")
+    p.add_argument("--shape", choices=sorted(CONFIGS), default="8b", help="8b: Llama-3-8B shapes (default); 70b: Llama-3-70B's; qwen3-8b, gemma2-9b: Qwen3-8B's, Gemma-2-9B's; qwen3-30b-a3b, mixtral-8x7b: those MoE models' (per-expert tensors, as published); tiny, qwen3-tiny, gemma2-tiny, qwen3-moe-tiny, mixtral-tiny: 2 small layers")
     p.add_argument("--num-layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="override the vocabulary size (default: the shape's, or the tokenizer's rounded up to 64 "
@@ -215,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=float, default=5e9, help="bytes per safetensors shard at most (default 5e9)")
     p.add_argument("--seed", type=int, default=0, help="weights' seed (0 = offline.py's weights)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--config-only", action="store_true",
+                   help="write the config and tokenizer, no weights: a directory `llmserve serve --load-format dummy` "
+                        "serves with random weights drawn at load (a 70B shape in seconds, no 141 GB written)")
     return p.parse_args(argv)
 
 
@@ -245,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokenizer: {len(tokenizer)} ids padded to {vocab} in {tok_s:.1f} s, {tok_bytes / 1e6:.1f} MB on disk",
           file=sys.stderr)
     write_config(cfg, tokenizer, dtype, out)
+    if args.config_only:
+        print(f"wrote {out}: config and tokenizer only (serve it with --load-format dummy)", file=sys.stderr)
+        return 0
 
     print(f"weights: {args.shape} shapes, {cfg['num_hidden_layers']} layers, {dtype_name(dtype)}, "
           f"drawn on {device}", file=sys.stderr)
     with torch.no_grad():
-        info = write_shards(random_llama_weights(cfg, device, dtype, seed=args.seed), out, int(args.shard_size))
+        info = write_shards(random_hf_weights(cfg, device, dtype, seed=args.seed), out, int(args.shard_size))
     draw = info["draw_s"]
     layer_mean = sum(draw[1:]) / max(1, len(draw) - 1)
     print(f"wrote {out}: {info['total_size'] / 1e9:.2f} GB in {len(info['shards'])} shard(s); "

@@ -86,6 +86,7 @@ remove_script_dir_from_sys_path()
 
 from llmserve.common.basemodel import ModelInitParams  # noqa: E402  (after the sys.path fix above)
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import load_gguf  # noqa: E402
+from llmserve.common.basemodel.layer_weights.random_weights import random_hf_weights  # noqa: E402
 from llmserve.kernels import QuantizedWeight  # noqa: E402
 from llmserve.kernels.quantized_linear import kernel_available  # noqa: E402
 from llmserve.common.basemodel import TpPartBaseModel  # noqa: E402
@@ -109,6 +110,11 @@ LLAMA3_8B_CONFIG: dict = {
     "hidden_act": "silu",
     "tie_word_embeddings": False,
 }
+
+# Llama-3-70B's: hidden 8192, 80 layers, 64 / 8 heads, intermediate 28672. bf16: 141 GB, four
+# GPUs (tp=4: `llmserve serve --load-format dummy` on `make_random_model.py --config-only`'s directory).
+LLAMA3_70B_CONFIG: dict = {**LLAMA3_8B_CONFIG, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                           "intermediate_size": 28672}
 
 # Same architecture, small enough to build and run on a CPU in seconds.
 TINY_CONFIG: dict = {
@@ -222,7 +228,7 @@ QWEN3_MOE_TINY_CONFIG: dict = {**QWEN3_30B_A3B_CONFIG, **{k: TINY_CONFIG[k] for 
 MIXTRAL_TINY_CONFIG: dict = {**TINY_CONFIG, **{k: MIXTRAL_8X7B_CONFIG[k] for k in (
     "model_type", "num_local_experts", "num_experts_per_tok", "sliding_window")}}
 
-CONFIGS = {"8b": LLAMA3_8B_CONFIG, "smollm2": SMOLLM2_135M_CONFIG, "tiny": TINY_CONFIG,
+CONFIGS = {"8b": LLAMA3_8B_CONFIG, "70b": LLAMA3_70B_CONFIG, "smollm2": SMOLLM2_135M_CONFIG, "tiny": TINY_CONFIG,
            "qwen3-8b": QWEN3_8B_CONFIG, "qwen3-tiny": QWEN3_TINY_CONFIG,
            "gemma2-9b": GEMMA2_9B_CONFIG, "gemma2-tiny": GEMMA2_TINY_CONFIG,
            "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG, "qwen3-moe-tiny": QWEN3_MOE_TINY_CONFIG,
@@ -231,68 +237,6 @@ MAX_PREFILL_TOKENS = 16384
 
 
 # -- the model -----------------------------------------------------------------------------
-def random_llama_weights(cfg: dict, device: torch.device, dtype: torch.dtype,
-                         scale: float = 0.02, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """HF-named random Llama weights (with Qwen3's q/k norms for a ``qwen3`` / ``qwen3_moe``
-    config, experts for a mixture-of-experts one, named as published checkpoints name them; Gemma 2's
-    four norms a layer, zero as Gemma's 1 + w norms start, for a ``gemma2`` one), one dict per layer
-    (the first holds the embedding, the final norm and the lm_head unless tied), drawn on ``device``
-    so that only what the model keeps is live."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    q_dim, kv_dim = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(scale)
-
-    gemma = cfg.get("model_type", "llama").startswith("gemma")
-
-    def ones(n: int) -> torch.Tensor:   # a norm that leaves its input's scale
-        return (torch.zeros if gemma else torch.ones)(n, dtype=dtype, device=device)
-
-    yield {
-        "model.embed_tokens.weight": normal(vocab, hidden),
-        **({} if cfg.get("tie_word_embeddings") else {"lm_head.weight": normal(vocab, hidden)}),
-        "model.norm.weight": ones(hidden),
-    }
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        yield {
-            p + "input_layernorm.weight": ones(hidden),
-            p + "self_attn.q_proj.weight": normal(q_dim, hidden),
-            p + "self_attn.k_proj.weight": normal(kv_dim, hidden),
-            p + "self_attn.v_proj.weight": normal(kv_dim, hidden),
-            p + "self_attn.o_proj.weight": normal(hidden, q_dim),
-            p + "post_attention_layernorm.weight": ones(hidden),
-            **random_mlp_weights(cfg, p, normal),
-            **({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)}
-               if cfg.get("model_type") in ("qwen3", "qwen3_moe") else {}),
-            **({p + "pre_feedforward_layernorm.weight": ones(hidden), p + "post_feedforward_layernorm.weight": ones(hidden)}
-               if cfg.get("model_type") == "gemma2" else {}),
-        }
-
-
-def random_mlp_weights(cfg: dict, p: str, normal) -> dict[str, torch.Tensor]:
-    """One layer's MLP: dense, or (every layer of these configs) Mixtral's / Qwen3-MoE's experts."""
-    hidden = cfg["hidden_size"]
-    model_type = cfg.get("model_type", "llama")   # llava.py's text config names none
-    if model_type == "mixtral":
-        p, names, inter, experts = p + "block_sparse_moe.", ("w1", "w3", "w2"), cfg["intermediate_size"], cfg["num_local_experts"]
-    elif model_type == "qwen3_moe":
-        assert cfg["decoder_sparse_step"] == 1 and not cfg["mlp_only_layers"], "every layer has experts here"
-        p, names, inter, experts = p + "mlp.", ("gate_proj", "up_proj", "down_proj"), cfg["moe_intermediate_size"], cfg["num_experts"]
-    else:
-        inter = cfg["intermediate_size"]
-        return {p + "mlp.gate_proj.weight": normal(inter, hidden), p + "mlp.up_proj.weight": normal(inter, hidden),
-                p + "mlp.down_proj.weight": normal(hidden, inter)}
-    weights = {p + "gate.weight": normal(experts, hidden)}
-    for e in range(experts):
-        gate, up, down = (f"{p}experts.{e}.{name}.weight" for name in names)
-        weights |= {gate: normal(inter, hidden), up: normal(inter, hidden), down: normal(hidden, inter)}
-    return weights
-
-
 # Formats the benchmark quantizes the random weights to (a checkpoint's kernel and bytes, not its values).
 BENCH_QUANTIZERS: dict[str, Callable[[torch.Tensor], PackedWeight]] = {"fp8-block": quantize_fp8_blocks, "int4": quantize_int4}
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -367,7 +311,7 @@ def kv_bytes_per_token(model: TpPartBaseModel) -> int:
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
                 graphs: bool = False, weights: Iterable[dict] | None = None,
                 quantization: str | None = None, kv_cache_dtype: str = "auto", speculate: int = 0) -> TpPartBaseModel:
-    """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_llama_weights`); with
+    """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_hf_weights`); with
     ``speculate`` its verify steps of up to 1 + speculate tokens a request replay graphs too."""
     params = ModelInitParams(
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
@@ -378,7 +322,7 @@ def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: 
         max_running_requests=max_batch,
         max_seq_len=max_len,
         config=cfg,
-        weights=weights if weights is not None else random_llama_weights(cfg, device, dtype),
+        weights=weights if weights is not None else random_hf_weights(cfg, device, dtype),
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         speculate=speculate,
@@ -626,7 +570,7 @@ def main() -> int:
     if not set(modes) <= {"eager", "graphs"}:
         raise SystemExit(f"--modes: eager and/or graphs, got {args.modes!r}")
     if args.quantization in BENCH_QUANTIZERS:
-        weights = quantized_linears(weights or random_llama_weights(cfg, device, dtype), BENCH_QUANTIZERS[args.quantization])
+        weights = quantized_linears(weights or random_hf_weights(cfg, device, dtype), BENCH_QUANTIZERS[args.quantization])
     drafts = [int(k) for k in args.verify.split(",") if k.strip()]
     model = build_model(cfg, device, dtype, max(batch_sizes), max_len + max(drafts, default=0), graphs="graphs" in modes,
                         weights=weights, quantization="fp8" if args.quantization == "fp8" else None,
@@ -668,7 +612,7 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         # the same weights: the same generator, seed and order as the model's
-        peer = HFPeer(build_hf_model(cfg, device, dtype, peer_weights or random_llama_weights(cfg, device, dtype)),
+        peer = HFPeer(build_hf_model(cfg, device, dtype, peer_weights or random_hf_weights(cfg, device, dtype)),
                       args.peer)
         check_same_model(reference, peer.model, dtype, experts=any(untouched.values()))
         for batch in peer_batch_sizes(args.peer_batch_sizes, batch_sizes):

@@ -25,7 +25,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from offline import BENCH_QUANTIZERS, CONFIGS, build_model, prefill, quantized_linears, random_llama_weights  # also takes this folder off sys.path (see common.py)
+from offline import BENCH_QUANTIZERS, CONFIGS, build_model, prefill, quantized_linears, random_hf_weights  # also takes this folder off sys.path (see common.py)
 
 
 def load_sibling(name: str):
@@ -51,7 +51,7 @@ def main() -> None:
     cfg = CONFIGS[args.model_size]
     weights = None
     if args.quantization in BENCH_QUANTIZERS:
-        weights = quantized_linears(random_llama_weights(cfg, device, torch.bfloat16), BENCH_QUANTIZERS[args.quantization])
+        weights = quantized_linears(random_hf_weights(cfg, device, torch.bfloat16), BENCH_QUANTIZERS[args.quantization])
     model = build_model(cfg, device, torch.bfloat16, args.batch, args.prompt_len + args.steps + 16 + args.verify,
                         graphs=args.graphs, weights=weights,
                         quantization="fp8" if args.quantization == "fp8" else None, speculate=args.verify)

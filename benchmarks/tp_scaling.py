@@ -19,6 +19,10 @@ Run (GPUs):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
 Decode steps only, custom against NCCL (a few minutes):
              python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1,2 --concurrency 1,32 \
                  --output-len 64 --no-serving --cuda-graph-max-bs 32
+A 70B shape at tp=4, no checkpoint written (random weights drawn at load):
+             python benchmarks/make_random_model.py --shape 70b --config-only --out /tmp/llama3-70b-dummy
+             python benchmarks/tp_scaling.py --model /tmp/llama3-70b-dummy --load-format dummy --tp 4 --concurrency 1 \
+                 --no-serving --all-reduce custom,nccl
 Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
              python benchmarks/tp_scaling.py --model /tmp/tiny --tp 1,2 --input-len 16 --output-len 8 --concurrency 1,2,4 --no-serving
 """
@@ -28,7 +32,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from common import environment, markdown_table, measure_copy_bandwidth, remove_script_dir_from_sys_path, write_json
@@ -49,6 +52,7 @@ GOALS = {(2, "tpot C=1"): ("<=", 0.6), (2, "tpot C=32"): ("<=", 0.62), (4, "tpot
 class TpResult:
     tp: int
     all_reduce: str                  # custom | nccl ("" at tp=1)
+    weight_bytes: int = 0            # the model's weights, all ranks' shares (WorkerInfo.weight_bytes)
     numbers: dict[str, float] = field(default_factory=dict)   # metric -> value
 
     @property
@@ -56,15 +60,16 @@ class TpResult:
         return f"{self.tp} ({self.all_reduce})" if self.all_reduce else str(self.tp)
 
 
-def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int]) -> dict[str, float]:
+def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int]) -> TpResult:
     graphs = {} if args.cuda_graph_max_bs is None else {"cuda_graph_max_bs": args.cuda_graph_max_bs}
     config = EngineConfig(model=args.model, tp=tp, dtype=args.dtype, max_running_requests=max(levels),
                           max_total_token_num=args.max_total_token_num, custom_all_reduce=all_reduce != "nccl",
-                          **graphs)
+                          load_format=args.load_format, **graphs)
     engine = LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
     prompts = random_prompts(engine.info.vocab_size, args.input_len)
     print(engine.summary(), file=sys.stderr)
-    numbers = {}
+    result = TpResult(tp, all_reduce, engine.info.weight_bytes)
+    numbers = result.numbers
     try:
         for c in levels:
             run_requests(engine, prompts(c), args.output_len, c)     # warm-up
@@ -74,19 +79,19 @@ def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int
             print(f"tp={tp} {all_reduce} C={c}: TPOT {r.tpot_ms:.2f} ms, {r.out_tok_per_s:.0f} tok/s", file=sys.stderr)
     finally:
         engine.shutdown()
-    return numbers
+    return result
 
 
-def step_floor_ms(model: str, tp: int, bandwidth: float) -> float:
-    """The decode step's floor at one request: each rank reads its 1/tp of the weights (the
-    checkpoint's safetensors bytes) at the copy bandwidth GPU 0 measured."""
-    weight_bytes = sum(f.stat().st_size for f in Path(resolve_model_path(model)).glob("*.safetensors"))
+def step_floor_ms(weight_bytes: int, tp: int, bandwidth: float) -> float:
+    """The decode step's floor at one request: each rank reads its 1/tp of the weights (every
+    weight the ranks hold, as the issue counts them) at the copy bandwidth GPU 0 measured."""
     return weight_bytes / tp / bandwidth * 1e3
 
 
 def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int) -> float:
     flags = ["--tp", str(tp), "--max-concurrent-requests", str(4 * concurrency),
-             "--api-server-count", str(args.api_server_count)] + (["--dtype", args.dtype] if args.dtype else [])
+             "--api-server-count", str(args.api_server_count), "--load-format", args.load_format] + (
+                 ["--dtype", args.dtype] if args.dtype else [])
     if all_reduce == "custom":
         flags += ["--enable-custom-all-reduce"]
     if args.cuda_graph_max_bs is not None:
@@ -114,6 +119,9 @@ def parse_args() -> argparse.Namespace:
                         "for small messages), nccl (default: custom,nccl)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="decode graphs up to this batch (default: the engine's); smaller starts faster")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights drawn at load from --model's config.json (make_random_model.py "
+                        "--config-only), as llmserve serve --load-format dummy (default: auto)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -130,7 +138,7 @@ def main() -> int:
     results = []
     for tp in tps:
         for all_reduce in modes if tp > 1 else [""]:
-            result = TpResult(tp, all_reduce, offline(args, tp, all_reduce, levels))
+            result = offline(args, tp, all_reduce, levels)
             if not args.no_serving:
                 result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(
                     args, tp, all_reduce, args.serving_concurrency)
@@ -144,7 +152,7 @@ def main() -> int:
             goal = GOALS.get((r.tp, m))
             verdict = "" if goal is None else f"{goal[0]} {goal[1]}: " + (
                 "met" if (ratio <= goal[1] if goal[0] == "<=" else ratio >= goal[1]) else "MISSED")
-            floor = step_floor_ms(args.model, r.tp, bandwidth) if m == "tpot C=1" else None
+            floor = step_floor_ms(r.weight_bytes, r.tp, bandwidth) if m == "tpot C=1" else None
             rows.append([r.label, m, f"{r.numbers[m]:.2f}", f"{ratio:.3f}", "" if floor is None else f"{floor:.2f}",
                          "" if floor is None else f"{r.numbers[m] / floor:.2f}", verdict])
     print(f"\n### Tensor-parallel scaling, in {args.input_len} / out {args.output_len}, serving with "
@@ -155,7 +163,8 @@ def main() -> int:
                                "input_len": args.input_len, "output_len": args.output_len,
                                "api_server_count": args.api_server_count,
                                "copy_bandwidth_bytes_per_s": bandwidth,
-                               "step_floor_ms_c1": {tp: step_floor_ms(args.model, tp, bandwidth) for tp in tps},
+                               "load_format": args.load_format,
+                               "step_floor_ms_c1": {r.tp: step_floor_ms(r.weight_bytes, r.tp, bandwidth) for r in results},
                                "results": [asdict(r) for r in results]})
     return 0
 

@@ -9,6 +9,7 @@ import sys
 
 from llmserve import __version__
 from llmserve.common.logs import LOG_FORMATS, LOG_LEVELS, configure_logging, report_error
+from llmserve.common.basemodel.layer_weights.random_weights import LOAD_FORMATS
 from llmserve.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from llmserve.sampling_params import SamplingParams
 
@@ -65,6 +66,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's dtype (as vLLM's flag): auto, the model's; fp8 (= fp8_e4m3), float8 e4m3 "
                         "with a scale per layer for K and for V (the checkpoint's k_scale / v_scale where it has "
                         "them, else 1.0): twice a bf16 cache's tokens in the same memory (default: auto)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="where the weights come from (as vLLM's flag): auto, the checkpoint's files; dummy, random "
+                        "weights drawn from config.json alone, to benchmark a model's shapes without its checkpoint "
+                        "(Llama, Mistral, Qwen3, Qwen3-MoE, Mixtral, Gemma 2; the output means nothing) (default: auto)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on GPUs, wait for each step's tokens before scheduling the next, instead of "
                         "scheduling it while the GPU runs (as SGLang's flag); same tokens, slower")
@@ -123,12 +128,12 @@ def _lora_options(args: argparse.Namespace) -> dict:
 
 
 def _step_options(args: argparse.Namespace) -> dict:
-    """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, quantized weights,
-    speculation, the deadline."""
+    """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, the weights'
+    source and quantization, speculation, the deadline."""
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
                 custom_all_reduce=args.enable_custom_all_reduce and not args.disable_custom_all_reduce,
                 overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format, speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
                 prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
                 step_timeout=args.step_timeout)
 

@@ -47,6 +47,9 @@ class EngineConfig:
     dequantize: bool = False            # GGUF on CPU: dense float32 matrices instead of the quantized kernel
     quantization: str | None = None     # --quantization: checks the checkpoint's; "fp8" quantizes a dense one at load
     kv_cache_dtype: str = "auto"        # --kv-cache-dtype: auto (the model's) | fp8 | fp8_e4m3 (float8, per-tensor scales)
+    # --load-format: auto (the checkpoint's weights) | dummy (random weights from config.json alone,
+    # for benchmarks: common/basemodel/layer_weights/random_weights.py)
+    load_format: str = "auto"
     # Prompt-lookup speculation (see scheduler.py): draft tokens per decoding request per step
     # (0: off), the largest decode batch that still drafts (None: the device's, from
     # SPECULATE_MAX_BATCH), and the n-gram sizes matched.
@@ -102,6 +105,7 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
 
     It reads the raw config and imports torch only on a machine with a GPU driver: torch is 200 MB
     of resident memory, which on a CPU would be a fifth of serving the embedded model."""
+    from llmserve.common.basemodel.layer_weights.random_weights import check_load_format
     from llmserve.common.basemodel.model_shape import verify_tp_split
     from llmserve.models.registry import check_model_type, peek_model_config
     from llmserve.tokenizer import eos_token_ids
@@ -111,6 +115,7 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
     path = resolve_model_path(config.model)
     raw = peek_model_config(path)
     check_model_type(raw.get("model_type"))
+    check_load_format(config.load_format, raw.get("model_type"), path)
     heads = raw.get("num_attention_heads") or raw.get("n_head")     # BLOOM's name for it
     if isinstance(heads, int):     # else the worker's config class says what is wrong
         verify_tp_split(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads")),

@@ -70,7 +70,7 @@ class ModelWorker:
             cuda_graph_max_bs=args.cuda_graph_max_bs, speculate=args.speculate,
             speculate_max_batch=args.speculate_max_batch, dequantize=args.dequantize,
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format,
         )
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)

@@ -83,6 +83,7 @@ class WorkerInitArgs:
     # (common/custom_all_reduce.py); on: --enable-custom-all-reduce.
     custom_all_reduce: bool = False
     kv_cache_dtype: str = "auto"     # --kv-cache-dtype (ModelInitParams)
+    load_format: str = "auto"        # --load-format (ModelInitParams)
 
     @property
     def ranks_per_node(self) -> int:

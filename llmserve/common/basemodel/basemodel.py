@@ -52,6 +52,9 @@ class ModelInitParams:
     cuda_graph_capture: bool = True
     config: dict | None = None            # use this HF-style config instead of the checkpoint's
     weights: Iterable[dict[str, torch.Tensor]] | None = None  # use these tensors (random-weight benchmarks)
+    # "auto": the checkpoint's tensors; "dummy": random ones drawn from the config alone
+    # (layer_weights/random_weights.py; vLLM's --load-format dummy), for benchmarks.
+    load_format: str = "auto"
     # A GGUF file's Q4_0 / Q4_1 / Q8_0 matrices run on the CPU in their blocks (kernels/quantized_linear);
     # True expands them to dense float32 at load, as on a GPU (same values, torch's GEMM).
     dequantize: bool = False
@@ -153,6 +156,10 @@ class TpPartBaseModel:
             return self.params.weights
         if self._gguf_tensors is not None:
             return [self._gguf_tensors]
+        if self.params.load_format == "dummy":
+            from llmserve.common.basemodel.layer_weights.random_weights import random_hf_weights
+
+            return random_hf_weights(self.network_config_.to_dict(), self.device, self.data_type)
         return iter_hf_weight_files(self.params.model_path, progress=self.tp_rank_ == 0)
 
     def _rename_hf_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
