@@ -250,19 +250,6 @@ def quantized_linears(weights: Iterable[dict], quantize: Callable[[torch.Tensor]
                for name, t in layer.items()}
 
 
-def held_weights(model: TpPartBaseModel) -> list[torch.Tensor | QuantizedWeight | PackedWeight]:
-    """Every distinct weight the model's weight objects hold (a tied lm_head counts once)."""
-    weights: dict[int, torch.Tensor | QuantizedWeight | PackedWeight] = {}
-    for layer in (model.pre_post_weight, *model.trans_layers_weight):
-        values = list(vars(layer).values())
-        if getattr(layer, "moe_", None) is not None:
-            values += vars(layer.moe_).values()
-        for value in values:
-            if isinstance(value, (torch.Tensor, QuantizedWeight, PackedWeight)):
-                weights.setdefault(id(value), value)
-    return list(weights.values())
-
-
 def nbytes(w: torch.Tensor | QuantizedWeight | PackedWeight) -> int:
     """Bytes of a weight, a quantized one's scales included (the floor's bytes)."""
     return w.nbytes
@@ -271,7 +258,7 @@ def nbytes(w: torch.Tensor | QuantizedWeight | PackedWeight) -> int:
 def weight_bytes(model: TpPartBaseModel) -> tuple[int, int]:
     """(bytes held, bytes a decode step reads): all weights, less the embedding table when it is
     not also the lm_head (a step looks up only the batch's rows of it)."""
-    held = sum(nbytes(w) for w in held_weights(model))
+    held = sum(nbytes(w) for w in model.held_weights())
     wte, lm_head = model.pre_post_weight.wte_weight_, model.pre_post_weight.lm_head_weight_
     return held, held - (0 if wte is lm_head else nbytes(wte))
 

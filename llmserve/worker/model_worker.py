@@ -110,15 +110,12 @@ class ModelWorker:
     def info(self) -> WorkerInfo:
         from llmserve.common.distributed import all_reduce_description
         from llmserve.kernels import QuantizedWeight
-        from llmserve.quantization.weights import PackedWeight
 
         m = self.model
-        # by identity: a tied lm_head is the embedding tensor itself
-        tensors = {id(t): t for w in [m.pre_post_weight, *m.trans_layers_weight] for t in vars(w).values()
-                   if isinstance(t, (QuantizedWeight, PackedWeight)) or isinstance(t, torch.Tensor) and t.is_floating_point()}
-        n_params = sum(t.shape.numel() for t in tensors.values())
-        n_bytes = sum(t.nbytes for t in tensors.values())
-        qtypes = sorted({t.qtype for t in tensors.values() if isinstance(t, QuantizedWeight)})
+        weights = m.held_weights()
+        n_params = sum(t.shape.numel() for t in weights)
+        n_bytes = sum(t.nbytes for t in weights)
+        qtypes = sorted({t.qtype for t in weights if isinstance(t, QuantizedWeight)})
         return WorkerInfo(
             model_type=m.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_running_requests=self.args.max_running_requests,

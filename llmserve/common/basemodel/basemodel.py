@@ -320,6 +320,24 @@ class TpPartBaseModel:
     def _init_custom(self) -> None:
         """Model-specific setup after everything else (Llama builds its rotary tables here)."""
 
+    def held_weights(self) -> list:
+        """Every distinct weight (a tensor, ``QuantizedWeight`` or ``PackedWeight``) the decoder's
+        weight objects hold, a mixture of experts' included, a tied lm_head once: what /info
+        counts and the benchmarks' floors read."""
+        from llmserve.kernels import QuantizedWeight
+        from llmserve.quantization.weights import PackedWeight
+
+        weights: dict[int, object] = {}
+        for layer in (self.pre_post_weight, *self.trans_layers_weight):
+            values = list(vars(layer).values())
+            if getattr(layer, "moe_", None) is not None:
+                values += vars(layer.moe_).values()
+            for value in values:
+                if isinstance(value, (QuantizedWeight, PackedWeight)) or (
+                        isinstance(value, torch.Tensor) and value.is_floating_point()):
+                    weights.setdefault(id(value), value)
+        return list(weights.values())
+
     # -- inference --------------------------------------------------------------------
     @torch.inference_mode()
     def forward(

@@ -33,3 +33,22 @@ def test_the_per_request_columns_are_16_byte_aligned_at_every_batch_size(model, 
         assert column.tolist() == expected, name
         assert column.data_ptr() % 16 == 0, f"{name} at batch size {bs}"
 
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", {"tie_word_embeddings": True}),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+])
+def test_held_weights_count_every_parameter_of_the_checkpoint(model_type, extra, tmp_path):
+    """What /info reports (params, bytes): a mixture of experts' weights included (they live in the
+    layer's ``moe_``, which the count once missed: Mixtral-8x7B read as 1.7B parameters), a tied
+    lm_head once."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, **extra)
+    config.save_pretrained(tmp_path)
+    ours = load_ours(tmp_path, load_format="dummy")
+    with torch.device("meta"):
+        hf_params = AutoModelForCausalLM.from_config(config).num_parameters()
+    assert sum(w.shape.numel() for w in ours.held_weights()) == hf_params
