@@ -77,18 +77,29 @@ def _graph_of(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+# Seconds after which a rank still running writes its Python stack beside the reports: where a
+# hang is (the checks take a few seconds).
+STACK_AFTER_S = 45
+
+
 def _rank_main(rank: int, world: int, port: int, report_dir: str) -> None:
     """One rank's checks. What fails is written to ``report_dir`` at once: its peer then waits at
     the next barrier, and this rank's own cleanup (destroying the NCCL group) may wait with it, so
-    the exception would otherwise never reach the test (`_join_within` reads the reports)."""
+    the exception would otherwise never reach the test (`_join_within` reads the reports). A rank
+    still running after ``STACK_AFTER_S`` writes its stack there too."""
+    import faulthandler
     import traceback
     from pathlib import Path
 
-    try:
-        _check_rank(rank, world, port)
-    except BaseException:
-        Path(report_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    with open(Path(report_dir, f"rank{rank}.stack"), "w") as stack:
+        faulthandler.dump_traceback_later(STACK_AFTER_S, file=stack)
+        try:
+            _check_rank(rank, world, port)
+        except BaseException:
+            Path(report_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
+            raise
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _check_rank(rank: int, world: int, port: int) -> None:
@@ -143,7 +154,7 @@ def test_equals_nccl_eagerly_and_in_cuda_graphs(tmp_path):
 
     context = mp.start_processes(_rank_main, args=(2, free_tcp_port(), str(tmp_path)), nprocs=2,
                                  start_method="spawn", join=False)
-    _join_within(context, seconds=240, report_dir=tmp_path)
+    _join_within(context, seconds=STACK_AFTER_S + 15, report_dir=tmp_path)
 
 
 def _join_within(context, seconds: float, report_dir) -> None:
@@ -160,7 +171,9 @@ def _join_within(context, seconds: float, report_dir) -> None:
                 process.kill()
             if reports:
                 pytest.fail("\n".join(f"{r.stem} failed:\n{r.read_text()}" for r in reports))
-            pytest.fail(f"the ranks did not finish within {seconds} s (a kernel waiting at its barrier?)")
+            stacks = "\n".join(f"{s.stem}:\n{s.read_text()}" for s in sorted(report_dir.glob("rank*.stack")))
+            pytest.fail(f"the ranks did not finish within {seconds} s (a kernel waiting at its barrier?); "
+                        f"where they were:\n{stacks}")
 
 
 @two_gpus
