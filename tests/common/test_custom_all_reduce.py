@@ -86,8 +86,15 @@ def _rank_main(rank: int, world: int, port: int, report_dir: str) -> None:
     """One rank's checks. What fails is written to ``report_dir`` at once: its peer then waits at
     the next barrier, and this rank's own cleanup (destroying the NCCL group) may wait with it, so
     the exception would otherwise never reach the test (`_join_within` reads the reports). A rank
-    still running after ``STACK_AFTER_S`` writes its stack there too."""
+    still running after ``STACK_AFTER_S`` writes its stack there too.
+
+    A rank whose checks passed leaves at once, without torch's teardown: on the 2 x H200 host
+    (torch 2.11) ``destroy_process_group`` never returns once a symmetric-memory buffer has been
+    rendezvoused (the stacks showed both ranks there, every check passed), which is what kept
+    this test from ending for three sessions. The model's workers leave the same way
+    (``worker/ranks.exit_now``)."""
     import faulthandler
+    import os
     import traceback
     from pathlib import Path
 
@@ -98,8 +105,8 @@ def _rank_main(rank: int, world: int, port: int, report_dir: str) -> None:
         except BaseException:
             Path(report_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
             raise
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        faulthandler.cancel_dump_traceback_later()
+    os._exit(0)
 
 
 def _check_rank(rank: int, world: int, port: int) -> None:
@@ -143,7 +150,6 @@ def _check_rank(rank: int, world: int, port: int) -> None:
             assert torch.equal(s, x), f"{s.numel() * 2} bytes through distributed.all_reduce in a graph"
     finally:
         distributed.set_custom_all_reduce(None)
-        dist.destroy_process_group()
 
 
 @two_gpus
