@@ -11,6 +11,8 @@ kept (>= 0.98x dp=1's: each replica computes the prefix once).
 
 Run (2 GPUs):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
                python benchmarks/dp_scaling.py --model /tmp/llama3-8b-random --dp 1,2 --json benchmarks/results/dp_scaling.json
+No checkpoint:  python benchmarks/make_random_model.py --config-only --out /tmp/llama3-8b-dummy
+               python benchmarks/dp_scaling.py --model /tmp/llama3-8b-dummy --load-format dummy --dp 1,2 --api-server-count 4
 Smoke (CPU):   python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
                python benchmarks/dp_scaling.py --model /tmp/tiny --dp 1,2 --concurrency 4 --input-len 16 --output-len 8 --shared-prefix-len 64
 """
@@ -31,7 +33,7 @@ GOALS = {"random tok/s": 1.8, "shared-prefix hit rate": 0.98}     # dp=2 against
 def measure(args: argparse.Namespace, dp: int) -> dict[str, float | list[int]]:
     c = args.concurrency
     flags = ["--dp", str(dp), "--tp", str(args.tp), "--max-concurrent-requests", str(4 * c),
-             "--api-server-count", str(args.api_server_count)]
+             "--api-server-count", str(args.api_server_count), "--load-format", args.load_format]
     flags += ["--dtype", args.dtype] if args.dtype else []
     with llmserve_server(args.model, 18100 + dp, flags) as url:
         lengths = (args.model, c, 4 * c, args.input_len, args.output_len)
@@ -57,6 +59,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shared-prefix-len", type=int, default=2000)
     p.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP processes of every server (llmserve serve --api-server-count; default: 1)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights drawn at load from --model's config.json (make_random_model.py "
+                        "--config-only), as llmserve serve --load-format dummy (default: auto)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
