@@ -93,14 +93,14 @@ def init_distributed(store: dist.Store | None, rank: int, world: int, device: to
         set_custom_all_reduce(None, backend.upper())
 
 
-def min_over_ranks(value: int, device: torch.device) -> int:
-    """The smallest of every rank's ``value`` (the KV cache's size, which every rank must share);
-    ``value`` at world size 1."""
+def reduce_over_ranks(values: list[int], op: str, device: torch.device) -> list[int]:
+    """Each of ``values`` summed ("sum") or least ("min") over every rank of the world (the KV
+    cache's size, which every rank must share; the weights' count); ``values`` at world size 1."""
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op])
+    return t.tolist()
 
 
 def set_custom_all_reduce(custom: CustomAllReduce | None, description: str | None = None) -> None:

@@ -54,14 +54,16 @@ def check_model_type(model_type: str | None) -> None:
         raise ModelLoadError(f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
 
 
-def check_pipeline_split(model_type: str, num_layers: int, pp: int) -> None:
-    """``ValueError`` unless ``pp`` pipeline stages can split the model."""
+def check_pipeline_split(model_type: str, num_layers: int | None, pp: int) -> None:
+    """``ValueError`` unless ``pp`` pipeline stages can split the model (of ``num_layers``;
+    None: not known yet, the worker checks again)."""
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     if pp > 1 and model_type not in PIPELINE_MODEL_TYPES:
         raise ValueError(f"pipeline parallelism (pp > 1) is not supported for {model_type} models yet; "
                          f"supported: {', '.join(sorted(PIPELINE_MODEL_TYPES))}")
-    verify_pp_split(num_layers, pp)
+    if num_layers is not None:
+        verify_pp_split(num_layers, pp)
 
 
 def get_model_class(model_type: str | None) -> type[TpPartBaseModel]:

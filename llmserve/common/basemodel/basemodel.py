@@ -19,7 +19,7 @@ from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.common.basemodel.model_shape import (  # noqa: F401  (verify_tp_split: also imported from here)
     head_dim, num_kv_heads, stage_layers, verify_tp_split,
 )
-from llmserve.common.distributed import PipelineLink, min_over_ranks
+from llmserve.common.distributed import PipelineLink, reduce_over_ranks
 from llmserve.common.mem_manager import MemoryManager, ReqManager, kv_bytes_per_token
 from llmserve.quantization.config import Quantization, quantization_for
 from llmserve.quantization.kv_cache import KVCacheScales, check_kv_cache_scheme, kv_cache_dtype
@@ -249,7 +249,7 @@ class TpPartBaseModel:
             kv_bytes_per_token(len(layers), tp_kv_heads, dim, kv_dtype))
         # Every rank allocates the same slots step by step: the pool is the smallest any rank
         # (a stage, a GPU with less free memory) can hold.
-        size = min_over_ranks(size, self.device)
+        [size] = reduce_over_ranks([size], "min", self.device)
         self.max_total_token_num = size
         # The CUDA graphs' padding request takes one slot and one row that nobody else sees.
         spare = 1 if self.cuda_graph_max_bs else 0
