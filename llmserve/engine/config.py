@@ -162,7 +162,7 @@ def check_pipeline(config: EngineConfig) -> None:
     refused = [
         (config.speculate > 0, "speculation (--speculate)"),
         (config.serves_lora, "LoRA adapters (--lora-modules, --allow-runtime-lora-updating)"),
-        (config.custom_all_reduce, "the custom all-reduce (--enable-custom-all-reduce)"),
+        (config.custom_all_reduce and config.tp > 1, "the custom all-reduce (--enable-custom-all-reduce)"),
         # The overlapped loop feeds a step tokens drawn on the device in the step before, which
         # the other stages would need handed over as well (off by default at pp > 1: LLMEngine).
         (config.overlap is True, "the overlapped loop (overlap=True)"),
