@@ -77,6 +77,10 @@ class ModelWorker:
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
         self.device = device
+        if args.pp > 1:
+            layers = self.model.stage_layers
+            logger.info("rank %d: pipeline stage %d of %d, layers %d-%d", args.rank, args.pp_rank, args.pp, layers[0],
+                        layers[-1])
         # The weights' parameters and bytes over all ranks (for /info), summed while every rank is
         # here: each stage holds other layers. (A tied embedding counts twice at pp > 1: stage 0
         # and the last stage each hold it.)
