@@ -37,9 +37,15 @@ def engine(path: str, **kw) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama_dir):
-    with engine(tiny_llama_dir) as pp1:
-        return pp1.generate(PROMPTS, GREEDY)
+def pp1(tiny_llama_dir):
+    """pp=1's outputs of PROMPTS and its WorkerInfo."""
+    with engine(tiny_llama_dir) as llm:
+        return llm.generate(PROMPTS, GREEDY), llm.engine.info
+
+
+@pytest.fixture(scope="module")
+def expected(pp1):
+    return pp1[0]
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +62,15 @@ def assert_same(got, expected) -> None:
         assert g.prompt_logprobs[0] is None and g.prompt_logprobs[1:] == pytest.approx(e.prompt_logprobs[1:], abs=atol)
 
 
-def test_two_stages_give_one_stage_tokens_and_prompt_logprobs(pp2, expected):
+def test_two_stages_give_one_stage_tokens_and_prompt_logprobs(pp2, pp1):
+    expected, pp1_info = pp1
     assert len(pp2.tokenizer(PROMPTS[-1]).input_ids) > PREFILL_TOKENS
     assert_same(pp2.generate(PROMPTS, GREEDY), expected)
     assert "pp=2 (layers 0 | 1)" in pp2.engine.summary()
-    # Each stage caches one of the two layers: the same bytes hold twice the tokens (set here).
-    assert pp2.engine.info.max_total_token_num == KV_TOKENS and pp2.engine.info.num_layers == 2
+    info = pp2.engine.info
+    assert info.max_total_token_num == KV_TOKENS and info.num_layers == 2
+    # the stages' weights add up to the model's (an untied lm_head: no tensor held twice)
+    assert (info.num_params, info.weight_bytes) == (pp1_info.num_params, pp1_info.weight_bytes)
 
 
 def test_two_stages_serve_prefix_cache_hits(pp2, expected):
