@@ -216,6 +216,7 @@ def test_what_pipeline_stages_cannot_run_is_refused_in_a_line(tiny_llama_dir, ca
     headless node too."""
     _clear_llmserve_env(monkeypatch)
     for extra in ([], ["--nnodes", "2", "--node-rank", "1", "--headless", "--dist-init-addr", "127.0.0.1:1"]):
-        assert main(["serve", "--model", tiny_llama_dir, "--port", "0", "--pp", "2", "--speculate", "2", *extra]) == 2
+        assert main(["serve", "--model", tiny_llama_dir, "--port", "0", "--tp", "2", "--pp", "2",
+                     "--enable-custom-all-reduce", *extra]) == 2
         err = capsys.readouterr().err.strip()
-        assert err == "llmserve: error: speculation (--speculate) is not supported with pp > 1 yet"
+        assert err == "llmserve: error: the custom all-reduce (--enable-custom-all-reduce) is not supported with pp > 1 yet"

@@ -3,7 +3,8 @@ two GPUs where there is CUDA), each stage holding one of the tiny model's two la
 pp=1's greedy tokens and prompt logprobs; a batch of prompts of different lengths, one longer
 than a prefill chunk, and prefix-cache hits. pp=2 x tp=2 too. What pp does not support yet is
 refused before any worker loads. (The stages' split against HF logits, for every family:
-tests/models/test_pipeline_parallel.py; two nodes: tests/worker/test_node.py.)"""
+tests/models/test_pipeline_parallel.py; two nodes: tests/worker/test_node.py; speculation:
+tests/engine/test_speculation.py.)"""
 
 from __future__ import annotations
 
@@ -92,7 +93,6 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_one_rank_tokens(tiny_llama
 @pytest.mark.parametrize("options, message", [
     (dict(pp=3), "pp=3 stages need at least one layer each; the model has 2"),
     (dict(pp=0), "pp must be >= 1, got 0"),
-    (dict(pp=2, speculate=2), r"speculation \(--speculate\) is not supported with pp > 1 yet"),
     (dict(pp=2, overlap=True), r"the overlapped loop \(overlap=True\) is not supported with pp > 1 yet"),
     (dict(pp=2, lora_modules={"a": "/nonexistent"}), "LoRA adapters .* not supported with pp > 1 yet"),
     (dict(pp=2, tp=2, custom_all_reduce=True), "custom all-reduce .* not supported with pp > 1 yet"),
