@@ -160,7 +160,6 @@ def check_pipeline(config: EngineConfig) -> None:
     if config.pp == 1:
         return
     refused = [
-        (config.serves_lora, "LoRA adapters (--lora-modules, --allow-runtime-lora-updating)"),
         (config.custom_all_reduce and config.tp > 1, "the custom all-reduce (--enable-custom-all-reduce)"),
         # The overlapped loop feeds a step tokens drawn on the device in the step before, which
         # the other stages would need handed over as well (off by default at pp > 1: LLMEngine).
