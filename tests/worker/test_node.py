@@ -113,3 +113,18 @@ def test_a_missing_node_fails_the_head_and_a_missing_head_the_node(tiny_llama_di
     assert f"rank 1 did not join at {head_addr} within 3 s (node 1 of 2" in head_err, head_err
     assert headless.returncode == 1
     assert f"the head's rendezvous at {node_addr} did not come up within 2 s" in out, out
+
+
+def test_a_missing_stage_is_named_with_the_command_that_starts_it():
+    """Rank 0 alone (no node joins): its error names the node and the --tp / --pp it must run."""
+    from llmserve.worker import ranks
+    from llmserve.worker.protocol import WorkerError, WorkerInitArgs
+
+    addr = f"127.0.0.1:{free_port()}"
+    args = WorkerInitArgs(model_path="", model_type="llama", rank=0, world_size=2, pp=2, device="cpu",
+                          dist_init_addr=addr, nnodes=2, dist_timeout=0.5)
+    with pytest.raises(WorkerError) as e:
+        ranks.host(args)
+    assert str(e.value) == (f"model rank 1 did not join at {addr} within 0.5 s (node 1 of 2: is `llmserve serve "
+                            f"--headless --node-rank N --nnodes 2 --tp 1 --pp 2 --dist-init-addr {addr}` running "
+                            "there?)")
