@@ -31,10 +31,11 @@ def skip_without_ranks(n: int) -> None:
 
 
 def engine(path: str, **kw) -> LLM:
-    # Eager at pp=1 too (pp > 1 captures no graphs): a graph's padded batch may tile its matmuls
-    # otherwise. On the GPU machine run with LLMSERVE_TEST_DTYPE=float32 for exact tokens (test_llm.py).
+    # pp=1 as pp > 1 runs: eager (a graph's padded batch may tile its matmuls otherwise) and not
+    # overlapped (the same batches step by step). On the GPU machine run with
+    # LLMSERVE_TEST_DTYPE=float32 for exact tokens (as test_llm.py).
     return LLM(path, dtype=DTYPE, max_total_token_num=KV_TOKENS, max_prefill_tokens=PREFILL_TOKENS,
-               cuda_graph_max_bs=0, **kw)
+               cuda_graph_max_bs=0, overlap=False, **kw)
 
 
 @pytest.fixture(scope="module")
