@@ -3,7 +3,8 @@ pickled and sent as bytes over rpyc (which keeps rpyc's proxies out of the hot p
 
 Every step the engine sends rank 0 a ``StepInput``, which rank 0 hands to the other ranks in one
 broadcast (``common.distributed.StepChannel``); each rank runs its share of the forward (the
-collectives inside line them up), and rank 0 samples and returns a ``StepOutput``.
+collectives inside line them up; at pp > 1 each stage its layers, the last stage sending rank 0
+the logits), and rank 0 samples and returns a ``StepOutput``.
 
 With ``StepInput.overlap``, the worker answers as soon as it has queued the step
 on the device, with the outputs of the steps before it that are done: the engine reads step N's
