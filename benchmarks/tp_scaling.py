@@ -10,7 +10,9 @@ What is measured, for each --tp value
             --max-concurrency 128 (4 x 128 requests, same lengths), its output tok/s.
 
 At tp > 1 each runs once per --all-reduce mode: ``custom`` (``--enable-custom-all-reduce``: small
-all-reduces over peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (the default).
+all-reduces over peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (the default;
+the only one at pp > 1). With --pp (pipeline stages, a list like --tp) each tp runs at each pp:
+the stages run one after another, so pp=2's step is pp=1's plus the hand-offs, not less.
 Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
 <= 0.62x at C=32, tp=4 <= 0.36x; C=128 throughput at tp=2 >= 1.7x).
 
@@ -23,6 +25,9 @@ A 70B shape at tp=4, no checkpoint written (random weights drawn at load):
              python benchmarks/make_random_model.py --shape 70b --config-only --out /tmp/llama3-70b-dummy
              python benchmarks/tp_scaling.py --model /tmp/llama3-70b-dummy --load-format dummy --tp 4 --concurrency 1 \
                  --no-serving --all-reduce custom,nccl
+Pipeline stages against one GPU (2 GPUs, eager: pp > 1 captures no graphs, so pp=1 runs eagerly too):
+             python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1 --pp 1,2 --concurrency 1,32 \
+                 --output-len 64 --no-serving --cuda-graph-max-bs 0
 Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
              python benchmarks/tp_scaling.py --model /tmp/tiny --tp 1,2 --input-len 16 --output-len 8 --concurrency 1,2,4 --no-serving
 """
@@ -54,21 +59,23 @@ class TpResult:
     all_reduce: str                  # custom | nccl ("" at tp=1)
     weight_bytes: int = 0            # the model's weights, all ranks' shares (WorkerInfo.weight_bytes)
     numbers: dict[str, float] = field(default_factory=dict)   # metric -> value
+    pp: int = 1
 
     @property
     def label(self) -> str:
-        return f"{self.tp} ({self.all_reduce})" if self.all_reduce else str(self.tp)
+        label = f"{self.tp} ({self.all_reduce})" if self.all_reduce else str(self.tp)
+        return label + (f", pp={self.pp}" if self.pp > 1 else "")
 
 
-def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int]) -> TpResult:
+def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int], pp: int = 1) -> TpResult:
     graphs = {} if args.cuda_graph_max_bs is None else {"cuda_graph_max_bs": args.cuda_graph_max_bs}
-    config = EngineConfig(model=args.model, tp=tp, dtype=args.dtype, max_running_requests=max(levels),
+    config = EngineConfig(model=args.model, tp=tp, pp=pp, dtype=args.dtype, max_running_requests=max(levels),
                           max_total_token_num=args.max_total_token_num, custom_all_reduce=all_reduce != "nccl",
                           load_format=args.load_format, **graphs)
     engine = LLMEngine(config, inspect_model(config, load_tokenizer(resolve_model_path(args.model))))
     prompts = random_prompts(engine.info.vocab_size, args.input_len)
     print(engine.summary(), file=sys.stderr)
-    result = TpResult(tp, all_reduce, engine.info.weight_bytes)
+    result = TpResult(tp, all_reduce, engine.info.weight_bytes, pp=pp)
     numbers = result.numbers
     try:
         for c in levels:
@@ -76,7 +83,7 @@ def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int
             r = run_requests(engine, prompts(4 * c), args.output_len, c)
             numbers[f"tpot C={c}"] = r.tpot_ms
             numbers[f"offline tok/s C={c}"] = r.out_tok_per_s
-            print(f"tp={tp} {all_reduce} C={c}: TPOT {r.tpot_ms:.2f} ms, {r.out_tok_per_s:.0f} tok/s", file=sys.stderr)
+            print(f"tp={tp} pp={pp} {all_reduce} C={c}: TPOT {r.tpot_ms:.2f} ms, {r.out_tok_per_s:.0f} tok/s", file=sys.stderr)
     finally:
         engine.shutdown()
     return result
@@ -88,15 +95,15 @@ def step_floor_ms(weight_bytes: int, tp: int, bandwidth: float) -> float:
     return weight_bytes / tp / bandwidth * 1e3
 
 
-def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int) -> float:
-    flags = ["--tp", str(tp), "--max-concurrent-requests", str(4 * concurrency),
+def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int, pp: int = 1) -> float:
+    flags = ["--tp", str(tp), "--pp", str(pp), "--max-concurrent-requests", str(4 * concurrency),
              "--api-server-count", str(args.api_server_count), "--load-format", args.load_format] + (
                  ["--dtype", args.dtype] if args.dtype else [])
     if all_reduce == "custom":
         flags += ["--enable-custom-all-reduce"]
     if args.cuda_graph_max_bs is not None:
         flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
-    with llmserve_server(args.model, 18000 + tp, flags) as url:
+    with llmserve_server(args.model, 18000 + tp * pp, flags) as url:
         summary = serving_load(url, args.model, concurrency, 4 * concurrency, args.input_len, args.output_len)
     return summary["output_throughput"]
 
@@ -105,6 +112,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF directory (benchmarks/make_random_model.py writes one)")
     p.add_argument("--tp", default="1,2,4")
+    p.add_argument("--pp", default="1", help="pipeline stages, each tp value at each of these (default: 1)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--concurrency", default="1,32,128", help="offline C values (default: 1,32,128)")
     p.add_argument("--serving-concurrency", type=int, default=128)
@@ -129,6 +137,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     tps = [int(t) for t in args.tp.split(",")]
+    pps = [int(p) for p in args.pp.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.all_reduce.split(",")
     if not set(modes) <= {"custom", "nccl"}:
@@ -137,19 +146,21 @@ def main() -> int:
     bandwidth = measure_copy_bandwidth(device)
     results = []
     for tp in tps:
-        for all_reduce in modes if tp > 1 else [""]:
-            result = offline(args, tp, all_reduce, levels)
-            if not args.no_serving:
-                result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(
-                    args, tp, all_reduce, args.serving_concurrency)
-            results.append(result)
+        for pp in pps:
+            # The custom all-reduce is refused at pp > 1 (engine/config.py, check_pipeline).
+            for all_reduce in ([m for m in modes if pp == 1 or m == "nccl"] or ["nccl"]) if tp > 1 else [""]:
+                result = offline(args, tp, all_reduce, levels, pp)
+                if not args.no_serving:
+                    result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(
+                        args, tp, all_reduce, args.serving_concurrency, pp)
+                results.append(result)
     base = results[0].numbers
     metrics = list(base)
     rows = []
     for r in results:
         for m in metrics:
             ratio = r.numbers[m] / base[m] if base[m] else float("nan")
-            goal = GOALS.get((r.tp, m))
+            goal = GOALS.get((r.tp, m)) if r.pp == 1 else None
             verdict = "" if goal is None else f"{goal[0]} {goal[1]}: " + (
                 "met" if (ratio <= goal[1] if goal[0] == "<=" else ratio >= goal[1]) else "MISSED")
             floor = step_floor_ms(r.weight_bytes, r.tp, bandwidth) if m == "tpot C=1" else None
@@ -164,7 +175,7 @@ def main() -> int:
                                "api_server_count": args.api_server_count,
                                "copy_bandwidth_bytes_per_s": bandwidth,
                                "load_format": args.load_format,
-                               "step_floor_ms_c1": {r.tp: step_floor_ms(r.weight_bytes, r.tp, bandwidth) for r in results},
+                               "step_floor_ms_c1": {r.label: step_floor_ms(r.weight_bytes, r.tp, bandwidth) for r in results},
                                "results": [asdict(r) for r in results]})
     return 0
 

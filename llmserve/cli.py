@@ -37,6 +37,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tp", "--tensor-parallel-size", "-tp", "--num-shard", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks, one worker process each (default: 1)")
+    p.add_argument("--pp", "--pipeline-parallel-size", "-pp", "--pp-size", type=int, default=1, metavar="N",
+                   help="pipeline stages of --tp ranks each, holding 1/N of the layers each: for a model that one "
+                        "node's --tp GPUs cannot hold, or nodes between which --tp would not pay (--nnodes N puts "
+                        "a stage on each). The stages run one after another (no micro-batches yet): a step takes "
+                        "as long as on one GPU plus the hand-offs, and runs eagerly (no CUDA graphs, no overlapped "
+                        "loop) (default: 1)")
     p.add_argument("--dtype", type=_dtype, default=None, metavar="{auto,float32,float16,bfloat16}",
                    help="weights and KV cache dtype; vLLM's 'half' and 'float' work too (default: auto: float32 "
                         "on CPU, the checkpoint's fp16/bf16 on GPU)")
@@ -229,8 +235,9 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
                         "replica r on GPUs r*tp .. r*tp+tp-1; each request goes to the replica whose prefix cache "
                         "likely holds most of its prompt, else to the least busy (default: 1)")
     p.add_argument("--nnodes", type=int, default=1, metavar="N",
-                   help="spread the --tp ranks over N machines, tp/N each; run the same command on every machine "
-                        "with its --node-rank, and --headless on all but the head (default: 1)")
+                   help="spread the tp x pp ranks over N machines, tp*pp/N each (stage by stage: rank r is tp rank "
+                        "r %% tp of stage r // tp); run the same command on every machine with its --node-rank, "
+                        "and --headless on all but the head (default: 1)")
     p.add_argument("--node-rank", type=int, default=0, metavar="R",
                    help="this machine's place among the --nnodes: 0 is the head, which serves HTTP and runs "
                         "the engine (default: 0)")
@@ -361,17 +368,18 @@ def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, raw: st
 
 def serve(args: argparse.Namespace) -> int:
     from llmserve.server.api.state import ServerConfig
-    from llmserve.engine.config import EngineConfig, check_nodes
+    from llmserve.engine.config import EngineConfig, check_nodes, check_pipeline
     from llmserve.server.serve import run_server
 
     engine_config = EngineConfig(
-        model=args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
+        model=args.model, tp=args.tp, pp=args.pp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
         mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_batch_prefill_tokens, chunked_prefill=args.chunked_prefill,
         prefix_cache=args.prefix_cache, nnodes=args.nnodes, dp=args.dp, dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout, **_step_options(args), **_lora_options(args),
     )
     check_nodes(engine_config)
+    check_pipeline(engine_config)
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if args.headless != (args.node_rank > 0):
@@ -382,7 +390,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.headless:
         from llmserve.worker.node import run_node
 
-        return run_node(args.tp, args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout)
+        return run_node(engine_config.world_size, args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
         max_concurrent_requests=args.max_concurrent_requests, max_model_len=args.max_total_tokens,
@@ -449,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         )
         chat_template = args.chat_template if args.command == "chat" else None
-        with LLM(args.model, tp=args.tp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
+        with LLM(args.model, tp=args.tp, pp=args.pp, dtype=args.dtype, max_total_token_num=args.max_total_token_num,
                  chat_template=chat_template, **_step_options(args)) as llm:
             print(llm.engine.summary(), file=sys.stderr)
             if args.command == "chat":

@@ -75,6 +75,9 @@ ALIASES = [   # (their flag, its value, our dest, what we store)
     (["--tensor-parallel-size", "2"], "tp", 2),                  # vLLM
     (["-tp", "2"], "tp", 2),                                     # vLLM's short form
     (["--num-shard", "2"], "tp", 2),                             # TGI
+    (["--pipeline-parallel-size", "2"], "pp", 2),                # vLLM
+    (["-pp", "2"], "pp", 2),                                     # vLLM's short form
+    (["--pp-size", "2"], "pp", 2),                               # SGLang
     (["--data-parallel-size", "2"], "dp", 2),                    # vLLM
     (["-dp", "2"], "dp", 2),                                     # vLLM's short form
     (["--dp-size", "2"], "dp", 2),                               # SGLang
@@ -206,3 +209,14 @@ def test_dp_runs_on_one_machine(tiny_llama_dir, capsys, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("llmserve: error: dp > 1 runs its replicas on one machine") and "\n" not in err
+
+
+def test_what_pipeline_stages_cannot_run_is_refused_in_a_line(tiny_llama_dir, capsys, monkeypatch):
+    """--pp with a feature the stages do not support yet is refused before anything starts, on a
+    headless node too."""
+    _clear_llmserve_env(monkeypatch)
+    for extra in ([], ["--nnodes", "2", "--node-rank", "1", "--headless", "--dist-init-addr", "127.0.0.1:1"]):
+        assert main(["serve", "--model", tiny_llama_dir, "--port", "0", "--tp", "2", "--pp", "2",
+                     "--enable-custom-all-reduce", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "llmserve: error: the custom all-reduce (--enable-custom-all-reduce) is not supported with pp > 1 yet"

@@ -1,7 +1,12 @@
-"""Tensor-parallel collectives, and where the ranks of one model meet.
+"""Tensor-parallel collectives, pipeline hand-offs, and where the ranks of one model meet.
 
 Every collective helper is a no-op at world size 1, so model code calls them unconditionally
 and single-rank runs never touch torch.distributed.
+
+At ``pp`` > 1 the world is ``tp x pp`` ranks: rank r is tp rank ``r % tp`` of pipeline stage
+``r // tp`` (a stage's ranks are contiguous, so that ``--nnodes pp`` puts one stage on each node).
+The tensor-parallel collectives run in the stage's own group; the stages hand their hidden states
+on with point-to-point sends (``PipelineLink``).
 
 The ranks meet at torch.distributed's TCPStore, which rank 0 hosts at ``dist_init_addr`` (the
 head's HOST:PORT): the other ranks, on this machine or on other nodes, connect to it, say they
@@ -27,22 +32,26 @@ from llmserve.common.custom_all_reduce import CustomAllReduce
 # all_reduce after that, on the one thread that runs the model.
 _custom_all_reduce: CustomAllReduce | None = None
 _all_reduce_description = ""
+# This rank's pipeline stage's tp ranks, or None: the whole world (pp = 1, or a test's own process
+# group). Set once by init_distributed; read by the collectives below, on the thread of the model.
+_tp_group: dist.ProcessGroup | None = None
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def tp_size() -> int:
+    """The ranks the tensor-parallel collectives run over: this stage's (1: none)."""
+    return dist.get_world_size(_tp_group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` across ranks in place (row-parallel matmul outputs, vocab-parallel embeddings):
-    with the custom all-reduce where it takes the message (a decode step's, on GPUs of one node),
-    else the process group's own (NCCL, gloo)."""
-    if world_size() > 1:
+    """Sum `t` across the stage's tp ranks in place (row-parallel matmul outputs, vocab-parallel
+    embeddings): with the custom all-reduce where it takes the message (a decode step's, on GPUs
+    of one node), else the process group's own (NCCL, gloo)."""
+    if tp_size() > 1:
         custom = _custom_all_reduce
         if custom is not None and (algorithm := custom.algorithm(t)) != "nccl":
             custom.all_reduce(t, algorithm)
         else:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_tp_group)
     return t
 
 
@@ -53,28 +62,45 @@ def all_reduce_description() -> str:
 
 def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's `t` along the last dimension (vocab-parallel logits)."""
-    n = world_size()
+    n = tp_size()
     if n == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous())
+    dist.all_gather(parts, t.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=-1)
 
 
 def init_distributed(store: dist.Store | None, rank: int, world: int, device: torch.device,
-                     custom_all_reduce: bool = False) -> None:
+                     custom_all_reduce: bool = False, tp: int | None = None) -> None:
     """Join the process group through the rendezvous' store: NCCL between GPUs, gloo between CPU
-    processes. ``custom_all_reduce``: the GPUs are all on this node, and the small all-reduces
-    may run over their peer-to-peer buffers instead of NCCL (every rank must pass the same)."""
+    processes; with ``tp`` < ``world`` (pipeline stages of ``tp`` ranks each) make each stage's tp
+    group. ``custom_all_reduce``: the GPUs are all on this node, and the small all-reduces may run
+    over their peer-to-peer buffers instead of NCCL (every rank must pass the same)."""
+    global _tp_group
     if world == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore("model/", store), rank=rank, world_size=world)
+    tp = tp or world
+    if tp < world:
+        # Every rank makes every stage's group, in the same order (new_group is collective).
+        groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
+        _tp_group = groups[rank // tp]
     if custom_all_reduce and backend == "nccl":
         custom = CustomAllReduce.setup(dist.group.WORLD, device)
         set_custom_all_reduce(custom, None if custom else "NCCL (the custom all-reduce failed to start: see the log)")
     else:
         set_custom_all_reduce(None, backend.upper())
+
+
+def reduce_over_ranks(values: list[int], op: str, device: torch.device) -> list[int]:
+    """Each of ``values`` summed ("sum") or least ("min") over every rank of the world (the KV
+    cache's size, which every rank must share; the weights' count); ``values`` at world size 1."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op])
+    return t.tolist()
 
 
 def set_custom_all_reduce(custom: CustomAllReduce | None, description: str | None = None) -> None:
@@ -223,3 +249,43 @@ class StepChannel:
         rest = torch.empty(size - self.capacity, dtype=torch.uint8)
         dist.broadcast(rest, 0, group=self.group)
         return head + rest.numpy().tobytes()
+
+
+class PipelineLink:
+    """One rank's hand-offs between pipeline stages, point to point (NCCL between GPUs, gloo
+    between CPU processes), each to the rank of the same tp index in the next stage: the residual
+    stream ``(h, pending)`` from the stage before and to the stage after, and the last stage's
+    logits to rank 0, which samples. The receiver knows every shape from the step itself, so
+    only the tensors travel."""
+
+    def __init__(self, rank: int, tp: int, pp: int):
+        self.prev: int | None = rank - tp if rank >= tp else None        # None: stage 0
+        self.next: int | None = rank + tp if rank + tp < tp * pp else None   # None: the last stage
+        # The last stage's tp rank 0 hands the logits (all-gathered in its tp group) to rank 0.
+        self.last_stage_rank0 = (pp - 1) * tp
+        self.sends_logits = pp > 1 and rank == self.last_stage_rank0
+        self.receives_logits = pp > 1 and rank == 0
+
+    def send_hidden(self, h: torch.Tensor, pending: torch.Tensor) -> None:
+        dist.send(h.contiguous(), self.next)
+        dist.send(pending.contiguous(), self.next)
+
+    def recv_hidden(self, shape: tuple[int, int], dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.empty(shape, dtype=dtype, device=device)
+        pending = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(h, self.prev)
+        dist.recv(pending, self.prev)
+        return h, pending
+
+    def logits_to_rank0(self, logits: torch.Tensor | None, shape: tuple[int, int],
+                        device: torch.device) -> torch.Tensor | None:
+        """Rank 0: the step's logits (float32, ``shape``), from the last stage; that stage's tp
+        rank 0 sends its own. Any other rank: None."""
+        if self.sends_logits:
+            dist.send(logits.contiguous(), 0)
+        elif self.receives_logits:
+            logits = torch.empty(shape, dtype=torch.float32, device=device)
+            dist.recv(logits, self.last_stage_rank0)
+            return logits
+        return None

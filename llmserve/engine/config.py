@@ -19,9 +19,14 @@ from llmserve.default_model import default_model_path
 class EngineConfig:
     model: str | None = None            # HF model directory or .gguf file; None: the embedded default
     tp: int = 1
-    # The tp ranks spread over this many machines (tp / nnodes each); this one, the head, runs
-    # ranks 0 .. tp / nnodes - 1 and the others run `llmserve serve --headless`. All ranks meet
-    # at dist_init_addr (HOST:PORT of the head; None: a free local port, one node only) and
+    # Pipeline stages (`--pp`), each of tp ranks holding its share of the layers: tp x pp ranks in
+    # all, rank r tp rank r % tp of stage r // tp (common/distributed.py). The stages run one
+    # after another (no micro-batches yet): pp is for a model that one node's tp group cannot
+    # hold, or nodes between which tensor parallelism would not pay.
+    pp: int = 1
+    # The ranks spread over this many machines (tp x pp / nnodes each); this one, the head, runs
+    # ranks 0 .. tp x pp / nnodes - 1 and the others run `llmserve serve --headless`. All ranks
+    # meet at dist_init_addr (HOST:PORT of the head; None: a free local port, one node only) and
     # must join within dist_timeout seconds.
     nnodes: int = 1
     # Data-parallel replicas (`llmserve serve --dp N`, server/data_parallel.py): N engine cores of
@@ -81,6 +86,11 @@ class EngineConfig:
     def serves_lora(self) -> bool:
         return bool(self.lora_modules) or self.allow_runtime_lora_updating
 
+    @property
+    def world_size(self) -> int:
+        """The model's ranks: tp x pp."""
+        return self.tp * self.pp
+
 
 # The largest decode batch that drafts, by device, when --speculate-max-batch is not given: past
 # it a verify step costs more than its accepted drafts save (benchmarks/README.md, "prompt_lookup.py").
@@ -107,7 +117,7 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
     of resident memory, which on a CPU would be a fifth of serving the embedded model."""
     from llmserve.common.basemodel.layer_weights.random_weights import check_load_format
     from llmserve.common.basemodel.model_shape import verify_tp_split
-    from llmserve.models.registry import check_model_type, peek_model_config
+    from llmserve.models.registry import check_model_type, check_pipeline_split, peek_model_config
     from llmserve.tokenizer import eos_token_ids
 
     if config.tp < 1:
@@ -121,11 +131,15 @@ def inspect_model(config: EngineConfig, tokenizer) -> ModelSpec:
         verify_tp_split(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads")),
                         config.tp)
     check_nodes(config)
+    check_pipeline(config)
+    layers = raw.get("num_hidden_layers") or raw.get("n_layer")
+    check_pipeline_split(raw["model_type"], layers if isinstance(layers, int) else None, config.pp)
     device, gpus = _resolve_device(config.device)
-    if device == "cuda" and config.dp * config.tp // config.nnodes > gpus:
+    if device == "cuda" and config.dp * config.world_size // config.nnodes > gpus:
         per = "" if config.nnodes == 1 else f" on each of {config.nnodes} nodes"
-        shape = f"tp={config.tp}" if config.dp == 1 else f"dp={config.dp} x tp={config.tp}"
-        raise ValueError(f"{shape} needs {config.dp * config.tp // config.nnodes} GPUs{per}, found {gpus}")
+        shape = " x ".join(f"{name}={n}" for name, n in (("dp", config.dp), ("tp", config.tp), ("pp", config.pp))
+                           if n > 1 or name == "tp")
+        raise ValueError(f"{shape} needs {config.dp * config.world_size // config.nnodes} GPUs{per}, found {gpus}")
     return ModelSpec(path, raw["model_type"], device, frozenset(eos_token_ids(path, tokenizer)))
 
 
@@ -137,10 +151,28 @@ def check_nodes(config: EngineConfig) -> None:
     if config.dp > 1 and config.nnodes > 1:
         raise ValueError("dp > 1 runs its replicas on one machine: for replicas of several nodes each, run one "
                          "server per group behind a load balancer (README, \"Deployment shapes\")")
-    if config.nnodes < 1 or config.tp % config.nnodes:
-        raise ValueError(f"tp={config.tp} does not split over nnodes={config.nnodes} (tp must be a multiple of it)")
+    if config.nnodes < 1 or config.world_size % config.nnodes:
+        ranks = f"tp={config.tp}" if config.pp == 1 else f"tp x pp = {config.world_size}"
+        raise ValueError(f"{ranks} does not split over nnodes={config.nnodes} (it must be a multiple of it)")
     if config.nnodes > 1 and not config.dist_init_addr:
         raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of the head, which every node can reach)")
+
+
+def check_pipeline(config: EngineConfig) -> None:
+    """What pipeline stages (pp > 1) cannot run with yet is refused here, not run wrong."""
+    if config.pp < 1:
+        raise ValueError(f"pp must be >= 1, got {config.pp}")
+    if config.pp == 1:
+        return
+    refused = [
+        (config.custom_all_reduce and config.tp > 1, "the custom all-reduce (--enable-custom-all-reduce)"),
+        # The overlapped loop feeds a step tokens drawn on the device in the step before, which
+        # the other stages would need handed over as well (off by default at pp > 1: LLMEngine).
+        (config.overlap is True, "the overlapped loop (overlap=True)"),
+    ]
+    for on, what in refused:
+        if on:
+            raise ValueError(f"{what} is not supported with pp > 1 yet")
 
 
 def _resolve_device(device: str) -> tuple[str, int]:

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from llmserve.common.basemodel.model_shape import describe_stages
 from llmserve.engine.admission import RequestLimits, check_request
 from llmserve.engine.config import EngineConfig, ModelSpec, check_speculation, with_device_defaults
 from llmserve.engine.drafting import DRAFT_COSTS
@@ -53,7 +54,8 @@ class LLMEngine:
         self.eos_token_ids = model.eos_token_ids
         self.workers = workers if workers is not None else ModelWorkerGroup.of(config)
         self.info = self.workers.init_model(WorkerInitArgs(
-            model_path=model.path, model_type=model.model_type, tp_rank=0, world_size=config.tp, device=model.device,
+            model_path=model.path, model_type=model.model_type, rank=0, world_size=config.world_size, pp=config.pp,
+            device=model.device,
             dtype=config.dtype, max_total_token_num=config.max_total_token_num, mem_fraction=config.mem_fraction,
             max_running_requests=config.max_running_requests, dist_init_addr=self.workers.dist_init_addr,
             nnodes=config.nnodes, dist_timeout=config.dist_timeout,
@@ -77,7 +79,11 @@ class LLMEngine:
             max_loras=config.max_loras,
         ))
         # At tp > 1 too: rank 0 broadcasts each draw to the other ranks (ModelWorker._share_draw).
-        self.overlap = config.overlap if config.overlap is not None else model.device == "cuda"
+        # Not at pp > 1 (check_pipeline refuses overlap=True there).
+        self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.pp == 1
+        if config.pp > 1 and model.device == "cuda":
+            logger.warning("pp=%d: every step runs eagerly and is scheduled after the last one's tokens are read "
+                           "(no CUDA graphs, no overlapped loop at pp > 1 yet)", config.pp)
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet
@@ -112,6 +118,8 @@ class LLMEngine:
             weights += f" ({info.quantization})"
         weights += f", weights {info.weight_bytes / 2**30:.2f} GiB"
         tp = f"tp={self.config.tp}" + (f" (all-reduce: {info.all_reduce})" if info.all_reduce else "")
+        if self.config.pp > 1:
+            tp += f", pp={self.config.pp} ({describe_stages(info.num_layers, self.config.pp)})"
         return (f"# {info.model_type}, {weights}, {info.dtype} on {info.device}, "
                 f"{tp}, KV cache {info.max_total_token_num} tokens in {info.kv_cache_dtype}, {graphs}")
 

@@ -103,7 +103,7 @@ class ModelWorkerGroup:
 
     def __init__(self, world_size: int, nnodes: int = 1, dist_init_addr: str | None = None):
         if world_size % nnodes:
-            raise ValueError(f"tp={world_size} does not split over {nnodes} nodes")
+            raise ValueError(f"{world_size} ranks (tp x pp) do not split over {nnodes} nodes")
         self.step_timeout: float | None = None
         self.world_size, self.nnodes = world_size, nnodes
         self.dist_init_addr = dist_init_addr or (f"127.0.0.1:{free_tcp_port()}" if world_size > 1 else "")
@@ -130,7 +130,7 @@ class ModelWorkerGroup:
 
     @classmethod
     def of(cls, config: EngineConfig) -> ModelWorkerGroup:
-        return cls(config.tp, config.nnodes, config.dist_init_addr)
+        return cls(config.world_size, config.nnodes, config.dist_init_addr)
 
     @property
     def pids(self) -> list[int]:

@@ -29,7 +29,8 @@ from llmserve.server.router import CacheAwareRouter
 def replica_env(replica: int, tp: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The environment replica ``replica``'s engine core (and so its workers) adds: the GPUs it
     may see, devices r*tp .. r*tp+tp-1 of this process's (``CUDA_VISIBLE_DEVICES`` if set, else
-    all, by index). Its workers then take cuda:0 .. cuda:tp-1 as with one replica. A CPU machine
+    all, by index), ``tp`` being its ranks (tp x pp). Its workers then take cuda:0 .. cuda:tp-1 as
+    with one replica. A CPU machine
     ignores the variable (and an empty one, which hides every GPU, stays empty)."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     devices = [str(i) for i in range((replica + 1) * tp)] if visible is None else [d for d in visible.split(",") if d]

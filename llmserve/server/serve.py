@@ -144,8 +144,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         model_path = resolve_model_path(engine_config.model)
         sampling_defaults = load_sampling_defaults(config.generation_config, model_path)
         # Each data-parallel replica's core starts its workers (importing torch) meanwhile.
-        dp, tp = engine_config.dp, engine_config.tp
-        cores = [EngineCoreProcess(engine_config, log_level, env=replica_env(r, tp) if dp > 1 else None,
+        dp, ranks = engine_config.dp, engine_config.world_size
+        cores = [EngineCoreProcess(engine_config, log_level, env=replica_env(r, ranks) if dp > 1 else None,
                                    num_clients=config.api_server_count)
                  for r in range(dp)]
         tokenizer = load_tokenizer(model_path)      # this process's: the engine core has none

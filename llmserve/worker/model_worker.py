@@ -1,4 +1,5 @@
-"""One tensor-parallel rank: the model, its KV cache and the sampler, served over rpyc.
+"""One rank (of a tensor-parallel group, of a pipeline stage): the model, its KV cache and the
+sampler, served over rpyc.
 
 A worker process starts in ``llmserve.worker.main`` and serves ``ModelRpcServer``; the engine
 drives it through ``llmserve.engine.worker_client``. The messages are in ``protocol``.
@@ -46,7 +47,7 @@ class ModelWorker:
     def __init__(self, args: WorkerInitArgs, rendezvous: Rendezvous | None = None):
         """``rendezvous``: where the ranks met (``ranks.host`` / ``ranks.join``), when world_size > 1."""
         from llmserve.common.basemodel import ModelInitParams
-        from llmserve.common.distributed import StepChannel, init_distributed
+        from llmserve.common.distributed import StepChannel, init_distributed, reduce_over_ranks
         from llmserve.grammar import GrammarCompiler
         from llmserve.models.registry import get_model_class
         from llmserve.worker.sampling import Sampler
@@ -59,12 +60,13 @@ class ModelWorker:
             torch.set_num_threads(cpu_threads(args.ranks_per_node))
         self.rendezvous = rendezvous
         # The custom all-reduce maps the peers' GPU memory: the ranks must share one node.
-        init_distributed(rendezvous.store if rendezvous else None, args.tp_rank, args.world_size, device,
-                         custom_all_reduce=args.custom_all_reduce and args.nnodes == 1)
+        init_distributed(rendezvous.store if rendezvous else None, args.rank, args.world_size, device,
+                         custom_all_reduce=args.custom_all_reduce and args.nnodes == 1, tp=args.tp)
         # Rank 0 hands each step to the other ranks (see ModelRpcServer.exposed_step, follow).
         self.channel = StepChannel() if args.world_size > 1 else None
         params = ModelInitParams(
-            model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.world_size, device=str(device),
+            model_path=args.model_path, tp_rank=args.tp_rank, world_size=args.tp, pp_rank=args.pp_rank, pp_size=args.pp,
+            device=str(device),
             dtype=getattr(torch, args.dtype) if args.dtype else None, max_total_token_num=args.max_total_token_num,
             mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
             cuda_graph_max_bs=args.cuda_graph_max_bs, speculate=args.speculate,
@@ -75,6 +77,16 @@ class ModelWorker:
         model_cls = get_model_class(args.model_type)
         self.model = model_cls(params)
         self.device = device
+        if args.pp > 1:
+            layers = self.model.stage_layers
+            logger.info("rank %d: pipeline stage %d of %d, layers %d-%d", args.rank, args.pp_rank, args.pp, layers[0],
+                        layers[-1])
+        # The weights' parameters and bytes over all ranks (for /info), summed while every rank is
+        # here: each stage holds other layers. (A tied embedding counts twice at pp > 1: stage 0
+        # and the last stage each hold it.)
+        tensors = self.model.held_weights()
+        self.weight_totals: list[int] = reduce_over_ranks([sum(t.shape.numel() for t in tensors),
+                                                           sum(t.nbytes for t in tensors)], "sum", device)
         pool = self.model.lora_pool
         self.adapters = AdapterCache(args.lora_modules, self.model.network_config_, args.max_lora_rank,
                                      args.max_cpu_loras, pack=pool.pack if pool is not None else None)
@@ -86,7 +98,7 @@ class ModelWorker:
             torch.set_num_threads(1)
         InjectedFaults.from_environ().install(self.model)   # tests only: none unless asked for
         self.sampler = None
-        if args.tp_rank == 0:
+        if args.rank == 0:
             # Its tokenizer is loaded on the first constrained request, not at start-up.
             grammar = GrammarCompiler(functools.partial(_tokenizer_json, args.model_path), self.model.vocab_size,
                                       args.eos_token_ids)
@@ -112,17 +124,15 @@ class ModelWorker:
         from llmserve.kernels import QuantizedWeight
 
         m = self.model
-        weights = m.held_weights()
-        n_params = sum(t.shape.numel() for t in weights)
-        n_bytes = sum(t.nbytes for t in weights)
-        qtypes = sorted({t.qtype for t in weights if isinstance(t, QuantizedWeight)})
+        qtypes = sorted({t.qtype for t in m.held_weights() if isinstance(t, QuantizedWeight)})
+        n_params, n_bytes = self.weight_totals
         return WorkerInfo(
             model_type=m.model_type, vocab_size=m.vocab_size, max_total_token_num=m.max_total_token_num,
             max_seq_len=m.max_seq_len, max_running_requests=self.args.max_running_requests,
             dtype=str(m.data_type).removeprefix("torch."),
-            device=str(self.device), num_layers=m.layers_num, num_params=n_params * self.args.world_size,
+            device=str(self.device), num_layers=m.layers_num, num_params=n_params,
             quantized="/".join(qtypes), quantization=m.quantization.description if m.quantization else "",
-            weight_bytes=n_bytes * self.args.world_size, all_reduce=all_reduce_description(),
+            weight_bytes=n_bytes, all_reduce=all_reduce_description(),
             kv_cache_dtype=m.kv_cache_description,
             **_graph_info(m), **_image_info(m),
         )
@@ -147,7 +157,7 @@ class ModelWorker:
         if self.sampler is not None and any(e.draft_budget for e in step.entries):
             self._propose_drafts(step.entries)
             raw = None
-        if self.channel is not None and self.args.tp_rank == 0:
+        if self.channel is not None and self.args.rank == 0:
             self._hand_over(raw if raw is not None else pickle.dumps(step))
         # Cache first: a finished or preempted request's tokens join the tree before its row goes.
         self.prefix_slots.apply(step.cache_ops, self.req_rows)
@@ -176,12 +186,16 @@ class ModelWorker:
         # The same flag on every rank: the lm_head's all-gather is a collective. A draft is verified
         # from the logits of all its entry's rows.
         all_logits = [e.want_prompt_logprobs or e.num_draft_tokens > 0 for e in step.entries]
+        # An asking entry has one row of logits per new token, the others one, entries back to back.
+        row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
         try:
             input_embeds = self._input_embeds(step.entries)
             lora_slots = [e.lora_slot for e in step.entries] if self.model.lora_pool is not None else None
             logits = self.model.forward(self._input_ids(step.entries), rows, [e.num_cached for e in step.entries],
                                         q_lens, return_all_logits=all_logits, input_embeds=input_embeds,
                                         b_lora_slot=lora_slots)
+            if self.model.pipeline is not None:    # the last stage made them; rank 0 samples
+                logits = self.model.pipeline.logits_to_rank0(logits, (row_ends[-1], self.model.vocab_size), self.device)
         except Exception as e:
             failed = self._forward_failed(step.entries, rows, e)
             return [*done, *self._read(owed), failed]
@@ -194,8 +208,6 @@ class ModelWorker:
         # The forward is queued: now read the owed step's tokens (the device is busy meanwhile),
         # which also counts them for the penalties before this step samples.
         done += self._read(owed)
-        # An asking entry has one row of logits per new token, the others one, entries back to back.
-        row_ends = list(itertools.accumulate(q if flag else 1 for q, flag in zip(q_lens, all_logits)))
         prompt_lps, prompt_tops = self._prompt_logprobs(logits, step.entries, row_ends, errors)
         # Not an entry whose sampling setup failed, in this step or (overlapped) in the one
         # before, whose failure the engine has not read yet: it ends the request then.
@@ -437,7 +449,7 @@ class ModelWorker:
             # This rank may have left the forward before a collective the others now wait in: the
             # ranks can never be in step again. The worker ends (rank 0 raises to the engine, the
             # others exit: see ranks.follow), and the others' collectives fail with it.
-            logger.error("rank %d: the forward failed; the ranks are out of step", self.args.tp_rank, exc_info=error)
+            logger.error("rank %d: the forward failed; the ranks are out of step", self.args.rank, exc_info=error)
             raise self.out_of_step(error)
         if is_device_failure(error):
             raise error      # not this batch's failure but the device's: the worker's (see faults.py)
@@ -477,16 +489,16 @@ class ModelWorker:
 
     def device_failed(self, error: BaseException) -> WorkerError:
         """The step met a failure of the device (``is_device_failure``): this worker cannot go on."""
-        logger.error("rank %d: the device failed; this worker cannot go on", self.args.tp_rank, exc_info=error)
-        return WorkerError(f"model worker rank {self.args.tp_rank}: the device failed ({error_line(error)})")
+        logger.error("rank %d: the device failed; this worker cannot go on", self.args.rank, exc_info=error)
+        return WorkerError(f"model worker rank {self.args.rank}: the device failed ({error_line(error)})")
 
     def out_of_step(self, error: BaseException) -> WorkerError:
         """A forward or a collective failed at tp > 1. On rank 0 that is most often another rank's
         end (its closed connection fails our collective), which its node reports in a moment:
         that is the cause to tell."""
-        cause = self.rendezvous.failure(wait=2.0) if self.args.tp_rank == 0 else None
-        return WorkerError(cause or f"model worker rank {self.args.tp_rank}: {error_line(error)} "
-                                    f"(tp={self.args.world_size}: the ranks are out of step)")
+        cause = self.rendezvous.failure(wait=2.0) if self.args.rank == 0 else None
+        return WorkerError(cause or f"model worker rank {self.args.rank}: {error_line(error)} "
+                                    f"({self.args.world_size} ranks: they are out of step)")
 
     def _free_kv(self, req_id: int) -> None:
         self._unverified.discard(req_id)
@@ -589,7 +601,7 @@ class ModelRpcServer(rpyc.Service):
         self.worker = ModelWorker(init_args, rendezvous)
         if rendezvous is not None:
             ranks.wait_until_loaded(rendezvous, init_args)
-        logger.info("rank %d: model loaded in %.1f s", init_args.tp_rank, time.monotonic() - started)
+        logger.info("rank %d: model loaded in %.1f s", init_args.rank, time.monotonic() - started)
         return pickle.dumps(self.worker.info())
 
     def exposed_failure(self) -> str | None:

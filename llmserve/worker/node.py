@@ -29,12 +29,13 @@ def _raise_stop(*_) -> None:
     raise _Stop
 
 
-def run_node(tp: int, nnodes: int, node_rank: int, dist_init_addr: str, join_timeout: float) -> int:
-    """Run this node's ranks until the head stops (0) or one of them fails (1)."""
+def run_node(world_size: int, nnodes: int, node_rank: int, dist_init_addr: str, join_timeout: float) -> int:
+    """Run this node's ranks (of ``world_size`` = tp x pp over ``nnodes``) until the head stops (0)
+    or one of them fails (1)."""
     from llmserve.common.distributed import Rendezvous
     from llmserve.worker.ranks import rendezvous_gone
 
-    per = tp // nnodes
+    per = world_size // nnodes
     ranks = range(node_rank * per, (node_rank + 1) * per)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)

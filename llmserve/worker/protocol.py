@@ -3,7 +3,8 @@ pickled and sent as bytes over rpyc (which keeps rpyc's proxies out of the hot p
 
 Every step the engine sends rank 0 a ``StepInput``, which rank 0 hands to the other ranks in one
 broadcast (``common.distributed.StepChannel``); each rank runs its share of the forward (the
-collectives inside line them up), and rank 0 samples and returns a ``StepOutput``.
+collectives inside line them up; at pp > 1 each stage its layers, the last stage sending rank 0
+the logits), and rank 0 samples and returns a ``StepOutput``.
 
 With ``StepInput.overlap``, the worker answers as soon as it has queued the step
 on the device, with the outputs of the steps before it that are done: the engine reads step N's
@@ -50,8 +51,8 @@ class WorkerError(RuntimeError):
 class WorkerInitArgs:
     model_path: str
     model_type: str                  # picks the model class (the router has read the config already)
-    tp_rank: int
-    world_size: int
+    rank: int                        # this rank's place in the world (0: the one the engine talks to)
+    world_size: int                  # all ranks: tp x pp
     device: str                      # "cpu" or "cuda" (rank r takes cuda:r)
     dtype: str | None = None         # "float32" | "float16" | "bfloat16" | None (model default)
     max_total_token_num: int | None = None
@@ -84,6 +85,21 @@ class WorkerInitArgs:
     custom_all_reduce: bool = False
     kv_cache_dtype: str = "auto"     # --kv-cache-dtype (ModelInitParams)
     load_format: str = "auto"        # --load-format (ModelInitParams)
+    # Pipeline stages: rank r is tp rank r % tp of stage r // tp (common/distributed.py).
+    pp: int = 1
+
+    @property
+    def tp(self) -> int:
+        return self.world_size // self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place among its stage's tp ranks: its share of each weight."""
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp
 
     @property
     def ranks_per_node(self) -> int:
@@ -92,7 +108,7 @@ class WorkerInitArgs:
     @property
     def local_rank(self) -> int:
         """This rank's place on its node: its GPU's index."""
-        return self.tp_rank % self.ranks_per_node
+        return self.rank % self.ranks_per_node
 
 
 @dataclass

@@ -32,10 +32,12 @@ def host(args: WorkerInitArgs) -> Rendezvous:
         rendezvous.wait_for("joined", others, args.dist_timeout)
     except MissingRanks as e:
         nodes = sorted({r // args.ranks_per_node for r in e.ranks})
+        shape = f"--tp {args.tp}" + (f" --pp {args.pp}" if args.pp > 1 else "")
         where = (f" (node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))} of {args.nnodes}: is `llmserve serve "
-                 f"--headless --node-rank N --nnodes {args.nnodes} --tp {args.world_size} --dist-init-addr "
+                 f"--headless --node-rank N --nnodes {args.nnodes} {shape} --dist-init-addr "
                  f"{args.dist_init_addr}` running there?)" if nodes != [0] else "")
-        raise WorkerError(f"tensor-parallel rank{'s' * (len(e.ranks) > 1)} {', '.join(map(str, e.ranks))} did not join "
+        kind = "tensor-parallel" if args.pp == 1 else "model"
+        raise WorkerError(f"{kind} rank{'s' * (len(e.ranks) > 1)} {', '.join(map(str, e.ranks))} did not join "
                           f"at {args.dist_init_addr} within {args.dist_timeout:g} s{where}") from None
     rendezvous.publish("init_args", args)
     return rendezvous
@@ -55,7 +57,7 @@ def follow(addr: str, rank: int, join_timeout: float) -> int:
     from llmserve.worker.model_worker import ModelWorker
 
     rendezvous = Rendezvous.join(addr, rank, join_timeout)
-    args = dataclasses.replace(rendezvous.read("init_args"), tp_rank=rank)
+    args = dataclasses.replace(rendezvous.read("init_args"), rank=rank)
     started = time.monotonic()
     try:
         worker = ModelWorker(args, rendezvous)

@@ -41,8 +41,8 @@ def test_all_reduce_sends_each_message_where_the_custom_all_reduce_says(monkeypa
     custom = CustomAllReduce.__new__(CustomAllReduce)   # its choice only: no buffer, no peers
     custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
     monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op: used.append("nccl"))
+    monkeypatch.setattr(distributed, "tp_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op, group: used.append("nccl"))
     distributed.set_custom_all_reduce(custom)
     try:
         for t in [torch.zeros(1, 4096, dtype=BF16),                 # a decode step's

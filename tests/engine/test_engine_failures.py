@@ -154,7 +154,7 @@ def failing_forward(tiny):
     token of ``poison`` (a set the test fills); yields (llm, poison, worker)."""
     engine = tiny.engine
     worker = ModelWorker(WorkerInitArgs(
-        model_path=engine.model_path, model_type=engine.info.model_type, tp_rank=0, world_size=1,
+        model_path=engine.model_path, model_type=engine.info.model_type, rank=0, world_size=1,
         device=engine.info.device,  # as tiny's own worker: CPU and CUDA generators draw different noise
         dtype=DTYPE, max_total_token_num=KV_TOKENS, max_running_requests=engine.config.max_running_requests,
         eos_token_ids=sorted(engine.eos_token_ids),

@@ -219,7 +219,7 @@ def test_no_slot_leaks_after_random_requests_and_aborts(cached):
     engine = cached.engine
     cached.reset_prefix_cache()
     worker = ModelWorker(WorkerInitArgs(
-        model_path=engine.model_path, model_type=engine.info.model_type, tp_rank=0, world_size=1,
+        model_path=engine.model_path, model_type=engine.info.model_type, rank=0, world_size=1,
         device=engine.info.device, dtype=DTYPE, max_total_token_num=KV_TOKENS,
         max_running_requests=engine.config.max_running_requests, eos_token_ids=sorted(engine.eos_token_ids),
     ))

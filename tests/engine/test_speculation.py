@@ -109,6 +109,22 @@ def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
         assert all(len(r.output_token_ids) == 40 for r in reqs)
 
 
+def test_pp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
+    # Two pipeline stages, a layer each: rank 0 (stage 0) drafts and verifies with the logits the
+    # last stage sends it; stage 1 learns what was kept from its next step's num_cached, as a
+    # tensor-parallel follower does.
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("pp=2 needs 2 GPUs")
+    build_tiny_hf_model(ARCHITECTURES["llama-tied"](), tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    with LLM(str(tmp_path), pp=2, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_total_token_num=8192) as llm:
+        prompts, params = random_workload(512, 6, seed=1)
+        want = llm.generate(prompts, plain(params))
+        got, accepted = generate_counting(llm, prompts, params)
+        assert_same_tokens(got, want)
+        assert accepted > 0 and llm.engine.num_draft_tokens > accepted
+
+
 @pytest.fixture(scope="module")
 def tied_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     path = tmp_path_factory.mktemp("llama-tied")

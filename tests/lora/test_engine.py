@@ -6,6 +6,7 @@ KV to another."""
 from __future__ import annotations
 
 import pytest
+import torch
 from lora_utils import ALL_TARGETS, AdapterSpec, make_peft_adapter, peft_greedy, peft_model_of
 from transformers import LlamaConfig
 
@@ -21,12 +22,15 @@ ADAPTERS = {
 STEPS = 8
 
 
-# The plain loop; and the overlapped loop with prompt-lookup drafts (verify steps carry adapters).
-ENGINES = {"plain": {}, "overlap-speculate": {"overlap": True, "speculate": 3}}
+# The plain loop; the overlapped loop with prompt-lookup drafts (verify steps carry adapters);
+# two pipeline stages (a layer each: every stage adds its own layers' adapter products).
+ENGINES = {"plain": {}, "overlap-speculate": {"overlap": True, "speculate": 3}, "pp2": {"pp": 2}}
 
 
 @pytest.fixture(scope="module", params=list(ENGINES))
 def setup(request, tmp_path_factory, smollm2_tokenizer):
+    if ENGINES[request.param].get("pp", 1) > 1 and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("pp=2 needs 2 GPUs")
     path = tmp_path_factory.mktemp("lora-engine")
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=len(smollm2_tokenizer), max_position_embeddings=256)

@@ -1,6 +1,7 @@
 """Two "nodes" on one machine (gloo): the head (`llmserve serve --tp 2 --nnodes 2 --node-rank 0`)
 runs rank 0, and a headless node (`--node-rank 1 --headless`) runs rank 1, meeting at the head's
---dist-init-addr. Greedy tokens equal tp=1's; the head's stop ends the headless node; a headless
+--dist-init-addr; or with `--pp 2` in place of `--tp 2`, a pipeline stage on each node. Greedy
+tokens equal tp=1's; the head's stop ends the headless node; a headless
 node's worker that dies ends the head with that error within 10 s; a node that never comes fails
 the head's start with an error naming it. No process is left behind."""
 
@@ -25,12 +26,15 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 NEW_TOKENS = 12
 
 
-def node_args(addr: str, node_rank: int) -> list[str]:
-    return ["--tp", "2", "--nnodes", "2", "--node-rank", str(node_rank), "--dist-init-addr", addr]
+TP2 = ("--tp", "2")
 
 
-def start_headless(addr: str, timeout: float = 300) -> subprocess.Popen:
-    return subprocess.Popen([*llmserve_command(), "serve", *node_args(addr, 1), "--headless",
+def node_args(addr: str, node_rank: int, shape: tuple[str, ...] = TP2) -> list[str]:
+    return [*shape, "--nnodes", "2", "--node-rank", str(node_rank), "--dist-init-addr", addr]
+
+
+def start_headless(addr: str, timeout: float = 300, shape: tuple[str, ...] = TP2) -> subprocess.Popen:
+    return subprocess.Popen([*llmserve_command(), "serve", *node_args(addr, 1, shape), "--headless",
                              "--dist-timeout", str(timeout)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -46,16 +50,24 @@ def all_pids(head: ServerProcess, headless: subprocess.Popen) -> list[int]:
     return [head.proc.pid, head.core_pid, *head.worker_pids, headless.pid, *child_pids(headless.pid)]
 
 
-def test_two_nodes_give_tp1_tokens_and_stop_with_the_head(tiny_llama_dir):
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir) -> list[list[int]]:
     with LLM(tiny_llama_dir) as tp1:
         outs = tp1.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))
-        expected = [o.token_ids for o in outs]
+        return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("shape", [TP2, ("--pp", "2")], ids=["tp2", "pp2"])
+def test_two_nodes_give_tp1_tokens_and_stop_with_the_head(tiny_llama_dir, expected, shape):
     addr = f"127.0.0.1:{free_port()}"
-    headless = start_headless(addr)
+    headless = start_headless(addr, shape=shape)
     try:
-        with ServerProcess(tiny_llama_dir, *node_args(addr, 0)) as head:
+        with ServerProcess(tiny_llama_dir, *node_args(addr, 0, shape)) as head:
             assert len(head.worker_pids) == 1 and len(child_pids(headless.pid)) == 1   # rank 0 here, rank 1 there
             assert [greedy(head.url, p) for p in PROMPTS] == expected
+            if shape != TP2:
+                info = httpx.get(head.url + "/info").json()
+                assert (info["tp"], info["pp"]) == (1, 2)
             pids = all_pids(head, headless)
             head.stop(signal.SIGINT)
         assert headless.wait(timeout=30) == 0, headless.stdout.read()
@@ -101,3 +113,18 @@ def test_a_missing_node_fails_the_head_and_a_missing_head_the_node(tiny_llama_di
     assert f"rank 1 did not join at {head_addr} within 3 s (node 1 of 2" in head_err, head_err
     assert headless.returncode == 1
     assert f"the head's rendezvous at {node_addr} did not come up within 2 s" in out, out
+
+
+def test_a_missing_stage_is_named_with_the_command_that_starts_it():
+    """Rank 0 alone (no node joins): its error names the node and the --tp / --pp it must run."""
+    from llmserve.worker import ranks
+    from llmserve.worker.protocol import WorkerError, WorkerInitArgs
+
+    addr = f"127.0.0.1:{free_port()}"
+    args = WorkerInitArgs(model_path="", model_type="llama", rank=0, world_size=2, pp=2, device="cpu",
+                          dist_init_addr=addr, nnodes=2, dist_timeout=0.5)
+    with pytest.raises(WorkerError) as e:
+        ranks.host(args)
+    assert str(e.value) == (f"model rank 1 did not join at {addr} within 0.5 s (node 1 of 2: is `llmserve serve "
+                            f"--headless --node-rank N --nnodes 2 --tp 1 --pp 2 --dist-init-addr {addr}` running "
+                            "there?)")

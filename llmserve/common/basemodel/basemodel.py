@@ -1,5 +1,6 @@
-"""TpPartBaseModel: one tensor-parallel rank's share of a decoder-only model, assembled from
-weight classes and layer-infer classes named as class attributes (lightllm's layout)."""
+"""TpPartBaseModel: one tensor-parallel rank's share of a decoder-only model (of its pipeline
+stage's layers, at pp > 1), assembled from weight classes and layer-infer classes named as class
+attributes (lightllm's layout)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from llmserve.common.basemodel.cuda_graph import DecodeGraphs, VerifyGraphs
 from llmserve.common.basemodel.infer_struct import InferStateInfo, InputEmbeds
 from llmserve.common.basemodel.layer_weights.gguf_load_utils import GGUFArch, load_gguf
 from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError, iter_hf_weight_files, load_hf_config
-from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads, verify_tp_split  # noqa: F401  (also imported from here)
+from llmserve.common.basemodel.model_shape import (  # noqa: F401  (verify_tp_split: also imported from here)
+    head_dim, num_kv_heads, stage_layers, verify_tp_split,
+)
+from llmserve.common.distributed import PipelineLink, reduce_over_ranks
 from llmserve.common.mem_manager import MemoryManager, ReqManager, kv_bytes_per_token
 from llmserve.quantization.config import Quantization, quantization_for
 from llmserve.quantization.kv_cache import KVCacheScales, check_kv_cache_scheme, kv_cache_dtype
@@ -34,8 +38,13 @@ _INT32_PER_16_BYTES = 4   # Triton specialises a pointer argument on 16-byte ali
 @dataclass
 class ModelInitParams:
     model_path: str                       # an HF model directory or a .gguf file
-    tp_rank: int = 0
-    world_size: int = 1
+    tp_rank: int = 0                      # this rank's place in its pipeline stage's tp ranks
+    world_size: int = 1                   # the tp ranks of a stage (tensor parallelism)
+    # Pipeline parallelism: this rank's stage of pp_size; a stage holds only its share of the
+    # layers (model_shape.stage_layers), hands its output on to the next stage's rank of the same
+    # tp_rank, and the last one makes the logits (common/distributed.py, PipelineLink).
+    pp_rank: int = 0
+    pp_size: int = 1
     device: str = "cpu"
     dtype: torch.dtype | None = None      # None: fp32 on CPU; the checkpoint's fp16/bf16 on GPU
     max_total_token_num: int | None = None  # KV pool size in tokens; None: sized from free memory
@@ -93,6 +102,13 @@ class TpPartBaseModel:
         self._gguf_tensors: dict[str, torch.Tensor] | None = None
 
         self._init_config()
+        self.is_first_stage = params.pp_rank == 0
+        self.is_last_stage = params.pp_rank == params.pp_size - 1
+        self.stage_layers: range = stage_layers(self.network_config_.num_hidden_layers, params.pp_size, params.pp_rank)
+        self.pipeline: PipelineLink | None = None
+        if params.pp_size > 1:
+            self.pipeline = PipelineLink(params.pp_rank * params.world_size + params.tp_rank, params.world_size,
+                                         params.pp_size)
         # after _init_config: a subclass may narrow the config to its decoder's (LLaVA's text config)
         self.kv_cache_scales = KVCacheScales(self.network_config_.num_hidden_layers)
         self._verify_must()
@@ -140,7 +156,10 @@ class TpPartBaseModel:
         return True
 
     def _verify_must(self) -> None:
+        from llmserve.models.registry import check_pipeline_split
+
         verify_tp_split(self.network_config_, self.world_size_)
+        check_pipeline_split(self.model_type, self.network_config_.num_hidden_layers, self.params.pp_size)
 
     def _verify_params(self) -> None:
         """Model-specific checks of the config (unsupported features fail here, not mid-forward)."""
@@ -170,9 +189,8 @@ class TpPartBaseModel:
         self.data_type = self.params.dtype or self._default_dtype()
         args = (self.tp_rank_, self.world_size_, self.data_type, self.network_config_, self.device)
         self.pre_post_weight = self.pre_and_post_weight_class(*args)
-        self.trans_layers_weight = [
-            self.transformer_weight_class(i, *args) for i in range(self.network_config_.num_hidden_layers)
-        ]
+        self.pre_post_weight.holds_pre_, self.pre_post_weight.holds_post_ = self.is_first_stage, self.is_last_stage
+        self.trans_layers_weight = [self.transformer_weight_class(i, *args) for i in self.stage_layers]
         self.extra_weights = self._init_extra_weights(*args)
         all_weights = [self.pre_post_weight, *self.trans_layers_weight, *self.extra_weights]
         quant = self.quantization
@@ -216,7 +234,8 @@ class TpPartBaseModel:
         GPU, or the model cannot). ``cuda_graph_capture=False`` (tests) runs the graphs' padded
         path without capturing, so it needs no GPU."""
         p = self.params
-        if p.cuda_graph_max_bs <= 0 or not self._graphs_supported():
+        # A pipeline stage runs eagerly: a graph has no place for the sends and receives yet.
+        if p.cuda_graph_max_bs <= 0 or not self._graphs_supported() or p.pp_size > 1:
             return 0
         if p.cuda_graph_capture and self.device.type != "cuda":
             return 0
@@ -232,13 +251,17 @@ class TpPartBaseModel:
         dim = head_dim(cfg)
         context = getattr(cfg, "max_position_embeddings", None)
         kv_dtype = self.kv_cache_dtype_ or self.data_type
+        layers = self.stage_layers      # a stage caches its own layers only: it holds more tokens
         size = self.params.max_total_token_num or self._auto_kv_size(
-            kv_bytes_per_token(cfg.num_hidden_layers, tp_kv_heads, dim, kv_dtype))
+            kv_bytes_per_token(len(layers), tp_kv_heads, dim, kv_dtype))
+        # Every rank allocates the same slots step by step: the pool is the smallest any rank
+        # (a stage, a GPU with less free memory) can hold.
+        [size] = reduce_over_ranks([size], "min", self.device)
         self.max_total_token_num = size
         # The CUDA graphs' padding request takes one slot and one row that nobody else sees.
         spare = 1 if self.cuda_graph_max_bs else 0
-        scales = self.kv_cache_scales.pairs() if self.kv_cache_dtype_ is not None else None
-        self.mem_manager = MemoryManager(size + spare, kv_dtype, tp_kv_heads, dim, cfg.num_hidden_layers, self.device,
+        scales = self.kv_cache_scales.pairs()[layers.start : layers.stop] if self.kv_cache_dtype_ is not None else None
+        self.mem_manager = MemoryManager(size + spare, kv_dtype, tp_kv_heads, dim, len(layers), self.device,
                                          kv_scales=scales)
         self.max_seq_len = self.params.max_seq_len or min(context or size, size)
         self.req_manager = ReqManager(self.params.max_running_requests + spare, self.max_seq_len, self.mem_manager, self.device)
@@ -276,7 +299,7 @@ class TpPartBaseModel:
 
     def _auto_kv_size(self, bytes_per_token: int) -> int:
         """KV slots that fit in what the weights left over (GPU), or a modest default (CPU); a
-        token's bytes over all layers are ``bytes_per_token``.
+        token's bytes over all layers (of this pipeline stage) are ``bytes_per_token``.
 
         The budget is this process's share (``mem_fraction`` of the card, less what it holds
         already) but never more than is actually free on the card less the headroom that
@@ -309,12 +332,12 @@ class TpPartBaseModel:
         args = (self.tp_rank_, self.world_size_, self.network_config_)
         self.pre_infer = self.pre_layer_infer_class(*args)
         self.post_infer = self.post_layer_infer_class(*args)
-        self.layers_infer = [
-            self.transformer_layer_infer_class(i, *args) for i in range(self.network_config_.num_hidden_layers)
-        ]
+        self.layers_infer = [self.transformer_layer_infer_class(i, *args) for i in self.stage_layers]
+        for cache_layer, layer_infer in enumerate(self.layers_infer):
+            layer_infer.cache_layer_ = cache_layer
 
     def _init_some_value(self) -> None:
-        self.layers_num = self.network_config_.num_hidden_layers
+        self.layers_num = self.network_config_.num_hidden_layers   # the model's (a stage's: stage_layers)
         self.vocab_size = self.network_config_.vocab_size
 
     def _init_custom(self) -> None:
@@ -349,7 +372,7 @@ class TpPartBaseModel:
         return_all_logits: bool | list[bool] = False,
         input_embeds: InputEmbeds | None = None,
         b_lora_slot: list[int] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run one batch. Request i (row ``b_req_idx[i]`` of the req->token table, which already
         maps its first ``b_cached_len[i]`` tokens) brings ``b_q_len[i]`` new tokens, packed in
         ``input_ids``. Their KV slots are allocated here. Returns float32 logits: one row per
@@ -358,7 +381,8 @@ class TpPartBaseModel:
         should not cost a vocab-wide row for every token of the batch), requests back to back.
         ``input_embeds``: rows whose embeddings are given (image features), for models whose pre
         layer writes them. ``b_lora_slot``: request i's adapter, a slot of ``lora_pool`` (-1 or
-        None: the base model)."""
+        None: the base model). A pipeline stage before the last returns None (its output went on
+        to the next stage)."""
         mem_index = self.req_manager.alloc_batch(b_req_idx, b_q_len, expected_lens=b_cached_len)
         all_logits = return_all_logits if isinstance(return_all_logits, list) else [return_all_logits] * len(b_q_len)
         is_decode = all(n == 1 for n in b_q_len) and not any(all_logits)
@@ -388,13 +412,26 @@ class TpPartBaseModel:
         block = torch.tensor(seg_start + rows, dtype=torch.int32).to(self.device, non_blocking=True)
         return LoraBatch(self.lora_pool, block[: len(seg_start)], block[len(seg_start) :], max_len)
 
-    def forward_layers(self, input_ids: torch.Tensor, state: InferStateInfo) -> torch.Tensor:
-        """The layers over a batch whose slots and state are ready (``input_ids`` on the device)."""
-        h = self.pre_infer.forward(input_ids, state, self.pre_post_weight)
+    def forward_layers(self, input_ids: torch.Tensor, state: InferStateInfo) -> torch.Tensor | None:
+        """The layers over a batch whose slots and state are ready (``input_ids`` on the device);
+        at pp > 1, this stage's, between the stage before's output and the stage after."""
         pending = None  # a layer's output that the next norm adds to h (see TransformerLayerInfer)
+        if self.is_first_stage:
+            h = self.pre_infer.forward(input_ids, state, self.pre_post_weight)
+        else:
+            h, pending = self.pipeline.recv_hidden((state.total_token_num, self.network_config_.hidden_size),
+                                                   self.data_type, self.device)
         for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
             h, pending = layer_infer.forward(h, pending, state, layer_weight)
+        if not self.is_last_stage:
+            self.pipeline.send_hidden(*self._stage_output(h, pending))
+            return None
         return self.post_infer.forward(h, pending, state, self.pre_post_weight)
+
+    def _stage_output(self, h: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook: what a pipeline stage before the last hands on, which the next stage's first
+        layer takes as a first layer after pp=1's would (Gemma 2 normalises ``pending`` here)."""
+        return h, pending
 
     @torch.inference_mode()
     def warm_up(self, max_prefill_tokens: int = 8192) -> None:

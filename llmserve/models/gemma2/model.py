@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import torch
+
+from llmserve.kernels import rmsnorm_forward
 from llmserve.models.gemma.model import GemmaTpPartModel
 from llmserve.models.gemma2.layer_infer.post_layer_infer import Gemma2PostLayerInfer
 from llmserve.models.gemma2.layer_infer.transformer_layer_infer import Gemma2TransformerLayerInfer
@@ -28,3 +31,9 @@ class Gemma2TpPartModel(GemmaTpPartModel):
             layer_weight.prev_post_ffn_norm_weight_ = prev
             prev = layer_weight.post_ffn_norm_weight_
         self.pre_post_weight.last_post_ffn_norm_weight_ = prev
+
+    def _stage_output(self, h: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The next stage's first layer holds no previous layer's post-feedforward norm (its
+        # prev_post_ffn_norm_weight_ is None): it adds pending as it comes, so it comes normalised.
+        return h, rmsnorm_forward(pending, self.pre_post_weight.last_post_ffn_norm_weight_,
+                                  self.network_config_.rms_norm_eps, round_first=False)

@@ -100,7 +100,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {
             "model_id": state.model_name, "model_path": state.model_path, "model_type": i.model_type,
             "model_dtype": i.dtype, "model_device_type": i.device.split(":")[0], "model_pipeline_tag": "text-generation",
-            "num_parameters": i.num_params, "tp": state.engine.config.tp, "dp": state.engine.config.dp,
+            "num_parameters": i.num_params, "tp": state.engine.config.tp, "pp": state.engine.config.pp,
+            "dp": state.engine.config.dp,
             # the weights' format ("" for dense: see model_dtype) and bytes, scales included
             "quantization": i.quantization or (f"gguf {i.quantized}" if i.quantized else ""),
             "weight_bytes": i.weight_bytes,

@@ -16,6 +16,9 @@ class TransformerLayerInfer(BaseLayerInfer):
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         self.layer_num_ = layer_num
+        # The layer's place in the KV cache (MemoryManager's lists): its number, unless the model
+        # is a pipeline stage, whose cache holds its own layers only (set by the model).
+        self.cache_layer_ = layer_num
         self.tp_rank_ = tp_rank
         self.world_size_ = world_size
         self.network_config_ = network_config

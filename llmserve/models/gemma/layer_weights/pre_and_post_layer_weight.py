@@ -12,4 +12,5 @@ class GemmaPreAndPostLayerWeight(LlamaPreAndPostLayerWeight):
 
     def _build(self, w: dict[str, torch.Tensor]) -> None:
         super()._build(w)
-        self.final_norm_weight_ = gemma_norm_weight(w["final_norm"])
+        if self.holds_post_:
+            self.final_norm_weight_ = gemma_norm_weight(w["final_norm"])

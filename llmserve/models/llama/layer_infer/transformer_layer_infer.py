@@ -48,7 +48,7 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
     def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> None:
         # Rotary on q (in place) and k (on its way into the cache), and the store: one launch.
         cos, sin = self._rotary_tables(infer_state)
-        rotary_emb_copy_kv(q, kv, cos, sin, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_],
+        rotary_emb_copy_kv(q, kv, cos, sin, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.cache_layer_],
                            **self._kv_scales(infer_state), qk_norm=self._qk_norm(layer_weight))
 
     def _rotary_tables(self, infer_state: LlamaInferStateInfo) -> tuple[torch.Tensor, torch.Tensor]:

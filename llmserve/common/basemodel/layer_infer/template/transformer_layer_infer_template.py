@@ -76,13 +76,13 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         """Write the new tokens' K and V (``kv``) into this layer's cache slots. A model that
         changes q and k by position (rotary) does it here, in the same kernel as the store:
         attention reads K and V from the cache only, so k need not be changed in ``kv``."""
-        destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.layer_num_],
+        destindex_copy_kv(kv, infer_state.mem_index, infer_state.mem_manager.kv_buffer[self.cache_layer_],
                           **self._kv_scales(infer_state))
 
     def _kv_scales(self, infer_state: InferStateInfo) -> dict[str, float]:
         """This layer's KV-cache scales, as the kernels that store and read the cache take them
         (1.0 but for a float8 cache: see MemoryManager.kv_scales)."""
-        k_scale, v_scale = infer_state.mem_manager.kv_scales[self.layer_num_]
+        k_scale, v_scale = infer_state.mem_manager.kv_scales[self.cache_layer_]
         return {"k_scale": k_scale, "v_scale": v_scale}
 
     def _get_o(self, o: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
@@ -125,7 +125,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         attention = verify_attention_fwd if infer_state.is_verify else context_attention_fwd  # the same op
         attention(
-            q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
+            q, infer_state.mem_manager.key_buffer[self.cache_layer_], infer_state.mem_manager.value_buffer[self.cache_layer_], o,
             infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_q_start, infer_state.b_q_len,
             infer_state.b_cached_len, infer_state.max_q_len, alibi_slopes=self._alibi_slopes(layer_weight),
             sm_scale=self.sm_scale_, sliding_window=self.sliding_window_, logit_softcap=self.logit_softcap_,
@@ -136,7 +136,7 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     def _token_attention_kernel(self, q: torch.Tensor, infer_state: InferStateInfo, layer_weight) -> torch.Tensor:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode_attention_fwd(
-            q, infer_state.mem_manager.key_buffer[self.layer_num_], infer_state.mem_manager.value_buffer[self.layer_num_], o,
+            q, infer_state.mem_manager.key_buffer[self.cache_layer_], infer_state.mem_manager.value_buffer[self.cache_layer_], o,
             infer_state.req_manager.req_to_token, infer_state.b_req_idx, infer_state.b_seq_len, infer_state.max_seq_len,
             alibi_slopes=self._alibi_slopes(layer_weight), sm_scale=self.sm_scale_,
             sliding_window=self.sliding_window_, logit_softcap=self.logit_softcap_, **self._kv_scales(infer_state),
