@@ -9,8 +9,8 @@ What is measured, for each --tp value
   serving   ``llmserve serve --tp N`` started as a process, then ``serving.py`` at
             --max-concurrency 128 (4 x 128 requests, same lengths), its output tok/s.
 
-At tp > 1 each runs once per --all-reduce mode: ``custom`` (``--enable-custom-all-reduce``: small
-all-reduces over peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (the default;
+At tp > 1 each runs once per --all-reduce mode: ``custom`` (the default at pp = 1: small all-reduces
+over peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (``--disable-custom-all-reduce``;
 the only one at pp > 1). With --pp (pipeline stages, a list like --tp) each tp runs at each pp:
 the stages run one after another, so pp=2's step is pp=1's plus the hand-offs, not less.
 Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
@@ -99,8 +99,8 @@ def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int
     flags = ["--tp", str(tp), "--pp", str(pp), "--max-concurrent-requests", str(4 * concurrency),
              "--api-server-count", str(args.api_server_count), "--load-format", args.load_format] + (
                  ["--dtype", args.dtype] if args.dtype else [])
-    if all_reduce == "custom":
-        flags += ["--enable-custom-all-reduce"]
+    if all_reduce == "nccl":
+        flags += ["--disable-custom-all-reduce"]
     if args.cuda_graph_max_bs is not None:
         flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     with llmserve_server(args.model, 18000 + tp * pp, flags) as url:
@@ -123,7 +123,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-total-token-num", type=int, default=None)
     p.add_argument("--all-reduce", default="custom,nccl",
-                   help="at tp > 1, run once per mode: custom (--enable-custom-all-reduce: peer-to-peer kernels "
+                   help="at tp > 1, run once per mode: custom (the default: peer-to-peer kernels "
                         "for small messages), nccl (default: custom,nccl)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="decode graphs up to this batch (default: the engine's); smaller starts faster")

@@ -56,10 +56,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly, capturing no CUDA graphs (as vLLM's flag)")
     p.add_argument("--enable-custom-all-reduce", action="store_true",
                    help="at --tp > 1 on the GPUs of one node, run small all-reduces (a decode step's) over "
-                        "peer-to-peer buffers in torch's symmetric memory instead of NCCL; off by default until "
-                        "its GPU tests have passed (see README, Tensor parallelism)")
+                        "peer-to-peer buffers in torch's symmetric memory instead of NCCL (the default; the flag "
+                        "is kept for launch scripts that pass it)")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="NCCL for every all-reduce (vLLM's flag; the default here)")
+                   help="NCCL for every all-reduce (vLLM's flag)")
     p.add_argument("--dequantize", action="store_true",
                    help="on CPU, expand a GGUF model's Q4_0/Q4_1/Q8_0 matrices to float32 at load instead of "
                         "running them in their blocks with the quantized kernel (the same values; slower, "
@@ -137,7 +137,7 @@ def _step_options(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of how steps run: CUDA graphs, the overlapped loop, the weights'
     source and quantization, speculation, the deadline."""
     return dict(cuda_graph_max_bs=0 if args.enforce_eager else args.cuda_graph_max_bs,
-                custom_all_reduce=args.enable_custom_all_reduce and not args.disable_custom_all_reduce,
+                custom_all_reduce=False if args.disable_custom_all_reduce else (True if args.enable_custom_all_reduce else None),
                 overlap=False if args.disable_overlap_schedule else None, dequantize=args.dequantize,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format, speculate=args.speculate, speculate_max_batch=args.speculate_max_batch,
                 prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.config import EngineConfig, inspect_model
+from llmserve.engine.config import EngineConfig, check_pipeline, inspect_model
 from parity_utils import EXACT
 
 DTYPE = os.environ.get("LLMSERVE_TEST_DTYPE")
@@ -106,3 +106,13 @@ def test_what_stages_cannot_run_is_refused_before_loading(tiny_llama_dir, option
 def test_a_family_that_cannot_split_is_refused_before_loading(tiny_bloom_dir):
     with pytest.raises(ValueError, match="pipeline parallelism .pp > 1. is not supported for bloom models yet"):
         inspect_model(EngineConfig(model=tiny_bloom_dir, pp=2), None)
+
+
+def test_the_custom_all_reduce_default_stands_aside_between_stages(tiny_llama_dir):
+    """The custom all-reduce is on by default at tp > 1, but not yet over a stage's tp group: left to
+    its default, pp > 1 runs NCCL's (asked for, it is refused above)."""
+    assert EngineConfig(tp=2).uses_custom_all_reduce
+    assert not EngineConfig(tp=2, custom_all_reduce=False).uses_custom_all_reduce
+    config = EngineConfig(model=tiny_llama_dir, tp=2, pp=2)
+    check_pipeline(config)                          # not refused
+    assert not config.uses_custom_all_reduce

@@ -43,9 +43,9 @@ class EngineConfig:
     chunked_prefill: bool = True        # split longer prompts over steps (see scheduler.py)
     cuda_graph_max_bs: int = 256        # GPU decode steps up to this batch replay CUDA graphs; 0: eager
     # At tp > 1 on the GPUs of one node: small all-reduces (a decode step's) over peer-to-peer
-    # buffers instead of NCCL (common/custom_all_reduce.py); opt-in (--enable-custom-all-reduce) until
-    # its GPU tests have passed: see README, "Tensor parallelism".
-    custom_all_reduce: bool = False
+    # buffers instead of NCCL (common/custom_all_reduce.py). None: on where it applies (not yet
+    # between pipeline stages' tp groups: see uses_custom_all_reduce); False: --disable-custom-all-reduce.
+    custom_all_reduce: bool | None = None
     # Schedule step N+1 while the device runs step N (see LLMEngine.step). None: on for GPUs,
     # where it hides the host's work; True also on the CPU (tests: same tokens either way).
     overlap: bool | None = None
@@ -81,6 +81,12 @@ class EngineConfig:
     # directories named by the request): off, the adapters are --lora-modules' and no request
     # makes the server read a path.
     allow_runtime_lora_updating: bool = False
+
+    @property
+    def uses_custom_all_reduce(self) -> bool:
+        """What the workers are told: the custom all-reduce unless turned off, or left to its default
+        at pp > 1, where it does not run yet (check_pipeline refuses it asked for there)."""
+        return self.custom_all_reduce if self.custom_all_reduce is not None else self.pp == 1
 
     @property
     def serves_lora(self) -> bool:
@@ -165,7 +171,7 @@ def check_pipeline(config: EngineConfig) -> None:
     if config.pp == 1:
         return
     refused = [
-        (config.custom_all_reduce and config.tp > 1, "the custom all-reduce (--enable-custom-all-reduce)"),
+        (config.custom_all_reduce is True and config.tp > 1, "the custom all-reduce (--enable-custom-all-reduce)"),
         # The overlapped loop feeds a step tokens drawn on the device in the step before, which
         # the other stages would need handed over as well (off by default at pp > 1: LLMEngine).
         (config.overlap is True, "the overlapped loop (overlap=True)"),

@@ -65,7 +65,7 @@ class LLMEngine:
             dequantize=config.dequantize, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras if config.serves_lora else 0, max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras, quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-            load_format=config.load_format, custom_all_reduce=config.custom_all_reduce,
+            load_format=config.load_format, custom_all_reduce=config.uses_custom_all_reduce,
         ))
         self.workers.step_timeout = config.step_timeout   # from now on: serving steps only
         self.limits = RequestLimits.of_model(self.info)

@@ -81,8 +81,8 @@ class WorkerInitArgs:
     max_cpu_loras: int | None = None
     quantization: str | None = None  # --quantization (ModelInitParams)
     # On GPUs of one node, small all-reduces over peer-to-peer buffers instead of NCCL
-    # (common/custom_all_reduce.py); on: --enable-custom-all-reduce.
-    custom_all_reduce: bool = False
+    # (common/custom_all_reduce.py); off: --disable-custom-all-reduce.
+    custom_all_reduce: bool = True
     kv_cache_dtype: str = "auto"     # --kv-cache-dtype (ModelInitParams)
     load_format: str = "auto"        # --load-format (ModelInitParams)
     # Pipeline stages: rank r is tp rank r % tp of stage r // tp (common/distributed.py).
