@@ -48,7 +48,7 @@ def test_manifests_parse_and_run_the_clis_commands(name, monkeypatch):
         for container in spec["containers"]:
             args = serve_args(container)
             assert {m["name"] for m in container["volumeMounts"]} <= {v["name"] for v in spec["volumes"]}
-            assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == args.dp * args.tp // args.nnodes
+            assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == args.dp * args.tp * args.pp // args.nnodes
             if not args.headless:
                 heads.append(args)
                 assert service["spec"]["selector"].items() <= labels.items()
