@@ -53,7 +53,9 @@ class PackedAdapter:
 
 class LoraPool:
     def __init__(self, network_config, max_loras: int, max_rank: int, tp_rank: int, world_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layers: range | None = None):
+        """``layers``: the model's layers this rank runs (a pipeline stage's; None: all of them), the
+        only ones whose adapter weights the pool holds."""
         self.max_loras, self.max_rank = max_loras, max_rank
         self.tp_rank, self.world_size = tp_rank, world_size
         self.config = network_config
@@ -65,7 +67,8 @@ class LoraPool:
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.names: list[str | None] = [None] * max_loras
         self.groups: dict[str, _GroupWeights] = {}
-        num_layers = network_config.num_hidden_layers
+        self.model_layers = layers if layers is not None else range(network_config.num_hidden_layers)
+        num_layers = len(self.model_layers)
         for group, modules in GROUPS.items():
             in_dim = self._local(projection_shape(network_config, modules[0])[0], group in ROW_PARALLEL)
             splits = tuple(self._local(projection_shape(network_config, m)[1], group not in ROW_PARALLEL)
@@ -73,10 +76,10 @@ class LoraPool:
             self.groups[group] = _GroupWeights(
                 torch.zeros(max_loras, num_layers, len(modules) * max_rank, in_dim, dtype=dtype, device=device),
                 torch.zeros(max_loras, num_layers, sum(splits), max_rank, dtype=dtype, device=device), splits)
-        # What a layer's kernels read: per layer and group, A [slots, m * R, in] and B [slots, out, R]
-        # (views, made once: a forward asks for them 4 times a layer).
-        self.layers = [{group: (w.a[:, i], w.b[:, i], w.splits) for group, w in self.groups.items()}
-                       for i in range(num_layers)]
+        # What a layer's kernels read, by the model's layer number: per group, A [slots, m * R, in]
+        # and B [slots, out, R] (views, made once: a forward asks for them 4 times a layer).
+        self.layers = {layer: {group: (w.a[:, i], w.b[:, i], w.splits) for group, w in self.groups.items()}
+                       for i, layer in enumerate(self.model_layers)}
 
     def _local(self, n: int, split: bool) -> int:
         return n // self.world_size if split else n
@@ -101,19 +104,19 @@ class LoraPool:
             b_host = torch.empty(layers, weights.b.shape[2], r, dtype=self.dtype, pin_memory=pin)
             for j, module in enumerate(modules):
                 col, n = sum(weights.splits[:j]), weights.splits[j]     # its columns of the fused output
-                for layer in range(layers):
+                for i, layer in enumerate(self.model_layers):
                     ab = adapter.weights.get((layer, module))
                     if ab is None:
-                        a_host[layer, j].zero_()
-                        b_host[layer, col : col + n].zero_()
+                        a_host[i, j].zero_()
+                        b_host[i, col : col + n].zero_()
                         continue
                     a, b = ab
                     if group in ROW_PARALLEL:
                         a = self._cut(a, 1)
                     else:
                         b = self._cut(b, 0)
-                    a_host[layer, j].copy_(a)
-                    b_host[layer, col : col + n].copy_(b)
+                    a_host[i, j].copy_(a)
+                    b_host[i, col : col + n].copy_(b)
             tensors[group] = (a_host, b_host)
         return PackedAdapter(adapter.name, r, adapter.scaling, tensors)
 

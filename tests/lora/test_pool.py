@@ -78,3 +78,16 @@ def test_one_row_epilogue_matches_the_twins(pool, group, slot):
         act = "silu"
         got = _on("triton", lambda: gemv_act_and_mul(x, weight, act, lora=batch.row(1, group, x)))
         torch.testing.assert_close(got, ACTIVATIONS[act](want), **TOL)
+
+
+def test_a_pipeline_stage_holds_its_own_layers_adapter_weights(pool):
+    """At pp > 1 a stage's pool has room for its layers only, and reads each layer's adapter
+    weights where the whole model's pool has them."""
+    stage = LoraPool(CONFIG, 3, 16, 0, 1, DTYPE, DEVICE, layers=range(1, 2))
+    for slot, rank in enumerate(RANKS):
+        stage.load(slot, _adapter(rank, slot))
+    assert stage.nbytes * CONFIG.num_hidden_layers == pool.nbytes
+    assert list(stage.layers) == [1]
+    for group in GROUPS:
+        for got, want in zip(stage.layers[1][group][:2], pool.layers[1][group][:2]):
+            assert torch.equal(got, want), group

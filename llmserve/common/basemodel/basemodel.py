@@ -217,7 +217,7 @@ class TpPartBaseModel:
         from llmserve.lora.pool import LoraPool
 
         return LoraPool(self.network_config_, p.max_loras, p.max_lora_rank, self.tp_rank_, self.world_size_,
-                        self.data_type, self.device)
+                        self.data_type, self.device, layers=self.stage_layers)
 
     def _init_extra_weights(self, *args) -> list:
         """Hook: weight objects beyond the decoder's (LLaVA's vision tower and projector), loaded
