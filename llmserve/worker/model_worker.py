@@ -82,9 +82,8 @@ class ModelWorker:
             logger.info("rank %d: pipeline stage %d of %d, layers %d-%d", args.rank, args.pp_rank, args.pp, layers[0],
                         layers[-1])
         # The weights' parameters and bytes over all ranks (for /info), summed while every rank is
-        # here: each stage holds other layers. (A tied embedding counts twice at pp > 1: stage 0
-        # and the last stage each hold it.)
-        tensors = self.model.held_weights()
+        # here: each stage holds other layers.
+        tensors = self.model.counted_weights()
         self.weight_totals: list[int] = reduce_over_ranks([sum(t.shape.numel() for t in tensors),
                                                            sum(t.nbytes for t in tensors)], "sum", device)
         pool = self.model.lora_pool

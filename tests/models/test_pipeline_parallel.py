@@ -86,6 +86,11 @@ def test_stages_give_hf_logits(name, tmp_path):
     assert [m.mem_manager.layer_num for m in stages] == [len(m.stage_layers) for m in stages]
     assert stages[0].pre_post_weight.wte_weight_ is not None and stages[0].pre_post_weight.lm_head_weight_ is None
     assert stages[-1].pre_post_weight.lm_head_weight_ is not None and stages[-1].pre_post_weight.final_norm_weight_ is not None
+    # What /info counts (counted_weights, summed over the ranks): the model's parameters, a tied
+    # lm_head once though two stages hold it.
+    with torch.device("meta"):
+        hf_params = type(hf)(hf.config).num_parameters()
+    assert sum(t.shape.numel() for m in stages for t in m.counted_weights()) == hf_params
     prefill, next_token = run_stages(stages, PROMPTS, [[[i + 1] for i in range(len(PROMPTS))]])
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):

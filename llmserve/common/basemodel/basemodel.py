@@ -361,6 +361,12 @@ class TpPartBaseModel:
                     weights.setdefault(id(value), value)
         return list(weights.values())
 
+    def counted_weights(self) -> list:
+        """``held_weights`` as the model's total counts them: a tied lm_head is the embedding,
+        which at pp > 1 stage 0 holds too, so a later stage leaves it to stage 0's count."""
+        tied = getattr(self.network_config_, "tie_word_embeddings", False) and not self.is_first_stage
+        return [t for t in self.held_weights() if not (tied and t is self.pre_post_weight.lm_head_weight_)]
+
     # -- inference --------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
