@@ -70,6 +70,7 @@ def test_two_stages_give_one_stage_tokens_and_prompt_logprobs(pp2, pp1):
     assert_same(pp2.generate(PROMPTS, GREEDY), expected)
     assert "pp=2 (layers 0 | 1)" in pp2.engine.summary()
     info = pp2.engine.info
+    assert info.all_reduce == ""      # stages of one rank: no all-reduce to name
     assert info.max_total_token_num == KV_TOKENS and info.num_layers == 2
     # the stages' weights add up to the model's (an untied lm_head: no tensor held twice)
     assert (info.num_params, info.weight_bytes) == (pp1_info.num_params, pp1_info.weight_bytes)

@@ -86,7 +86,9 @@ def init_distributed(store: dist.Store | None, rank: int, world: int, device: to
         # Every rank makes every stage's group, in the same order (new_group is collective).
         groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
         _tp_group = groups[rank // tp]
-    if custom_all_reduce and backend == "nccl":
+    if tp == 1:         # pipeline stages of one rank each: nothing to all-reduce
+        set_custom_all_reduce(None, "")
+    elif custom_all_reduce and backend == "nccl" and tp == world:   # not over a stage's group yet
         custom = CustomAllReduce.setup(dist.group.WORLD, device)
         set_custom_all_reduce(custom, None if custom else "NCCL (the custom all-reduce failed to start: see the log)")
     else:
@@ -109,7 +111,8 @@ def set_custom_all_reduce(custom: CustomAllReduce | None, description: str | Non
     all-reduce benchmark and the tests also toggle."""
     global _custom_all_reduce, _all_reduce_description
     _custom_all_reduce = custom
-    _all_reduce_description = description or (custom.describe() if custom is not None else "NCCL")
+    _all_reduce_description = description if description is not None else (
+        custom.describe() if custom is not None else "NCCL")
 
 
 def split_addr(addr: str) -> tuple[str, int]:
