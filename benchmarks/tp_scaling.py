@@ -25,9 +25,9 @@ A 70B shape at tp=4, no checkpoint written (random weights drawn at load):
              python benchmarks/make_random_model.py --shape 70b --config-only --out /tmp/llama3-70b-dummy
              python benchmarks/tp_scaling.py --model /tmp/llama3-70b-dummy --load-format dummy --tp 4 --concurrency 1 \
                  --no-serving --all-reduce custom,nccl
-Pipeline stages against one GPU (2 GPUs, eager: pp > 1 captures no graphs, so pp=1 runs eagerly too):
+Pipeline stages against one GPU (2 GPUs; each stage replays graphs of its layers):
              python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1 --pp 1,2 --concurrency 1,32 \
-                 --output-len 64 --no-serving --cuda-graph-max-bs 0
+                 --output-len 64 --no-serving --cuda-graph-max-bs 32
 Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
              python benchmarks/tp_scaling.py --model /tmp/tiny --tp 1,2 --input-len 16 --output-len 8 --concurrency 1,2,4 --no-serving
 """

@@ -277,9 +277,13 @@ class PipelineLink:
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.empty(shape, dtype=dtype, device=device)
         pending = torch.empty(shape, dtype=dtype, device=device)
+        self.recv_into(h, pending)
+        return h, pending
+
+    def recv_into(self, h: torch.Tensor, pending: torch.Tensor) -> None:
+        """The stage before's output into ``h`` and ``pending`` (contiguous; a graph's static inputs)."""
         dist.recv(h, self.prev)
         dist.recv(pending, self.prev)
-        return h, pending
 
     def logits_to_rank0(self, logits: torch.Tensor | None, shape: tuple[int, int],
                         device: torch.device) -> torch.Tensor | None:

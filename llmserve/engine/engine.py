@@ -82,8 +82,8 @@ class LLMEngine:
         # Not at pp > 1 (check_pipeline refuses overlap=True there).
         self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.pp == 1
         if config.pp > 1 and model.device == "cuda":
-            logger.warning("pp=%d: every step runs eagerly and is scheduled after the last one's tokens are read "
-                           "(no CUDA graphs, no overlapped loop at pp > 1 yet)", config.pp)
+            logger.warning("pp=%d: every step is scheduled after the last one's tokens are read (no overlapped "
+                           "loop at pp > 1 yet)", config.pp)
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet

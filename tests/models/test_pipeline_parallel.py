@@ -50,6 +50,11 @@ class LocalLink:
         self.sent = None
         return h, pending
 
+    def recv_into(self, h: torch.Tensor, pending: torch.Tensor) -> None:
+        got = self.recv_hidden(h.shape, h.dtype, h.device)
+        h.copy_(got[0])
+        pending.copy_(got[1])
+
 
 def run_stages(stages, prompts: list[list[int]], steps: list[list[list[int]]]) -> list[torch.Tensor]:
     """Every stage runs each step (prefill of ``prompts``, then each of ``steps``: one chunk per
@@ -67,11 +72,14 @@ def run_stages(stages, prompts: list[list[int]], steps: list[list[list[int]]]) -
     return out
 
 
-def load_stages(path, pp: int):
-    stages = [load_ours(path, pp_rank=s, pp_size=pp) for s in range(pp)]
+def load_stages(path, pp: int, **kw):
     link = LocalLink()    # one mailbox: the stages run one after another
-    for m in stages:
-        m.pipeline = link
+    stages = []
+    for s in range(pp):
+        # The link before the graphs are built: a stage's graphs hand off through the model's link.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("llmserve.common.basemodel.basemodel.PipelineLink", lambda *args: link)
+            stages.append(load_ours(path, pp_rank=s, pp_size=pp, **kw))
     return stages
 
 
@@ -116,3 +124,22 @@ def test_more_stages_than_layers_are_refused(tmp_path):
     build_tiny_hf_model(LlamaConfig(**SHAPE, intermediate_size=128, num_hidden_layers=2), tmp_path)
     with pytest.raises(ValueError, match="pp=3 stages need at least one layer each; the model has 2"):
         load_ours(tmp_path, pp_rank=0, pp_size=3)
+
+
+def test_stages_replay_their_layers_with_hand_offs_around_the_graphs(tmp_path):
+    """At pp > 1 each stage's decode graphs hold its own layers, the hand-offs run around the
+    replays (cuda_graph.py, _StageLink): the graphs' padded, static-buffer path (capture=False, the
+    CPU's) gives the eager stages' logits, at batch sizes that pad (3 -> 4) and that do not."""
+    hf = build_tiny_hf_model(CONFIGS["llama"](), tmp_path)
+    eager = load_stages(tmp_path, 3)
+    graphed = load_stages(tmp_path, 3, cuda_graph_max_bs=4, cuda_graph_capture=False)
+    assert all(m.decode_graphs is not None for m in graphed) and all(m.decode_graphs is None for m in eager)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        steps = [[[i + 1 + j] for i in range(len(prompts))] for j in range(3)]
+        want = run_stages(eager, prompts, steps)
+        got = run_stages(graphed, prompts, steps)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert rel_err(g.float(), w.float()) < LOGITS_TOL, step
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[0] + [1, 2, 3]])).logits[0].float()
+    assert rel_err(got[-1][0].cpu(), ref[-1]) < LOGITS_TOL

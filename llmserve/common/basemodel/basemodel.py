@@ -234,8 +234,7 @@ class TpPartBaseModel:
         GPU, or the model cannot). ``cuda_graph_capture=False`` (tests) runs the graphs' padded
         path without capturing, so it needs no GPU."""
         p = self.params
-        # A pipeline stage runs eagerly: a graph has no place for the sends and receives yet.
-        if p.cuda_graph_max_bs <= 0 or not self._graphs_supported() or p.pp_size > 1:
+        if p.cuda_graph_max_bs <= 0 or not self._graphs_supported():
             return 0
         if p.cuda_graph_capture and self.device.type != "cuda":
             return 0

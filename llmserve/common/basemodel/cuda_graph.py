@@ -29,6 +29,13 @@ for the largest batch and 1 + K tokens a request (see that class for why one sha
 
 ``capture=False`` runs the same padded, static-buffer step without a graph: the CPU tests hold
 that path against the plain forward token for token; the GPU tests hold the graphs against it.
+
+A pipeline stage (pp > 1) captures its own layers only. Its hand-offs run outside the graph, as
+eager sends and receives around each replay: a stage after the first receives the stage before's
+``(h, pending)`` into static buffers the graph reads, and a stage before the last sends the tensors
+its graph wrote (``_StageLink``). So no collective is captured, every stage captures on its own
+(nothing crosses ranks while capturing), and all stages replay the same bucket: they run the same
+steps, padded alike.
 """
 
 from __future__ import annotations
@@ -63,16 +70,45 @@ class _StepGraphs:
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.pool = None     # the graphs' memory pool (the verify graphs share the decode graphs')
+        self._link: _StageLink | None = None   # a pipeline stage's hand-offs (made on first use)
 
     def bucket(self, num_rows: int) -> int:
         return next(b for b in self.buckets if b >= num_rows)
 
-    def _replay(self, bucket: int, num_rows: int) -> torch.Tensor:
-        """The step of the inputs written for ``bucket``: its first ``num_rows`` rows of logits."""
+    def _replay(self, bucket: int, num_rows: int) -> torch.Tensor | None:
+        """The step of the inputs written for ``bucket``: its first ``num_rows`` rows of logits
+        (None on a pipeline stage before the last, whose output went on to the next stage)."""
+        link = self._stage_link
+        if link is not None:
+            link.receive(bucket)
         if bucket in self._graphs:
             self._graphs[bucket].replay()
-            return self._outputs[bucket][:num_rows]
-        return self._step(bucket)[:num_rows]
+            out = self._outputs[bucket]
+        else:
+            out = self._step(bucket)
+        if link is not None:
+            link.send(bucket)
+        return None if out is None else out[:num_rows]
+
+    def _forward_layers(self, input_ids: torch.Tensor, state) -> torch.Tensor | None:
+        """The model's layers inside a graph's step: a pipeline stage's hand-offs go to its
+        ``_StageLink`` (static buffers) for the time of the call."""
+        model, link = self.model, self._stage_link
+        if link is None:
+            return model.forward_layers(input_ids, state)
+        model.pipeline, real = link, model.pipeline
+        try:
+            return model.forward_layers(input_ids, state)
+        finally:
+            model.pipeline = real
+
+    @property
+    def _stage_link(self) -> _StageLink | None:
+        if self.model.pipeline is None or isinstance(self.model.pipeline, _StageLink):
+            return None
+        if self._link is None:
+            self._link = _StageLink(self.model, self.buckets[-1])
+        return self._link
 
     def _write_padding(self, bucket: int) -> None:
         raise NotImplementedError
@@ -126,6 +162,39 @@ class _StepGraphs:
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+
+
+class _StageLink:
+    """A pipeline stage's hand-offs around its graphs. Inside a graph's step it stands in for the
+    model's ``PipelineLink``: ``recv_hidden`` gives the static input buffers (their first
+    ``bucket`` rows) and ``send_hidden`` keeps what the graph hands on. Around a replay,
+    ``receive`` fills those buffers from the stage before and ``send`` sends what the graph wrote,
+    through the real link."""
+
+    def __init__(self, model: TpPartBaseModel, max_rows: int):
+        self.model, self.real = model, model.pipeline
+        shape = (max_rows, model.network_config_.hidden_size)
+        first = model.is_first_stage
+        self._inputs = None if first else [torch.zeros(shape, dtype=model.data_type, device=model.device) for _ in range(2)]
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bucket = 0
+
+    # -- inside a graph's step (forward_layers) ---------------------------------------------
+    def recv_hidden(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+        self._bucket = shape[0]
+        return tuple(buf[: shape[0]] for buf in self._inputs)
+
+    def send_hidden(self, h: torch.Tensor, pending: torch.Tensor) -> None:
+        self._outputs[h.shape[0]] = (h, pending)
+
+    # -- around a replay --------------------------------------------------------------------
+    def receive(self, bucket: int) -> None:
+        if self._inputs is not None:
+            self.real.recv_into(*(buf[:bucket] for buf in self._inputs))
+
+    def send(self, bucket: int) -> None:
+        if not self.model.is_last_stage:
+            self.real.send_hidden(*self._outputs[bucket])
 
 
 class DecodeGraphs(_StepGraphs):
@@ -201,7 +270,7 @@ class DecodeGraphs(_StepGraphs):
         )
         state.lora = self._lora_batch(self._lora, self.max_batch_size, bucket)
         state.init_some_extra_state(model)
-        return model.forward_layers(inputs[0], state)
+        return self._forward_layers(inputs[0], state)
 
     @staticmethod
     def memory_estimate(max_batch_size: int, config, itemsize: int, tp: int) -> int:
@@ -332,5 +401,5 @@ class VerifyGraphs(_StepGraphs):
         )
         state.lora = self._lora_batch(self._lora, self.buckets[-1], bucket)
         state.init_some_extra_state(model)
-        return model.forward_layers(self._input_ids[:bucket], state)
+        return self._forward_layers(self._input_ids[:bucket], state)
 
