@@ -95,7 +95,6 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_one_rank_tokens(tiny_llama
 @pytest.mark.parametrize("options, message", [
     (dict(pp=3), "pp=3 stages need at least one layer each; the model has 2"),
     (dict(pp=0), "pp must be >= 1, got 0"),
-    (dict(pp=2, overlap=True), r"the overlapped loop \(overlap=True\) is not supported with pp > 1 yet"),
     (dict(pp=2, tp=2, custom_all_reduce=True), "custom all-reduce .* not supported with pp > 1 yet"),
     (dict(pp=3, nnodes=2, dist_init_addr="127.0.0.1:1"), "tp x pp = 3 does not split over nnodes=2"),
 ])

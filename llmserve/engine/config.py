@@ -172,9 +172,6 @@ def check_pipeline(config: EngineConfig) -> None:
         return
     refused = [
         (config.custom_all_reduce is True and config.tp > 1, "the custom all-reduce (--enable-custom-all-reduce)"),
-        # The overlapped loop feeds a step tokens drawn on the device in the step before, which
-        # the other stages would need handed over as well (off by default at pp > 1: LLMEngine).
-        (config.overlap is True, "the overlapped loop (overlap=True)"),
     ]
     for on, what in refused:
         if on:

@@ -78,12 +78,9 @@ class LLMEngine:
             tokens_per_image=self.info.tokens_per_image, lora_modules=dict(config.lora_modules),
             max_loras=config.max_loras,
         ))
-        # At tp > 1 too: rank 0 broadcasts each draw to the other ranks (ModelWorker._share_draw).
-        # Not at pp > 1 (check_pipeline refuses overlap=True there).
-        self.overlap = config.overlap if config.overlap is not None else model.device == "cuda" and config.pp == 1
-        if config.pp > 1 and model.device == "cuda":
-            logger.warning("pp=%d: every step is scheduled after the last one's tokens are read (no overlapped "
-                           "loop at pp > 1 yet)", config.pp)
+        # At tp > 1 and pp > 1 too: rank 0 (stage 0, which embeds the tokens and samples from the
+        # logits the last stage sends it) broadcasts each draw to the other ranks (ModelWorker._share_draw).
+        self.overlap = config.overlap if config.overlap is not None else model.device == "cuda"
         self.requests: dict[int, Request] = {}
         self._to_free: list[int] = []       # finished requests whose KV the workers still hold
         self._in_flight: deque[SchedulerOutput] = deque()   # steps sent whose output is not read yet

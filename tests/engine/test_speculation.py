@@ -126,6 +126,11 @@ def test_pp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
         got, accepted = generate_counting(llm, prompts, params)
         assert_same_tokens(got, want)
         assert accepted > 0 and llm.engine.num_draft_tokens > accepted
+        # Overlapped: stage 0 embeds the token rank 0 drew a step before from the last stage's logits.
+        with overlapped(llm) as records:
+            got, _ = generate_counting(llm, prompts, params)
+        assert_same_tokens(got, want)
+        assert_all_overlapped(records)
 
 
 @pytest.fixture(scope="module")
