@@ -28,6 +28,9 @@ A 70B shape at tp=4, no checkpoint written (random weights drawn at load):
 Pipeline stages against one GPU (2 GPUs; each stage replays graphs of its layers):
              python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1 --pp 1,2 --concurrency 1,32 \
                  --output-len 64 --no-serving --cuda-graph-max-bs 32
+With HF transformers' tensor parallelism beside it (the peer reads the weight files):
+             python benchmarks/tp_scaling.py --model /tmp/llama3-8b-random --tp 1,2,4 --concurrency 1,32 --output-len 64 \
+                 --no-serving --peer hf
 Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
              python benchmarks/tp_scaling.py --model /tmp/tiny --tp 1,2 --input-len 16 --output-len 8 --concurrency 1,2,4 --no-serving
 """
@@ -35,8 +38,12 @@ Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from common import environment, markdown_table, measure_copy_bandwidth, remove_script_dir_from_sys_path, write_json
@@ -60,10 +67,12 @@ class TpResult:
     weight_bytes: int = 0            # the model's weights, all ranks' shares (WorkerInfo.weight_bytes)
     numbers: dict[str, float] = field(default_factory=dict)   # metric -> value
     pp: int = 1
+    peer: str = ""                   # "" (ours) | HF eager | HF compiled (hf_tp_peer.py)
 
     @property
     def label(self) -> str:
-        label = f"{self.tp} ({self.all_reduce})" if self.all_reduce else str(self.tp)
+        kind = self.peer or self.all_reduce
+        label = f"{self.tp} ({kind})" if kind else str(self.tp)
         return label + (f", pp={self.pp}" if self.pp > 1 else "")
 
 
@@ -87,6 +96,25 @@ def offline(args: argparse.Namespace, tp: int, all_reduce: str, levels: list[int
     finally:
         engine.shutdown()
     return result
+
+
+PEER_LABELS = {"hf": "HF eager", "hf-compiled": "HF compiled"}
+
+
+def hf_peer(args: argparse.Namespace, tp: int, levels: list[int], weight_bytes: int) -> TpResult:
+    """HF transformers' own tensor parallelism at ``tp`` (``hf_tp_peer.py`` under torchrun, one
+    process per GPU): its decode step at a batch of each C, on the same checkpoint."""
+    from llmserve.engine.worker_client import free_tcp_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "hf.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
+                        "--master-port", str(free_tcp_port()), str(Path(__file__).with_name("hf_tp_peer.py")),
+                        "--model", args.model, "--batch-sizes", ",".join(map(str, levels)),
+                        "--prompt-len", str(args.input_len), "--mode", args.peer, "--json", str(out)], check=True)
+        tpot = json.loads(out.read_text())["tpot_ms"]
+    print(f"tp={tp} {PEER_LABELS[args.peer]}: decode step {tpot} ms", file=sys.stderr)
+    return TpResult(tp, "", weight_bytes, {f"tpot C={c}": tpot[str(c)] for c in levels}, peer=PEER_LABELS[args.peer])
 
 
 def step_floor_ms(weight_bytes: int, tp: int, bandwidth: float) -> float:
@@ -130,6 +158,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights drawn at load from --model's config.json (make_random_model.py "
                         "--config-only), as llmserve serve --load-format dummy (default: auto)")
+    p.add_argument("--peer", choices=list(PEER_LABELS), default=None,
+                   help="also time HF transformers' tensor parallelism at each --tp (hf_tp_peer.py: "
+                        "from_pretrained(tp_plan='auto') under torchrun), its decode step at a batch of each "
+                        "--concurrency; it reads --model's weight files (not with --load-format dummy)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -142,6 +174,9 @@ def main() -> int:
     modes = args.all_reduce.split(",")
     if not set(modes) <= {"custom", "nccl"}:
         raise SystemExit(f"--all-reduce takes custom and nccl, got {args.all_reduce!r}")
+    if args.peer and args.load_format == "dummy":
+        raise SystemExit("--peer loads --model's weight files: write them with make_random_model.py (the weights "
+                         "--load-format dummy draws) and run without --load-format dummy")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth = measure_copy_bandwidth(device)
     results = []
@@ -154,13 +189,19 @@ def main() -> int:
                     result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(
                         args, tp, all_reduce, args.serving_concurrency, pp)
                 results.append(result)
-    base = results[0].numbers
-    metrics = list(base)
+    if args.peer:
+        results += [hf_peer(args, tp, levels, results[0].weight_bytes) for tp in tps]
+    # Each row against the first of its runner's (ours, the peer's).
+    bases = {}
+    for r in results:
+        bases.setdefault(r.peer, r.numbers)
+    metrics = list(results[0].numbers)
     rows = []
     for r in results:
-        for m in metrics:
+        for m in (m for m in metrics if m in r.numbers):
+            base = bases[r.peer]
             ratio = r.numbers[m] / base[m] if base[m] else float("nan")
-            goal = GOALS.get((r.tp, m)) if r.pp == 1 else None
+            goal = GOALS.get((r.tp, m)) if r.pp == 1 and not r.peer else None
             verdict = "" if goal is None else f"{goal[0]} {goal[1]}: " + (
                 "met" if (ratio <= goal[1] if goal[0] == "<=" else ratio >= goal[1]) else "MISSED")
             floor = step_floor_ms(r.weight_bytes, r.tp, bandwidth) if m == "tpot C=1" else None
@@ -168,7 +209,7 @@ def main() -> int:
                          "" if floor is None else f"{r.numbers[m] / floor:.2f}", verdict])
     print(f"\n### Tensor-parallel scaling, in {args.input_len} / out {args.output_len}, serving with "
           f"{args.api_server_count} HTTP process(es)\n")
-    print(markdown_table(["tp", "metric", "value", f"/ tp={tps[0]}", "floor ms", "x floor", "goal"], rows))
+    print(markdown_table(["tp", "metric", "value", f"/ tp={tps[0]} (same runner)", "floor ms", "x floor", "goal"], rows))
     if args.json:
         write_json(args.json, {"benchmark": "tp_scaling", "environment": environment(device), "model": args.model,
                                "input_len": args.input_len, "output_len": args.output_len,
