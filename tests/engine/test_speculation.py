@@ -71,28 +71,33 @@ def test_greedy_equals_plain_on_each_architecture(tiny_model_dir):
 
 
 
-def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
-    # Only rank 0 verifies: rank 1 learns what was kept from its next step's num_cached. The tied
-    # model's output cycles, so drafts are accepted and rejected.
+@pytest.mark.parametrize("ranks", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_two_ranks_greedy_equal_plain(ranks, tmp_path, smollm2_tokenizer):
+    # Only rank 0 verifies (at pp=2 it is stage 0, with the logits the last stage sends it): the
+    # other rank learns what was kept from its next step's num_cached. The tied model's output
+    # cycles, so drafts are accepted and rejected. float32 on a GPU too (bf16 is its default
+    # there): a verify step's rows and a decode step's row come from different kernels, equal to
+    # float32 rounding only (2 x H200: logprobs 1e-3 apart in bf16).
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("tp=2 needs 2 GPUs")
+        pytest.skip("two ranks need 2 GPUs")
     build_tiny_hf_model(ARCHITECTURES["llama-tied"](), tmp_path)
     smollm2_tokenizer.save_pretrained(tmp_path)
-    with LLM(str(tmp_path), tp=2, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH) as llm:
+    with LLM(str(tmp_path), dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH,
+             max_total_token_num=8192, **ranks) as llm:
         prompts, params = random_workload(512, 6, seed=1)
         want = llm.generate(prompts, plain(params))
         got, accepted = generate_counting(llm, prompts, params)
         assert_same_tokens(got, want)
         assert accepted > 0 and llm.engine.num_draft_tokens > accepted
         # Overlapped: rank 0 fills each step in (the tokens of the verify before it, positions,
-        # drafts) before rank 1 gets it.
+        # drafts) before the other rank gets it; at pp=2 stage 0 embeds the token drawn a step before.
         with overlapped(llm) as records:
             got, _ = generate_counting(llm, prompts, params)
         assert_same_tokens(got, want)
         assert_all_overlapped(records)
         # A step that carries no request (a flush of cache ops) between a draft and its request's
-        # next step: rank 1 must still drop that draft's rejected tokens then (it used to forget
-        # them, and its next step found the row too long and the rank exited).
+        # next step: the other rank must still drop that draft's rejected tokens then (it used to
+        # forget them, and its next step found the row too long and the rank exited).
         engine = llm.engine
         reqs = [engine.new_request(p, dataclasses.replace(q, max_new_tokens=40, ignore_eos=True))
                 for p, q in zip(prompts, params) if q.speculate]
@@ -107,30 +112,6 @@ def test_tp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
             engine.step()
         engine.flush()
         assert all(len(r.output_token_ids) == 40 for r in reqs)
-
-
-def test_pp2_greedy_equals_plain(tmp_path, smollm2_tokenizer):
-    # Two pipeline stages, a layer each: rank 0 (stage 0) drafts and verifies with the logits the
-    # last stage sends it; stage 1 learns what was kept from its next step's num_cached, as a
-    # tensor-parallel follower does.
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("pp=2 needs 2 GPUs")
-    build_tiny_hf_model(ARCHITECTURES["llama-tied"](), tmp_path)
-    smollm2_tokenizer.save_pretrained(tmp_path)
-    # float32 on a GPU too (bf16 is its default there): a verify step's rows and a decode step's
-    # row come from different kernels, equal to float32 rounding only (2 x H200: logprobs 1e-3 apart in bf16).
-    with LLM(str(tmp_path), pp=2, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH,
-             max_total_token_num=8192) as llm:
-        prompts, params = random_workload(512, 6, seed=1)
-        want = llm.generate(prompts, plain(params))
-        got, accepted = generate_counting(llm, prompts, params)
-        assert_same_tokens(got, want)
-        assert accepted > 0 and llm.engine.num_draft_tokens > accepted
-        # Overlapped: stage 0 embeds the token rank 0 drew a step before from the last stage's logits.
-        with overlapped(llm) as records:
-            got, _ = generate_counting(llm, prompts, params)
-        assert_same_tokens(got, want)
-        assert_all_overlapped(records)
 
 
 @pytest.fixture(scope="module")
