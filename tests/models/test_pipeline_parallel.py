@@ -143,3 +143,28 @@ def test_stages_replay_their_layers_with_hand_offs_around_the_graphs(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[0] + [1, 2, 3]])).logits[0].float()
     assert rel_err(got[-1][0].cpu(), ref[-1]) < LOGITS_TOL
+
+
+def test_stages_replay_verify_steps_with_hand_offs_around_the_graphs(tmp_path):
+    """The same for speculative verify steps (1 + K new tokens a request, every row's logits):
+    each stage's verify graphs (padded path) give the eager stages' rows."""
+    build_tiny_hf_model(CONFIGS["llama"](), tmp_path)
+    spec = dict(speculate=3, speculate_max_batch=3)
+    eager = load_stages(tmp_path, 2, **spec)
+    graphed = load_stages(tmp_path, 2, cuda_graph_max_bs=4, cuda_graph_capture=False, **spec)
+    assert all(m.verify_graphs is not None for m in graphed)
+    rows = [[m.req_manager.alloc_req() for _ in PROMPTS] for m in eager + graphed]
+    lens = [0] * len(PROMPTS)
+    for chunks, all_logits in [(PROMPTS, False), ([[7, 8, 9, 10], [3], [11, 12]], [True, False, True])]:
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
+        out = []
+        for stages, stage_rows in ((eager, rows[:2]), (graphed, rows[2:])):
+            for m, r in zip(stages, stage_rows):
+                logits = m.forward(ids, r, list(lens), [len(c) for c in chunks], all_logits)
+            out.append(logits)
+        flags = all_logits or [False] * len(chunks)
+        assert out[0].shape[0] == sum(len(c) if f else 1 for c, f in zip(chunks, flags))
+        if all_logits:    # the graphed stages replayed (their padded path), not the eager forward
+            assert all(m.verify_graphs.can_run([len(c) for c in chunks], all_logits) for m in graphed)
+        assert rel_err(out[1].float(), out[0].float()) < LOGITS_TOL
+        lens = [n + len(c) for n, c in zip(lens, chunks)]
