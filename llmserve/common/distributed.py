@@ -266,8 +266,8 @@ class PipelineLink:
         self.next: int | None = rank + tp if rank + tp < tp * pp else None   # None: the last stage
         # The last stage's tp rank 0 hands the logits (all-gathered in its tp group) to rank 0.
         self.last_stage_rank0 = (pp - 1) * tp
-        self.sends_logits = pp > 1 and rank == self.last_stage_rank0
-        self.receives_logits = pp > 1 and rank == 0
+        self.sends_logits = rank == self.last_stage_rank0
+        self.receives_logits = rank == 0
 
     def send_hidden(self, h: torch.Tensor, pending: torch.Tensor) -> None:
         dist.send(h.contiguous(), self.next)

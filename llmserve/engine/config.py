@@ -168,14 +168,8 @@ def check_pipeline(config: EngineConfig) -> None:
     """What pipeline stages (pp > 1) cannot run with yet is refused here, not run wrong."""
     if config.pp < 1:
         raise ValueError(f"pp must be >= 1, got {config.pp}")
-    if config.pp == 1:
-        return
-    refused = [
-        (config.custom_all_reduce is True and config.tp > 1, "the custom all-reduce (--enable-custom-all-reduce)"),
-    ]
-    for on, what in refused:
-        if on:
-            raise ValueError(f"{what} is not supported with pp > 1 yet")
+    if config.pp > 1 and config.tp > 1 and config.custom_all_reduce is True:
+        raise ValueError("the custom all-reduce (--enable-custom-all-reduce) is not supported with pp > 1 yet")
 
 
 def _resolve_device(device: str) -> tuple[str, int]:

@@ -104,9 +104,9 @@ class _StepGraphs:
 
     @property
     def _stage_link(self) -> _StageLink | None:
-        if self.model.pipeline is None or isinstance(self.model.pipeline, _StageLink):
+        if self.model.pipeline is None:
             return None
-        if self._link is None:
+        if self._link is None:     # made outside any capture, from the model's real link
             self._link = _StageLink(self.model, self.buckets[-1])
         return self._link
 
@@ -174,14 +174,12 @@ class _StageLink:
     def __init__(self, model: TpPartBaseModel, max_rows: int):
         self.model, self.real = model, model.pipeline
         shape = (max_rows, model.network_config_.hidden_size)
-        first = model.is_first_stage
-        self._inputs = None if first else [torch.zeros(shape, dtype=model.data_type, device=model.device) for _ in range(2)]
+        self._inputs = None if model.is_first_stage else [
+            torch.zeros(shape, dtype=model.data_type, device=model.device) for _ in range(2)]
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._bucket = 0
 
     # -- inside a graph's step (forward_layers) ---------------------------------------------
     def recv_hidden(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
-        self._bucket = shape[0]
         return tuple(buf[: shape[0]] for buf in self._inputs)
 
     def send_hidden(self, h: torch.Tensor, pending: torch.Tensor) -> None:
