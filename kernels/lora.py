@@ -15,27 +15,34 @@ Several rows (``lora_add``; its halves ``lora_shrink_triton`` and ``lora_expand_
 that ``LoraBatch.linear`` can run the shrink, which reads x only, on a side stream beside the
 base projection):
 
-1. ``_lora_shrink_kernel``, grid (K split, slot, tile of ``BLOCK_M`` of the slot's rows): each
+1. ``_lora_shrink_kernel``, grid (K split, row tile): each
    program reads a ``K / k_splits`` slice of its slot's A once (every projection of the group:
    x's slice is read once too) and writes its tiles' partial sums ``P[split, i, :]`` (fp32,
    ``[k_splits, rows, m * R]``, i the position in ``rows``). Every partial the expand reads is
    written, so nothing is zeroed first and nothing is added atomically.
-2. ``_lora_expand_kernel``, grid (column block, slot, tile): sums its tokens' partials over the
+2. ``_lora_expand_kernel``, grid (column block, row tile): sums its tokens' partials over the
    splits (``k_splits x BLOCK_M x R`` floats, a few KB), rounds the sum to the activations' dtype
    (PEFT's ``lora_A(x)`` is in it too) and adds ``s @ B^T * scaling`` to its ``BLOCK_N`` columns
    of y, in place. One block a program and no loop: a program waits on three loads in a row
-   (the segment's bounds; its rows, partials and B; y), and a launch's many programs wait side by
+   (the segments' bounds; its rows, partials and B; y), and a launch's many programs wait side by
    side. (Chunks of several blocks a program, looped over, cost 11 us a launch at batch 32.)
+
+A row tile is ``BLOCK_M`` rows of one slot's segment: the launches' row tiles are the segments'
+tiles in slot order (`_segment_tile` finds its own from all slots' bounds, one load), as many
+as the rows' segments can need (``min(S, n) + cdiv(n, BLOCK_M) - 1`` for n rows). So tiles of
+no tokens are few: a grid of (slot, tile of the slot's rows) up to the longest segment a graph
+may replay (its bucket) had 16 tiles at batch 32 over 8 adapters, 7 of them empty, and was
+0.16 ms a step slower on an H200 (`lora.py`, 7.16 against 7.00 ms).
 
 Each launch reads A or B once in all. The host picks ``k_splits`` so that the shrink's busy
 programs (splits x tiles that can hold tokens) fill about one wave of SMs, at most
 ``MAX_K_SPLITS`` (the expand's sum grows with them), each split a whole number of ``BLOCK_K``
-blocks; the expand's blocks are 128 columns, 256 where that leaves ``EXPAND_WAVES`` waves (fewer
-programs re-read the partials). On an H100 (132 SMs), Llama-3-8B, rank 16, bf16, batch 32 over 8
-adapters: 9 busy tiles (8 segments of 4 tokens, plus a boundary). The shrink: qkv 11 splits of
-384 columns, 88 programs of 36 KB of A; down 14 splits of 1024, 112 programs of 32 KB. The
-expand: qkv 48 blocks x 8 segments = 384 busy programs of 4 KB of B (plus 2.8 KB of partials
-from L2); gate_up 112 blocks of 256 x 8 = 896 programs of 8 KB; o and down 256 of 4 KB.
+blocks; the expand's blocks are 256 columns (`expand_block_n`). On an H100 (132 SMs),
+Llama-3-8B, rank 16, bf16, batch 32 over 8 adapters: 9 row tiles (8 segments of 4 tokens,
+plus a boundary's). The shrink: qkv 11 splits of 384 columns, 99 programs, 88 of them busy, of
+36 KB of A; down 14 splits of 1024, 112 busy programs of 32 KB. The expand: qkv 24 blocks x 8
+segments = 192 busy programs of 8 KB of B (plus 2.8 KB of partials from L2); gate_up 112 x 8
+= 896; o and down 128.
 
 One row (a batch-1 decode step, where the base projection is our GEMV, ``kernels/gemv.py``):
 the expand is the GEMV's epilogue, so a projection group costs one launch more than the base
@@ -58,8 +65,8 @@ Tokens are grouped by adapter (S-LoRA / Punica's segments): ``rows[seg_start[s] 
 seg_start[s + 1]]`` are the token rows of slot ``s`` (built once a step on the host:
 ``llmserve.lora.pool.lora_segments``). A program loads one adapter's weights for up to
 ``BLOCK_M`` tokens at once (a batch of 32 over 8 adapters: one program per adapter and split or
-block, not per request); the tiles past a slot's rows, and so every slot without tokens and every
-token of the base model, exit at once.
+block, not per request); a tile past the segments' (its launch's last one, when no segment
+boundary falls inside a tile) exits at once, and a token of the base model is in no tile.
 
 The pool pads every adapter to its largest rank ``R`` with zeros; ``slot_rank`` masks the
 padding's loads (a masked load moves no memory). A stacks a group's projections' A
@@ -90,38 +97,50 @@ MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few K
 SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
 _SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
 _SUM_TILE = 8192            # fp32 partials the expand loads at once (splits x rows x rank): 64 a thread
-EXPAND_WAVES = 4            # busy expand programs a 256-column block must leave (else 128): SMs x this
 
 
 @triton.jit
-def _segment_tile(SegStart, Rows, BLOCK_M: tl.constexpr):
-    """Program (., slot, tile)'s tokens: their positions in ``Rows``, a mask of the real ones
-    and their token rows; ``first >= seg_end`` when the tile holds none (the program exits)."""
-    slot = tl.program_id(1)
-    seg_end = tl.load(SegStart + slot + 1)
-    first = tl.load(SegStart + slot) + tl.program_id(2) * BLOCK_M
+def _segment_tile(SegStart, Rows, NUM_SLOTS, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (., t)'s tokens: the t-th tile of ``BLOCK_M`` rows of the segments in slot order
+    (slot s has ``cdiv(len_s, BLOCK_M)`` of them), found from all slots' bounds at once (one load,
+    then sums over ``BLOCK_S`` lanes); returns its slot (clamped to a valid one), the tile's first
+    position in ``Rows`` and its slot's end (``first >= seg_end``: no tokens, the program exits),
+    the positions, a mask of the real ones and their token rows."""
+    tile = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    starts = tl.load(SegStart + offs_s, mask=offs_s < NUM_SLOTS, other=0)
+    ends = tl.load(SegStart + 1 + offs_s, mask=offs_s < NUM_SLOTS, other=0)
+    counts = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    # The tile's slot: the slots whose tiles all come before it (those past NUM_SLOTS count 0
+    # tiles and end at the total, so a tile past the total counts them all and finds none).
+    slot = tl.sum((tl.cumsum(counts, 0) <= tile).to(tl.int32), 0)
+    before = tl.sum(tl.where(offs_s < slot, counts, 0), 0)
+    seg_end = tl.sum(tl.where(offs_s == slot, ends, 0), 0)
+    first = tl.sum(tl.where(offs_s == slot, starts, 0), 0) + (tile - before) * BLOCK_M
     offs_m = first + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     rows = tl.load(Rows + offs_m, mask=m_mask, other=0).to(tl.int64)
-    return slot, first, seg_end, offs_m, m_mask, rows
+    return tl.minimum(slot, NUM_SLOTS - 1), first, seg_end, offs_m, m_mask, rows
 
 
 @triton.jit
-def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, R_SUB,
+def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, NUM_SLOTS, K, K_PER_SPLIT, R_TOTAL, R_SUB,
                         stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """``P[split, i] = x[rows[i]] @ A[slot]^T`` over columns ``split * K_PER_SPLIT`` on (at most
     K_PER_SPLIT of them) for the tile's positions i: ``m * R_SUB x K_PER_SPLIT`` of A read once."""
-    pdl_wait(PDL)
-    slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
-    if first >= seg_end:     # no tokens of this slot in this tile
-        return
+    # The tile's rows and the slot's rank are a step's inputs (written before the step, not by the
+    # kernel before): read while that kernel ends (`pdl_wait`).
+    slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, NUM_SLOTS, BLOCK_M, BLOCK_S)
     # Every projection's A rows at once: projection j's are j * R_SUB on, the slot's first
     # `rank` of them its adapter's (the rest is the pool's zero padding, not read).
     offs_r = tl.arange(0, BLOCK_R)
     r_in = offs_r < R_TOTAL
     r_mask = r_in & (offs_r % R_SUB < tl.load(Rank + slot))
+    pdl_wait(PDL)
+    if first >= seg_end:     # no tokens of this slot in this tile
+        return
     split = tl.program_id(0)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -141,9 +160,9 @@ def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, K, K_PER_SPLIT, R_TOTAL, 
 
 
 @triton.jit
-def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Blocks, K_SPLITS, R_SUB,
+def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, NUM_SLOTS, Blocks, K_SPLITS, R_SUB,
                         stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                         SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """``y[rows[i], block] += (sum over splits of P[:, i]) @ B[slot, block]^T * scaling`` for the
     tile's positions i and one column block: ``R x BLOCK_N`` of B, ``K_SPLITS x BLOCK_M x R``
@@ -152,20 +171,22 @@ def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, Blocks, K_SPLITS
     # This program's columns: block program_id(0), of projection `proj` (its partials' columns
     # start at proj * R_SUB), columns col_start up to col_end of y (a block never spans two
     # projections). Loaded before the segment's bounds: they do not depend on them.
-    pdl_wait(PDL)
     block = Blocks + tl.program_id(0) * 3
     proj = tl.load(block)
     col_start = tl.load(block + 1)
     col_end = tl.load(block + 2)
-    slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, BLOCK_M)
-    if first >= seg_end:
-        return
+    slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, NUM_SLOTS, BLOCK_M, BLOCK_S)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < tl.load(Rank + slot)
     offs_n = col_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_end
+    # B, the block table and the step's segments are not the kernel before's writes (the partials
+    # and y are): read while it ends (`pdl_wait`). A tile without tokens reads no B (masked off).
     b = tl.load(B + slot.to(tl.int64) * stride_bs + offs_r[:, None] + offs_n[None, :] * stride_bn,
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                mask=(r_mask[:, None] & n_mask[None, :]) & (first < seg_end), other=0.0)
+    pdl_wait(PDL)
+    if first >= seg_end:
+        return
 
     # s = the sum of the shrink's partials, SPLIT_BLOCK splits a load
     offs_sp = tl.arange(0, SPLIT_BLOCK)
@@ -375,13 +396,13 @@ def shrink_plan(k: int, busy: int, block_m: int, block_r: int, elem_size: int, n
     return ShrinkPlan(block_k, blocks_per_split * block_k, triton.cdiv(blocks, blocks_per_split), num_stages)
 
 
-def expand_block_n(splits: tuple[int, ...], busy: int, num_sms: int) -> int:
-    """The expand's columns a program: 128 (4 KB of B at rank 16), 256 when that still leaves at
-    least EXPAND_WAVES waves of busy programs (each program re-reads its tile's partials, so
-    fewer, wider ones read less of them), never wider than the narrowest projection needs."""
-    widest = max(16, next_pow2(min(splits)))
-    blocks = sum(triton.cdiv(n, 256) for n in splits)
-    return min(widest, 256 if blocks * busy >= EXPAND_WAVES * num_sms else 128)
+def expand_block_n(splits: tuple[int, ...]) -> int:
+    """The expand's columns a program: 256 (8 KB of B at rank 16), never wider than the narrowest
+    projection needs. `benchmarks/lora_kernels.py --sweep` on an H200, batch 32 over 8 adapters,
+    each launch alone: 256 columns and 4 warps took 2.9-3.9 us for qkv, o and down against
+    4.2-5.9 us at 128 (fewer programs, each reading its tile's partials once), and 512 was
+    better only for gate_up alone, not in a step (`lora.py`, 6.92 against 6.89 ms)."""
+    return min(max(16, next_pow2(min(splits))), 256)
 
 
 @dataclass(frozen=True)
@@ -390,13 +411,12 @@ class Shrunk:
 
     partials: torch.Tensor
     block_m: int
-    tiles: tuple[int, int]      # (slot, tile of its rows)
-    busy: int                   # tiles that can hold tokens
+    tiles: int      # row tiles of the launches (the most the segments of the rows can need)
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor,
                        rows: torch.Tensor, max_len: int, splits: tuple[int, ...], r_sub: int,
-                       stream: torch.cuda.Stream | None = None) -> Shrunk | None:
+                       stream: torch.cuda.Stream | None = None, num_warps: int | None = None) -> Shrunk | None:
     """`lora_add`'s first half: the shrink split over K, into fp32 partials (None: no tokens have
     an adapter's segment to be in). ``stream``: launch it there (the partials are allocated on
     the current stream, which the caller joins before the expand)."""
@@ -407,40 +427,45 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
     assert x.stride(1) == 1 and a.stride(2) == 1
     sms = _num_sms(x.device)
     block_m = BLOCK_M_DECODE if max_len <= DECODE_ROWS else BLOCK_M_PREFILL
-    tiles = (num_slots, triton.cdiv(max_len, block_m))
-    # Tiles that can hold tokens: the rows' tiles, plus one per segment boundary.
-    busy = min(num_slots, n) + triton.cdiv(n, block_m) - 1
+    # The row tiles of n rows' segments are at most the rows' tiles plus one per segment boundary
+    # (a sum of ceilings exceeds the sum's ceiling by less than one a term): a count of shapes
+    # only, so a CUDA graph's launches fit every step it replays.
+    tiles = min(num_slots, n) + triton.cdiv(n, block_m) - 1
     r_total = len(splits) * r_sub
     block_r = max(16, next_pow2(r_total))
-    plan = shrink_plan(k, busy, block_m, block_r, x.element_size(), sms)
+    plan = shrink_plan(k, tiles, block_m, block_r, x.element_size(), sms)
     partials = torch.empty((plan.k_splits, rows.numel(), r_total), dtype=torch.float32, device=x.device)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        launcher(_lora_shrink_kernel, x)[(plan.k_splits, *tiles)](
-            x, a, partials, slot_rank, seg_start, rows, k, plan.k_per_split, r_total, r_sub,
+        launcher(_lora_shrink_kernel, x)[(plan.k_splits, tiles)](
+            x, a, partials, slot_rank, seg_start, rows, num_slots, k, plan.k_per_split, r_total, r_sub,
             x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
-            BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, DOT_PRECISION=dot_precision(x.dtype),
-            num_stages=plan.num_stages, num_warps=8 if block_m * block_r >= 8192 else 4,
+            BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, BLOCK_S=max(2, next_pow2(num_slots)),
+            DOT_PRECISION=dot_precision(x.dtype),
+            num_stages=plan.num_stages, num_warps=num_warps or (8 if block_m * block_r >= 8192 else 4),
             **pdl(x),
         )
-    return Shrunk(partials, block_m, tiles, busy)
+    return Shrunk(partials, block_m, tiles)
 
 
 def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling: torch.Tensor,
                        slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor,
-                       splits: tuple[int, ...], r_sub: int) -> None:
-    """`lora_add`'s second half: ``y += `` the sum of the shrink's partials ``@ B^T * scaling``."""
+                       splits: tuple[int, ...], r_sub: int, block_n: int | None = None,
+                       num_warps: int | None = None) -> None:
+    """`lora_add`'s second half: ``y += `` the sum of the shrink's partials ``@ B^T * scaling``
+    (``block_n``, ``num_warps``: other tiles than the default's, for benchmarks/lora_kernels.py)."""
     assert y.stride(1) == 1 and b.stride(2) == 1
     partials, block_m = shrunk.partials, shrunk.block_m
     k_splits = partials.shape[0]
     block_rs = max(16, next_pow2(r_sub))
-    block_n = expand_block_n(splits, shrunk.busy, _num_sms(y.device))
+    block_n = block_n or expand_block_n(splits)
     blocks = _block_table(tuple(splits), block_n, y.device)
     split_block = max(2, min(next_pow2(k_splits), _SUM_TILE // (block_m * block_rs)))
-    launcher(_lora_expand_kernel, y)[(blocks.shape[0], *shrunk.tiles)](
-        partials, b, y, scaling, slot_rank, seg_start, rows, blocks, k_splits, r_sub,
+    num_slots = seg_start.numel() - 1
+    launcher(_lora_expand_kernel, y)[(blocks.shape[0], shrunk.tiles)](
+        partials, b, y, scaling, slot_rank, seg_start, rows, num_slots, blocks, k_splits, r_sub,
         partials.stride(0), partials.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rs, SPLIT_BLOCK=split_block,
-        DOT_PRECISION=dot_precision(y.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rs, BLOCK_S=max(2, next_pow2(num_slots)), SPLIT_BLOCK=split_block,
+        DOT_PRECISION=dot_precision(y.dtype), num_warps=num_warps or 4,
         **pdl(y),
     )
 

@@ -1,6 +1,6 @@
 """lora_add: the twin against a per-token fp64 reference, Triton against the twin (tokens of an
 adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
-below the pool's rank, stacked projections, an output that is a column slice of a wider one with
+below the pool's rank, a slot's tokens over several row tiles, stacked projections, an output that is a column slice of a wider one with
 tails in its projections' columns, 256-column expand blocks, decode and prompt-sized
 tiles, the shrink cut into many K splits with a short last one and the expand summing them a few
 at a time); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
@@ -22,6 +22,8 @@ RANKS = [16, 4, 8, 16]               # each slot's adapter rank
 CASES = {                            # (requests' new tokens, their slots)
     "decode": ([1, 1, 1, 1, 1], [0, -1, 2, 0, 1]),
     "mixed": ([7, 1, 19, 3, 0], [1, 0, -1, 2, 1]),
+    # slot 2's 37 tokens span three 16-row tiles; slot 1, between two others, has none
+    "long": ([20, 1, 3, 17, 2], [2, 0, -1, 2, 3]),
 }
 
 
@@ -105,11 +107,10 @@ def test_k_splits_match_twin(device, dtype, case, monkeypatch):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-def test_wide_expand_blocks_match_twin(device, dtype, monkeypatch):
-    """The expand's 256-column blocks (taken when they leave enough programs): two projections of
-    more than one block, each with a short last one."""
-    monkeypatch.setattr(lora_kernels, "EXPAND_WAVES", 0)
-    assert lora_kernels.expand_block_n((300, 260), 5, 4) == 256
+def test_wide_expand_blocks_match_twin(device, dtype):
+    """The expand's 256-column blocks: two projections of more than one block, each with a short
+    last one."""
+    assert lora_kernels.expand_block_n((300, 260)) == 256 and lora_kernels.expand_block_n((96, 32, 32)) == 32
     t = _inputs("mixed", 64, (300, 260), dtype, device)
     torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
 

@@ -1,0 +1,110 @@
+"""The LoRA kernels of a decode step at several rows, per projection group, against the base
+projection they ride on: where a LoRA step's extra time goes, and what other tiles would give.
+
+What is measured
+  Llama-3-8B's four projection groups (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672,
+  down 14336 -> 4096), ``--layers`` copies of every weight (each call reads its own, as a step's
+  32 layers do), ``--adapters`` slots of rank ``--rank`` in the pool's layout, and a batch of
+  ``--rows`` tokens spread evenly over the slots (token i on slot i mod S), the segments as
+  ``lora_segments`` builds them; ``max_len`` = the rows, as a CUDA graph's bucket has it (tiles
+  of a slot past its tokens exit at once). Each column is a CUDA graph of one call per layer,
+  replayed (``common.replay_ms``), in microseconds a call:
+
+  base      the base projection alone (``kernels.linear``: cuBLAS at these rows)
+  shrink    ``lora_shrink_triton`` alone
+  expand    ``lora_expand_triton`` alone (default tiles), on the shrink's partials
+  linear    ``LoraBatch.linear``'s path: the shrink on a side stream beside the base projection,
+            joined, then the expand
+  extra     linear - base: what the adapters add to a layer's group
+
+``--sweep`` also times the expand at other tiles (``BLOCK_N`` x warps) and the shrink at other
+warps, each alone.
+
+    python benchmarks/lora_kernels.py [--rows 32] [--adapters 8] [--sweep] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from common import capture_graph, environment, markdown_table, remove_script_dir_from_sys_path, replay_ms, write_json
+
+remove_script_dir_from_sys_path()
+
+from llmserve.kernels.lora import lora_expand_triton, lora_shrink_triton  # noqa: E402
+from llmserve.kernels.quantized_linear import linear  # noqa: E402
+from llmserve.lora.pool import lora_segments  # noqa: E402
+
+GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+          "down": (14336, (4096,))}
+
+
+def graph_call_us(calls: list, replays: int = 20) -> float:
+    graph, _ = capture_graph(lambda: [c() for c in calls])
+    return replay_ms(graph, replays) * 1e3 / len(calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="32", help="comma-separated token counts (default: 32)")
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the tables here")
+    args = ap.parse_args()
+    dev, dtype, R, S = torch.device("cuda"), torch.bfloat16, args.rank, args.adapters
+    torch.manual_seed(0)
+    side = torch.cuda.Stream(dev)
+    scaling = torch.full((S,), 2.0, device=dev)
+    slot_rank = torch.full((S,), R, dtype=torch.int32, device=dev)
+    table, sweep = [], []
+    for n in [int(r) for r in args.rows.split(",")]:
+        seg, rows_l, _ = lora_segments([i % S for i in range(n)], [1] * n, S)
+        seg_start = torch.tensor(seg, dtype=torch.int32, device=dev)
+        rows = torch.tensor(rows_l, dtype=torch.int32, device=dev)
+        for group, (k, splits) in GROUPS.items():
+            m, N = len(splits), sum(splits)
+            W = [torch.randn(N, k, device=dev, dtype=dtype) * 0.02 for _ in range(args.layers)]
+            A = [torch.randn(S, m * R, k, device=dev, dtype=dtype) * 0.02 for _ in range(args.layers)]
+            B = [torch.randn(S, N, R, device=dev, dtype=dtype) * 0.02 for _ in range(args.layers)]
+            x = torch.randn(n, k, device=dev, dtype=dtype)
+            y = torch.zeros(n, N, device=dev, dtype=dtype)
+            shrunk = [lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R) for i in range(args.layers)]
+
+            def with_lora(i):     # as LoraBatch.linear runs a group at several rows
+                main = torch.cuda.current_stream(dev)
+                side.wait_stream(main)
+                sh = lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R, stream=side)
+                out = linear(x, W[i], None)
+                main.wait_stream(side)
+                lora_expand_triton(out, sh, B[i], scaling, slot_rank, seg_start, rows, splits, R)
+
+            L = range(args.layers)
+            base = graph_call_us([lambda i=i: linear(x, W[i], None) for i in L])
+            shrink = graph_call_us([lambda i=i: lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R) for i in L])
+            expand = graph_call_us([lambda i=i: lora_expand_triton(y, shrunk[i], B[i], scaling, slot_rank, seg_start, rows, splits, R) for i in L])
+            full = graph_call_us([lambda i=i: with_lora(i) for i in L])
+            table.append({"rows": n, "group": group, "base us": round(base, 2), "shrink us": round(shrink, 2),
+                          "expand us": round(expand, 2), "linear us": round(full, 2), "extra us": round(full - base, 2)})
+            print(table[-1], flush=True)
+            if args.sweep:
+                for bn, w in itertools.product((128, 256, 512), (2, 4, 8)):
+                    us = graph_call_us([lambda i=i: lora_expand_triton(y, shrunk[i], B[i], scaling, slot_rank, seg_start, rows, splits, R, block_n=bn, num_warps=w) for i in L])
+                    sweep.append({"rows": n, "group": group, "kernel": "expand", "BLOCK_N": bn, "warps": w, "us": round(us, 2)})
+                for w in (2, 4, 8):
+                    us = graph_call_us([lambda i=i: lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R, num_warps=w) for i in L])
+                    sweep.append({"rows": n, "group": group, "kernel": "shrink", "BLOCK_N": "", "warps": w, "us": round(us, 2)})
+            del W, A, B, shrunk
+    for rows_ in (table, sweep):
+        if rows_:
+            print(markdown_table(list(rows_[0]), [list(r.values()) for r in rows_]))
+    if args.json:
+        write_json(args.json, {"environment": environment(dev), "args": vars(args), "groups": table, "sweep": sweep})
+
+
+if __name__ == "__main__":
+    main()
