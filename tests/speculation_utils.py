@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.drafting import DraftState
 from llmserve.engine.engine import LLMEngine
 
 SPECULATE = 10
@@ -78,16 +76,3 @@ def assert_all_overlapped(records: list[tuple[bool, bool, bool]]) -> None:
     assert records and any(drafts for _, drafts, _ in records)
     assert all(overlap and not at_once for overlap, _, at_once in records), \
         [r for r in records if not r[0] or r[2]][:5]
-
-
-@contextlib.contextmanager
-def first_drafts_past_a_guess(llm: LLM) -> Iterator[None]:
-    """Every request sits its first decode out, so that under the overlapped loop its first draft
-    comes a step after a plain decode: past the n-gram index's guess for the token still in flight
-    (rank 0 reads the step before first for a request's first token, and after a verify)."""
-    drafter = llm.engine.scheduler.drafter
-    drafter.states = defaultdict(lambda: DraftState(wait=1))
-    try:
-        yield
-    finally:
-        drafter.states = defaultdict(DraftState)

@@ -5,14 +5,8 @@ token, so that one forward verifies them all. (Constrained requests draft too: t
 each draft token in the grammar's state after the ones before it.) The engine does not know the
 draft: it grants a budget (``ScheduledRequest.draft_budget``), and rank 0's worker, which knows
 every token it sampled first, proposes the draft from its n-gram index of the request
-(``worker/prompt_lookup.py``) right before the forward. Under the overlapped loop the request's
-last token is then still on the device (the step before is read once this one is queued): the
-index holds the tokens before it, the draft is what follows the index's guess for it, and the
-verifier judges the draft after the real token (a wrong guess wastes the draft, mostly rejected).
-So a drafting step does not wait for the step before it; only the step after a verify does (rank
-0 reads the verify first: the request's next position depends on what it kept), and a request's
-first draft (a guess of an answer's first token from the prompt alone is seldom right:
-``ModelWorker._drafts_first_token``). Every step stays in the overlapped loop, drafting or not.
+(``worker/prompt_lookup.py``) right before the forward. So a draft may follow a token still in
+flight, and every step stays in the overlapped loop, drafting or not.
 
 The scheduler gives budgets what its step leaves: the prefill budget's rest, and the KV slots
 left once the prompts under way and one next decode per running request are provided for; a
@@ -37,9 +31,8 @@ would not pay even alone, it backs off as after a miss (1, 3, then 7 steps; up t
 its draft tokens has ever been accepted). The worker's draft is at most the
 budget, and shorter where its match supports less (2 tokens per matched token).
 
-Left of issue 35 (its first part, drafts inside the overlapped loop, is this): the step after a
-verify keeping the look-ahead (it waits for the verify's read, above), verify steps as cheap as
-decode steps (the split-K attention path for few-token verify batches is
+Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
+cheap as decode steps (the split-K attention path for few-token verify batches is
 kernels/verify_attention, still to be measured on a GPU: offline.py --verify; on a CPU, per-row
 costs that follow the accepted work), the budget sized by rank 0's own match and acceptance (it
 is the engine's estimate here, a step late under overlap), and the GPU measurements.
@@ -62,9 +55,8 @@ if TYPE_CHECKING:
 # wait delays the next loop's drafts (`answer` in benchmarks/prompt_lookup.py). One never accepted
 # (free text guessing from lone recurring tokens) waits up to MAX_DRAFT_WAIT: each of its tries is
 # a failed verify step, which on an H200 with the embedded model cost 0.4-1 of a decode step (the
-# overlapped loop's look-ahead was lost on that step and the next; since the worker drafts past a
-# token in flight, on the next only), so with a try every 8 steps free text ran at 0.96x there
-# (benchmarks/README.md, 2026-11-28).
+# overlapped loop's look-ahead is lost on that step and the next), so with a try every 8 steps free
+# text ran at 0.96x there (benchmarks/README.md, 2026-11-28).
 MAX_DRAFT_WAIT = 15
 MAX_SKIP_WAIT = 7
 # A request's acceptance before its first verify (the chance that each next draft token is

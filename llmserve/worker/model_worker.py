@@ -142,16 +142,14 @@ class ModelWorker:
         step is only queued here, and its output owed to the next call, unless its forward
         failed. Ranks other than 0 return nothing (rank 0 samples).
 
-        Rank 0 reads the owed step first, before this step's forward, only when it verified drafts
-        (the request's next position is known only once that is read) or when this step drafts
-        for a request's first output token (``_drafts_first_token``); it then fills this step's
-        entries in (``_fill_in``). It proposes the drafts (``_propose_drafts``: one that follows a
-        token still in flight continues its index's guess for that token, so drafting does not
-        wait for the device) and hands the step to the other ranks (``raw``: the step as it came,
-        sent as it is when nothing was filled in)."""
+        Rank 0 reads the owed step first, before this step's forward, when this step drafts or
+        the owed one verified drafts (a draft continues the request's last token, and after a
+        verify the request's next position is known only once it is read); it then fills this
+        step's entries in (``_fill_in``) and hands the step to the other ranks (``raw``: the step
+        as it came, sent as it is when nothing was filled in)."""
         owed, self._owed = self._owed, None
         done: list[StepOutput] = []
-        if owed is not None and (owed.verifies or self._drafts_first_token(step.entries)):
+        if owed is not None and (owed.verifies or any(e.draft_budget for e in step.entries)):
             done = self._read(owed)
             self._fill_in(step.entries, done[0], owed.req_ids)
             owed, raw = None, None
@@ -270,31 +268,16 @@ class ModelWorker:
             if row is not None:
                 e.num_cached = self.model.req_manager.seq_len(row)
 
-    def _drafts_first_token(self, entries: list[BatchEntry]) -> bool:
-        """Whether the step grants a draft budget to a request whose token in flight is its first
-        output token: rank 0 then waits for it (once a request). Its index holds the prompt alone,
-        and the guess for an answer's first token from the prompt's end (a chat template's
-        assistant header) is seldom right: the request's first draft would be rejected, and its
-        acceptance, from the prior, fall below what pays at batch 8 (engine/drafting.py), which
-        stopped drafting for whole answers there (benchmarks/README.md, 2026-11-28 (midday):
-        summarise, answer and repeat lost 13-19% of their tokens a forward)."""
-        return any(e.draft_budget and e.pending_token and (lookup := self.lookups.get(e.req_id)) is not None
-                   and lookup.num_tokens == lookup.num_prompt_tokens for e in entries)
-
     def _propose_drafts(self, entries: list[BatchEntry]) -> None:
         """Rank 0: each entry with a draft budget gets the draft its request's n-gram index
-        proposes. An entry whose last token is still in flight (``pending_token``: the owed step's
-        draw, read only after this step's forward is queued) has every token before it indexed:
-        its draft is what follows the index's guess for that token, and goes after it in the step
-        (``_input_ids``); the verifier judges it after the real token, so a wrong guess only
-        wastes the draft."""
+        proposes (none if its tokens are not all known here: one still in flight)."""
         for e in entries:
             lookup = self.lookups.get(e.req_id)
-            if not e.draft_budget or lookup is None:
+            if not e.draft_budget or lookup is None or e.pending_token:
                 continue
             if lookup.num_tokens != e.num_cached + len(e.token_ids):
                 continue      # (the index is behind the request: it drafts nothing this step)
-            draft = lookup.propose(e.draft_budget, num_pending=e.pending_token)
+            draft = lookup.propose(e.draft_budget)
             e.token_ids = [*e.token_ids, *draft.token_ids]
             e.num_draft_tokens, e.draft_match_len = len(draft.token_ids), draft.match_len
 
@@ -386,14 +369,12 @@ class ModelWorker:
 
     def _input_ids(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The step's new tokens, those the engine sent and those still only on the device
-        (``pending_token``: the last step's draw for the request), each entry's draft last: a
-        pending token goes after the entry's other tokens and before its draft, which continues it."""
+        (``pending_token``: the last step's draw for the request)."""
         ids: list[int] = []
         pending_at: list[int] = []        # positions in the step of pending tokens
         pending_rows: list[int] = []      # their rows in the last step's draw
         for e in entries:
-            draft_at = len(e.token_ids) - e.num_draft_tokens     # (rank 0 appended the draft)
-            ids += e.token_ids[:draft_at]
+            ids += e.token_ids
             if e.pending_token:
                 row = self._last_sampled_row.get(e.req_id)
                 if row is not None:
@@ -402,7 +383,6 @@ class ModelWorker:
                 # else its draw failed last step (its sampling setup did): the request fails once
                 # the engine reads that, and drops what this step makes for it. Any id will do.
                 ids.append(0)
-            ids += e.token_ids[draft_at:]
         input_ids = torch.tensor(ids, dtype=torch.int64)
         if not pending_at:
             return input_ids

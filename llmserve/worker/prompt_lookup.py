@@ -63,7 +63,6 @@ class PromptLookup:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
-        self.num_prompt_tokens = len(token_ids)     # the tokens it starts with; the output follows
         self.token_ids: list[int] = []
         # Per n (index n - min_ngram): n-gram (a tuple of n ids) -> its latest start, and per start
         # i, the start of the previous occurrence of the n-gram at i (-1: none; 8 bytes an entry,
@@ -91,13 +90,9 @@ class PromptLookup:
                 add(get(gram, -1))
                 latest[gram] = start
 
-    def propose(self, k: int, num_pending: int = 0) -> Draft:
+    def propose(self, k: int) -> Draft:
         """A draft of up to ``k`` tokens to follow the sequence (see the module's doc); an empty one
-        when no n-gram of its end recurs. ``num_pending``: tokens that follow the indexed ones but
-        are not known yet (rank 0's draw still on the device): the proposal's first ones are its
-        guess for them, and the draft is what follows the guess (its length rule counts the guess,
-        so that a lone-token match still drafts one token). A wrong guess costs the draft: the
-        verifier judges it after the real tokens, and mostly rejects it."""
+        when no n-gram of its end recurs."""
         tokens = self.token_ids
         length = len(tokens)
         if k <= 0:
@@ -118,9 +113,7 @@ class PromptLookup:
                     best, best_len = start, match_len
                 start = previous[start]
             if best >= 0:
-                size = min(num_pending + k, DRAFT_PER_MATCHED_TOKEN * best_len)
-                draft = _copy(tokens, best + n, size)[num_pending:]
-                return Draft(draft, best_len) if draft else Draft([])
+                return Draft(_copy(tokens, best + n, min(k, DRAFT_PER_MATCHED_TOKEN * best_len)), best_len)
         return Draft([])
 
 

@@ -14,13 +14,11 @@ still running feeds that token to the next step without the engine knowing it ye
 to the other ranks, device to device).
 
 Speculation: the engine grants a decode a draft budget (``BatchEntry.draft_budget``); rank 0 keeps
-each request's n-gram index from the tokens it emits, proposes the draft right before the forward
-(past the index's guess for a pending token, which the step feeds before the draft: drafting waits
-for the device only for a request's first output token), and verifies it with the step's logits.
-A verify step is overlapped like any other: rank 0 reads it at the start of the next call (before
-that step's forward, since the draft and the positions of the request's next step depend on how
-much was accepted), fills the next step's entries in (their pending tokens, positions and drafts)
-and only then hands the step to the other ranks.
+each request's n-gram index from the tokens it emits, proposes the draft right before the forward,
+and verifies it with the step's logits. A verify step is overlapped like any other: rank 0 reads it
+at the start of the next call (before that step's forward, since the draft and the positions of
+the request's next step depend on how much was accepted), fills the next step's entries in (their
+pending tokens, positions and drafts) and only then hands the step to the other ranks.
 A failure tied to some entries of a step (bad sampling parameters, a forward that raises) is
 reported in ``StepOutput.errors``, and the worker stays usable; anything a worker raises
 instead is a ``WorkerError``, like its death: its state is then unknown, and the engine stops.
@@ -153,9 +151,8 @@ class BatchEntry:
     # Sample a token from this entry's last row (false for a chunk of a prompt that continues
     # next step: drawing there would shift the request's random stream).
     sample: bool = True
-    # One more new token after token_ids (before a draft, which continues it): the one this
-    # worker sampled for the request in the step before, which the engine has not read yet
-    # (overlapped steps only).
+    # One more new token after token_ids: the one this worker sampled for the request in the
+    # step before, which the engine has not read yet (overlapped steps only).
     pending_token: bool = False
     # The request's images' pixel values ([3, H, W] float32 each, in prompt order), sent with
     # every prefill from position 0; a worker encodes them the first time only and keeps the

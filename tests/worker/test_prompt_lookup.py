@@ -90,23 +90,3 @@ def test_a_copy_that_reaches_the_end_copies_itself():
     assert lookup.propose(10) == Draft([60 + CANDIDATES - 1, 41, 42, 1, 2, 3], 3)
     lookup = PromptLookup(old + noise[5:] + [41, 42, 1, 2, 3])        # one fewer: now it is
     assert lookup.propose(10) == Draft([4, *noise[5:14]], 5)
-
-
-def test_a_draft_past_a_pending_token_follows_the_guess_for_it():
-    """With the sequence's next token still in flight (``num_pending``), the proposal's first token
-    is the guess for it and the draft is the rest: the proposal of one more token, less its first,
-    the length rule counting the guess (a lone-token match still drafts one)."""
-    lookup = PromptLookup([1, 2, 3, 4, 5, 1, 2, 3, 4])          # the guess: 5
-    assert lookup.propose(3, num_pending=1) == Draft([1, 2, 3], 4)
-    assert lookup.propose(10, num_pending=1) == Draft([1, 2, 3, 4, 5, 1, 2], 4)   # 8 with the guess: 2 x 4
-    lookup = PromptLookup([5, 1, 2, 3, 4, 5, 6, 7, 9, 1])       # only "1" recurs: guess 2, draft 3
-    assert lookup.propose(10, num_pending=1) == Draft([3], 1)
-    assert lookup.propose(0, num_pending=1) == Draft([])
-    assert PromptLookup([1, 2, 3]).propose(4, num_pending=1) == Draft([])
-    rng = random.Random(7)
-    for _ in range(200):
-        lookup = PromptLookup([rng.randrange(4) for _ in range(rng.randrange(0, 60))])
-        k = rng.randrange(1, 12)
-        whole = lookup.propose(k + 1)
-        assert lookup.propose(k, num_pending=1) == (Draft(whole.token_ids[1:], whole.match_len) if whole.token_ids
-                                                    else Draft([]))
