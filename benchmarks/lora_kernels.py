@@ -4,7 +4,8 @@ projection they ride on: where a LoRA step's extra time goes, and what other til
 What is measured
   Llama-3-8B's four projection groups (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672,
   down 14336 -> 4096), ``--layers`` copies of every weight (each call reads its own, as a step's
-  32 layers do), ``--adapters`` slots of rank ``--rank`` in the pool's layout, and a batch of
+  32 layers do), a ``LoraPool`` of those layers with ``--adapters`` slots of random rank-``--rank``
+  adapters, and a batch of
   ``--rows`` tokens spread evenly over the slots (token i on slot i mod S), the segments as
   ``lora_segments`` builds them; ``max_len`` = the rows, as a CUDA graph's bucket has it (tiles
   of a slot past its tokens exit at once). Each column is a CUDA graph of one call per layer,
@@ -13,7 +14,7 @@ What is measured
   base      the base projection alone (``kernels.linear``: cuBLAS at these rows)
   shrink    ``lora_shrink_triton`` alone
   expand    ``lora_expand_triton`` alone (default tiles), on the shrink's partials
-  linear    ``LoraBatch.linear``'s path: the shrink on a side stream beside the base projection,
+  linear    ``LoraBatch.linear`` itself: the shrink on a side stream beside the base projection,
             joined, then the expand
   extra     linear - base: what the adapters add to a layer's group
 
@@ -30,16 +31,13 @@ import itertools
 
 import torch
 
-from common import capture_graph, environment, markdown_table, remove_script_dir_from_sys_path, replay_ms, write_json
+from common import capture_graph, environment, markdown_table, replay_ms, write_json
+from offline import LLAMA3_8B_CONFIG  # also takes this folder off sys.path (see common.py)
 
-remove_script_dir_from_sys_path()
-
+from llmserve.common.basemodel.basemodel import hf_config_from_dict  # noqa: E402
 from llmserve.kernels.lora import lora_expand_triton, lora_shrink_triton  # noqa: E402
 from llmserve.kernels.quantized_linear import linear  # noqa: E402
-from llmserve.lora.pool import lora_segments  # noqa: E402
-
-GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
-          "down": (14336, (4096,))}
+from llmserve.lora.pool import LoraBatch, LoraPool, lora_segments  # noqa: E402
 
 
 def graph_call_us(calls: list, replays: int = 20) -> float:
@@ -58,47 +56,50 @@ def main() -> None:
     args = ap.parse_args()
     dev, dtype, R, S = torch.device("cuda"), torch.bfloat16, args.rank, args.adapters
     torch.manual_seed(0)
-    side = torch.cuda.Stream(dev)
-    scaling = torch.full((S,), 2.0, device=dev)
-    slot_rank = torch.full((S,), R, dtype=torch.int32, device=dev)
+    # The model's own pool, its first --layers layers: every slot holds a random rank-R adapter.
+    pool = LoraPool(hf_config_from_dict(LLAMA3_8B_CONFIG), S, R, 0, 1, dtype, dev, layers=range(args.layers))
+    for weights in pool.groups.values():
+        weights.a.normal_(0, 0.02)
+        weights.b.normal_(0, 0.02)
+    pool.rank.fill_(R)
+    pool.scaling.fill_(2.0)
+    L = range(args.layers)
     table, sweep = [], []
     for n in [int(r) for r in args.rows.split(",")]:
         seg, rows_l, _ = lora_segments([i % S for i in range(n)], [1] * n, S)
-        seg_start = torch.tensor(seg, dtype=torch.int32, device=dev)
-        rows = torch.tensor(rows_l, dtype=torch.int32, device=dev)
-        for group, (k, splits) in GROUPS.items():
-            m, N = len(splits), sum(splits)
-            W = [torch.randn(N, k, device=dev, dtype=dtype) * 0.02 for _ in range(args.layers)]
-            A = [torch.randn(S, m * R, k, device=dev, dtype=dtype) * 0.02 for _ in range(args.layers)]
-            B = [torch.randn(S, N, R, device=dev, dtype=dtype) * 0.02 for _ in range(args.layers)]
+        batch = LoraBatch(pool, torch.tensor(seg, dtype=torch.int32, device=dev),
+                          torch.tensor(rows_l, dtype=torch.int32, device=dev), n)
+        lora = (pool.rank, batch.seg_start, batch.rows, n)
+
+        def shrink(i, group, x, **kw):
+            a, _, splits = pool.layers[i][group]
+            return lora_shrink_triton(x, a, *lora, splits, R, **kw)
+
+        def expand(i, group, y, shrunk, **kw):
+            _, b, splits = pool.layers[i][group]
+            lora_expand_triton(y, shrunk, b, pool.scaling, *lora[:3], splits, R, **kw)
+
+        for group, (a0, b0, splits) in pool.layers[0].items():
+            k, N = a0.shape[-1], b0.shape[1]
+            W = [torch.randn(N, k, device=dev, dtype=dtype) * 0.02 for _ in L]
             x = torch.randn(n, k, device=dev, dtype=dtype)
             y = torch.zeros(n, N, device=dev, dtype=dtype)
-            shrunk = [lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R) for i in range(args.layers)]
-
-            def with_lora(i):     # as LoraBatch.linear runs a group at several rows
-                main = torch.cuda.current_stream(dev)
-                side.wait_stream(main)
-                sh = lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R, stream=side)
-                out = linear(x, W[i], None)
-                main.wait_stream(side)
-                lora_expand_triton(out, sh, B[i], scaling, slot_rank, seg_start, rows, splits, R)
-
-            L = range(args.layers)
+            shrunk = [shrink(i, group, x) for i in L]
             base = graph_call_us([lambda i=i: linear(x, W[i], None) for i in L])
-            shrink = graph_call_us([lambda i=i: lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R) for i in L])
-            expand = graph_call_us([lambda i=i: lora_expand_triton(y, shrunk[i], B[i], scaling, slot_rank, seg_start, rows, splits, R) for i in L])
-            full = graph_call_us([lambda i=i: with_lora(i) for i in L])
-            table.append({"rows": n, "group": group, "base us": round(base, 2), "shrink us": round(shrink, 2),
-                          "expand us": round(expand, 2), "linear us": round(full, 2), "extra us": round(full - base, 2)})
+            shrink_us = graph_call_us([lambda i=i: shrink(i, group, x) for i in L])
+            expand_us = graph_call_us([lambda i=i: expand(i, group, y, shrunk[i]) for i in L])
+            full = graph_call_us([lambda i=i: batch.linear(i, group, x, W[i]) for i in L])
+            table.append({"rows": n, "group": group, "base us": round(base, 2), "shrink us": round(shrink_us, 2),
+                          "expand us": round(expand_us, 2), "linear us": round(full, 2), "extra us": round(full - base, 2)})
             print(table[-1], flush=True)
             if args.sweep:
                 for bn, w in itertools.product((128, 256, 512), (2, 4, 8)):
-                    us = graph_call_us([lambda i=i: lora_expand_triton(y, shrunk[i], B[i], scaling, slot_rank, seg_start, rows, splits, R, block_n=bn, num_warps=w) for i in L])
+                    us = graph_call_us([lambda i=i: expand(i, group, y, shrunk[i], block_n=bn, num_warps=w) for i in L])
                     sweep.append({"rows": n, "group": group, "kernel": "expand", "BLOCK_N": bn, "warps": w, "us": round(us, 2)})
                 for w in (2, 4, 8):
-                    us = graph_call_us([lambda i=i: lora_shrink_triton(x, A[i], slot_rank, seg_start, rows, n, splits, R, num_warps=w) for i in L])
+                    us = graph_call_us([lambda i=i: shrink(i, group, x, num_warps=w) for i in L])
                     sweep.append({"rows": n, "group": group, "kernel": "shrink", "BLOCK_N": "", "warps": w, "us": round(us, 2)})
-            del W, A, B, shrunk
+            del W, shrunk
     for rows_ in (table, sweep):
         if rows_:
             print(markdown_table(list(rows_[0]), [list(r.values()) for r in rows_]))
