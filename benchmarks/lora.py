@@ -103,6 +103,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-repeats", type=int, default=5)
     p.add_argument("--model-size", choices=["8b", "tiny"], default="8b")
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (graphs are used on CUDA otherwise)")
+    p.add_argument("--no-side-stream", action="store_true",
+                   help="each shrink on the main stream before its base projection, not beside it")
     add_device_arguments(p)
     return p.parse_args()
 
@@ -125,6 +127,8 @@ def main() -> int:
     adapters = [random_adapter(cfg, f"a{i}", args.rank, seed=i) for i in range(args.num_adapters + 1)]
     for slot, adapter in enumerate(adapters[: args.num_adapters]):
         pool.load(slot, adapter)
+    if args.no_side_stream:
+        pool.side_stream = None
     model.lora_pool = pool
     if graphs:
         # Captured again, with the adapters' kernels; the old graphs' padding row goes back first
@@ -142,6 +146,14 @@ def main() -> int:
         save_peft_dir(spare, d)
         from_disk = wall_median_ms(lambda: pool.load(0, pool.pack(read_adapter("spare", d, cfg, args.rank))), device,
                                    args.load_repeats)
+        read_only = wall_median_ms(lambda: read_adapter("spare", d, cfg, args.rank), device, args.load_repeats)
+        read = read_adapter("spare", d, cfg, args.rank)
+        pack_only = wall_median_ms(lambda: pool.pack(read), device, args.load_repeats)
+        direct = wall_median_ms(lambda: pool.load(0, read), device, args.load_repeats)
+        from_disk_direct = wall_median_ms(lambda: pool.load(0, read_adapter("spare", d, cfg, args.rank)), device,
+                                          args.load_repeats)
+    print(f"load parts: read {read_only:.1f} ms, pack {pack_only:.1f} ms, as read {direct:.1f} ms, "
+          f"from disk as read {from_disk_direct:.1f} ms", file=sys.stderr)
 
     rows = []
     for b in batches:

@@ -13,10 +13,11 @@ What is measured
 
   base      the base projection alone (``kernels.linear``: cuBLAS at these rows)
   shrink    ``lora_shrink_triton`` alone
-  expand    ``lora_expand_triton`` alone (default tiles), on the shrink's partials
+  expand    ``lora_expand_triton`` alone (default tiles), on the shrink's s
   linear    ``LoraBatch.linear`` itself: the shrink on a side stream beside the base projection,
             joined, then the expand
   extra     linear - base: what the adapters add to a layer's group
+  serial    ``LoraBatch.linear`` without the side stream: shrink, base projection, expand in a row
 
 ``--sweep`` also times the expand at other tiles (``BLOCK_N`` x warps) and the shrink at other
 warps, each alone.
@@ -89,8 +90,12 @@ def main() -> None:
             shrink_us = graph_call_us([lambda i=i: shrink(i, group, x) for i in L])
             expand_us = graph_call_us([lambda i=i: expand(i, group, y, shrunk[i]) for i in L])
             full = graph_call_us([lambda i=i: batch.linear(i, group, x, W[i]) for i in L])
+            side, pool.side_stream = pool.side_stream, None
+            serial = graph_call_us([lambda i=i: batch.linear(i, group, x, W[i]) for i in L])
+            pool.side_stream = side
             table.append({"rows": n, "group": group, "base us": round(base, 2), "shrink us": round(shrink_us, 2),
-                          "expand us": round(expand_us, 2), "linear us": round(full, 2), "extra us": round(full - base, 2)})
+                          "expand us": round(expand_us, 2), "linear us": round(full, 2), "extra us": round(full - base, 2),
+                          "serial us": round(serial, 2)})
             print(table[-1], flush=True)
             if args.sweep:
                 for bn, w in itertools.product((128, 256, 512), (2, 4, 8)):

@@ -96,7 +96,7 @@ BLOCK_M_DECODE, BLOCK_M_PREFILL, DECODE_ROWS = 16, 64, 256
 MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few KB at most
 SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
 _SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
-_SUM_TILE = 8192            # fp32 partials the expand loads at once (splits x rows x rank): 64 a thread
+_SUM_TILE = 8192            # fp32 partials the shrink's last split loads at once (splits x rows x rank)
 
 
 @triton.jit
@@ -124,12 +124,13 @@ def _segment_tile(SegStart, Rows, NUM_SLOTS, BLOCK_M: tl.constexpr, BLOCK_S: tl.
 
 
 @triton.jit
-def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, NUM_SLOTS, K, K_PER_SPLIT, R_TOTAL, R_SUB,
-                        stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
+def _lora_shrink_kernel(X, A, P, S, Counters, Rank, SegStart, Rows, NUM_SLOTS, K, K_PER_SPLIT, K_SPLITS, R_TOTAL, R_SUB,
+                        stride_xm, stride_as, stride_ar, stride_ps, stride_pm, stride_sm,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """``P[split, i] = x[rows[i]] @ A[slot]^T`` over columns ``split * K_PER_SPLIT`` on (at most
-    K_PER_SPLIT of them) for the tile's positions i: ``m * R_SUB x K_PER_SPLIT`` of A read once."""
+                        SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """``S[i] = x[rows[i]] @ A[slot]^T`` (rounded to x's dtype) for the tile's positions i: each of
+    the tile's ``K_SPLITS`` programs reads ``m * R_SUB x K_PER_SPLIT`` of A once and writes its
+    partial sums ``P[split, i]``; the last of them to finish adds them up into S."""
     # The tile's rows and the slot's rank are a step's inputs (written before the step, not by the
     # kernel before): read while that kernel ends (`pdl_wait`).
     slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, NUM_SLOTS, BLOCK_M, BLOCK_S)
@@ -155,22 +156,42 @@ def _lora_shrink_kernel(X, A, P, Rank, SegStart, Rows, NUM_SLOTS, K, K_PER_SPLIT
         a = tl.load(a_ptrs + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
         x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-    p_ptrs = P + split.to(tl.int64) * stride_ps + offs_m[:, None] * stride_pm + offs_r[None, :]
-    tl.store(p_ptrs, acc, mask=m_mask[:, None] & r_in[None, :])
+    s_ptrs = S + offs_m[:, None] * stride_sm + offs_r[None, :]
+    s_mask = m_mask[:, None] & r_in[None, :]
+    if K_SPLITS == 1:
+        tl.store(s_ptrs, acc.to(S.dtype.element_ty), mask=s_mask)
+        return
+    offs_p = offs_m[:, None] * stride_pm + offs_r[None, :]
+    tl.store(P + split.to(tl.int64) * stride_ps + offs_p, acc, mask=s_mask)
+    # The tile's counter of finished splits: the last split sums every split's partials (read
+    # past L1: other SMs wrote them) and sets the counter back to 0 for the next launch. The
+    # barrier puts all of this program's stores before its release.
+    tl.debug_barrier()
+    tile = tl.program_id(1)
+    if tl.atomic_add(Counters + tile, 1, sem="acq_rel") == K_SPLITS - 1:
+        offs_sp = tl.arange(0, SPLIT_BLOCK)
+        s = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for sp0 in range(0, K_SPLITS, SPLIT_BLOCK):
+            sp = sp0 + offs_sp
+            mask = (sp < K_SPLITS)[:, None, None] & s_mask[None, :, :]
+            s += tl.sum(tl.load(P + sp[:, None, None].to(tl.int64) * stride_ps + offs_p[None, :, :], mask=mask,
+                                other=0.0, cache_modifier=".cg"), axis=0)
+        tl.store(s_ptrs, s.to(S.dtype.element_ty), mask=s_mask)
+        tl.atomic_xchg(Counters + tile, 0)
 
 
 @triton.jit
-def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, NUM_SLOTS, Blocks, K_SPLITS, R_SUB,
-                        stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
+def _lora_expand_kernel(S, B, Y, Scaling, Rank, SegStart, Rows, NUM_SLOTS, Blocks, R_SUB,
+                        stride_sm, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                        SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """``y[rows[i], block] += (sum over splits of P[:, i]) @ B[slot, block]^T * scaling`` for the
-    tile's positions i and one column block: ``R x BLOCK_N`` of B, ``K_SPLITS x BLOCK_M x R``
-    partials. No loop over blocks: a program waits on three loads in a row (the segment's bounds;
-    its rows, partials and B together; y), and the many programs of a launch wait side by side."""
-    # This program's columns: block program_id(0), of projection `proj` (its partials' columns
-    # start at proj * R_SUB), columns col_start up to col_end of y (a block never spans two
-    # projections). Loaded before the segment's bounds: they do not depend on them.
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """``y[rows[i], block] += S[i, projection's columns] @ B[slot, block]^T * scaling`` for the
+    tile's positions i and one column block: ``R x BLOCK_N`` of B. No loop over blocks: a
+    program waits on three loads in a row (the block and the segments' bounds; its rows and B;
+    s and y), and the many programs of a launch wait side by side."""
+    # This program's columns: block program_id(0), of projection `proj` (its s columns start at
+    # proj * R_SUB), columns col_start up to col_end of y (a block never spans two projections).
+    # Loaded before the segment's bounds: they do not depend on them.
     block = Blocks + tl.program_id(0) * 3
     proj = tl.load(block)
     col_start = tl.load(block + 1)
@@ -180,30 +201,20 @@ def _lora_expand_kernel(P, B, Y, Scaling, Rank, SegStart, Rows, NUM_SLOTS, Block
     r_mask = offs_r < tl.load(Rank + slot)
     offs_n = col_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_end
-    # B, the block table and the step's segments are not the kernel before's writes (the partials
-    # and y are): read while it ends (`pdl_wait`). A tile without tokens reads no B (masked off).
+    # B, the block table and the step's segments are not the kernel before's writes (s and y
+    # are): read while it ends (`pdl_wait`). A tile without tokens reads no B (masked off).
     b = tl.load(B + slot.to(tl.int64) * stride_bs + offs_r[:, None] + offs_n[None, :] * stride_bn,
                 mask=(r_mask[:, None] & n_mask[None, :]) & (first < seg_end), other=0.0)
     pdl_wait(PDL)
     if first >= seg_end:
         return
-
-    # s = the sum of the shrink's partials, SPLIT_BLOCK splits a load
-    offs_sp = tl.arange(0, SPLIT_BLOCK)
-    p_ptrs = (P + offs_sp[:, None, None].to(tl.int64) * stride_ps + offs_m[None, :, None] * stride_pm
-              + (proj * R_SUB + offs_r)[None, None, :])
-    tile_mask = m_mask[None, :, None] & r_mask[None, None, :]
-    s = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for sp0 in range(0, K_SPLITS, SPLIT_BLOCK):
-        mask = ((sp0 + offs_sp) < K_SPLITS)[:, None, None] & tile_mask
-        s += tl.sum(tl.load(p_ptrs + sp0 * stride_ps, mask=mask, other=0.0), axis=0)
-    s = s.to(B.dtype.element_ty)    # PEFT's lora_A(x) is in the activations' dtype too
-
-    delta = tl.dot(s, b, input_precision=DOT_PRECISION) * tl.load(Scaling + slot)
     y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
+    s = tl.load(S + offs_m[:, None] * stride_sm + (proj * R_SUB + offs_r)[None, :],
+                mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    delta = tl.dot(s, b, input_precision=DOT_PRECISION) * tl.load(Scaling + slot)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
 
 
 # -- one row: the shrink alone, the expand in the GEMV's epilogue (kernels/gemv.py) -------------
@@ -405,11 +416,31 @@ def expand_block_n(splits: tuple[int, ...]) -> int:
     return min(max(16, next_pow2(min(splits))), 256)
 
 
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _tile_counters(tiles: int, device: torch.device) -> torch.Tensor:
+    """The shrink's per-tile counters of finished K splits (int32, zero between launches: the last
+    split of a tile sets its counter back). One tensor per device, shared by every launch: a
+    worker runs one forward at a time, and its shrinks one after another (each waits for the
+    stream it joins). Made once, before a CUDA graph is captured (the first, uncaptured step),
+    and grown only for a larger launch (a prefill's tiles; the smaller tensor stays alive for
+    the graphs that read it)."""
+    key = str(device)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS.setdefault(key + "/old", []).append(_COUNTERS.get(key))
+        _COUNTERS[key] = counters
+    return counters
+
+
 @dataclass(frozen=True)
 class Shrunk:
-    """A shrink's fp32 partials ``[k_splits, rows, m * R]`` and the launch shape its expand shares."""
+    """A shrink's output ``s`` ``[rows, m * R]`` (x's dtype; position i of ``rows`` at row i) and
+    the launch shape its expand shares."""
 
-    partials: torch.Tensor
+    s: torch.Tensor
     block_m: int
     tiles: int      # row tiles of the launches (the most the segments of the rows can need)
 
@@ -417,8 +448,8 @@ class Shrunk:
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor,
                        rows: torch.Tensor, max_len: int, splits: tuple[int, ...], r_sub: int,
                        stream: torch.cuda.Stream | None = None, num_warps: int | None = None) -> Shrunk | None:
-    """`lora_add`'s first half: the shrink split over K, into fp32 partials (None: no tokens have
-    an adapter's segment to be in). ``stream``: launch it there (the partials are allocated on
+    """`lora_add`'s first half: ``s = x @ A^T`` per segment, split over K (None: no tokens have an
+    adapter's segment to be in). ``stream``: launch it there (s and the partials are allocated on
     the current stream, which the caller joins before the expand)."""
     n, k = x.shape
     num_slots = seg_start.numel() - 1
@@ -434,37 +465,38 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
     r_total = len(splits) * r_sub
     block_r = max(16, next_pow2(r_total))
     plan = shrink_plan(k, tiles, block_m, block_r, x.element_size(), sms)
-    partials = torch.empty((plan.k_splits, rows.numel(), r_total), dtype=torch.float32, device=x.device)
+    s = torch.empty((rows.numel(), r_total), dtype=x.dtype, device=x.device)
+    partials = torch.empty((plan.k_splits if plan.k_splits > 1 else 0, rows.numel(), r_total), dtype=torch.float32,
+                           device=x.device)
+    counters = _tile_counters(tiles, x.device)
+    split_block = max(2, min(next_pow2(plan.k_splits), _SUM_TILE // (block_m * block_r)))
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         launcher(_lora_shrink_kernel, x)[(plan.k_splits, tiles)](
-            x, a, partials, slot_rank, seg_start, rows, num_slots, k, plan.k_per_split, r_total, r_sub,
-            x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1),
+            x, a, partials, s, counters, slot_rank, seg_start, rows, num_slots, k, plan.k_per_split, plan.k_splits,
+            r_total, r_sub, x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1), s.stride(0),
             BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, BLOCK_S=max(2, next_pow2(num_slots)),
-            DOT_PRECISION=dot_precision(x.dtype),
+            SPLIT_BLOCK=split_block, DOT_PRECISION=dot_precision(x.dtype),
             num_stages=plan.num_stages, num_warps=num_warps or (8 if block_m * block_r >= 8192 else 4),
             **pdl(x),
         )
-    return Shrunk(partials, block_m, tiles)
+    return Shrunk(s, block_m, tiles)
 
 
 def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling: torch.Tensor,
                        slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor,
                        splits: tuple[int, ...], r_sub: int, block_n: int | None = None,
                        num_warps: int | None = None) -> None:
-    """`lora_add`'s second half: ``y += `` the sum of the shrink's partials ``@ B^T * scaling``
-    (``block_n``, ``num_warps``: other tiles than the default's, for benchmarks/lora_kernels.py)."""
+    """`lora_add`'s second half: ``y += s @ B^T * scaling`` (``block_n``, ``num_warps``: other
+    tiles than the default's, for benchmarks/lora_kernels.py)."""
     assert y.stride(1) == 1 and b.stride(2) == 1
-    partials, block_m = shrunk.partials, shrunk.block_m
-    k_splits = partials.shape[0]
-    block_rs = max(16, next_pow2(r_sub))
+    block_m = shrunk.block_m
     block_n = block_n or expand_block_n(splits)
     blocks = _block_table(tuple(splits), block_n, y.device)
-    split_block = max(2, min(next_pow2(k_splits), _SUM_TILE // (block_m * block_rs)))
     num_slots = seg_start.numel() - 1
     launcher(_lora_expand_kernel, y)[(blocks.shape[0], shrunk.tiles)](
-        partials, b, y, scaling, slot_rank, seg_start, rows, num_slots, blocks, k_splits, r_sub,
-        partials.stride(0), partials.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rs, BLOCK_S=max(2, next_pow2(num_slots)), SPLIT_BLOCK=split_block,
+        shrunk.s, b, y, scaling, slot_rank, seg_start, rows, num_slots, blocks, r_sub,
+        shrunk.s.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, next_pow2(r_sub)), BLOCK_S=max(2, next_pow2(num_slots)),
         DOT_PRECISION=dot_precision(y.dtype), num_warps=num_warps or 4,
         **pdl(y),
     )
