@@ -153,7 +153,7 @@ def main() -> int:
         from_disk_direct = wall_median_ms(lambda: pool.load(0, read_adapter("spare", d, cfg, args.rank)), device,
                                           args.load_repeats)
     print(f"load parts: read {read_only:.1f} ms, pack {pack_only:.1f} ms, as read {direct:.1f} ms, "
-          f"from disk as read {from_disk_direct:.1f} ms", file=sys.stderr)
+          f"from disk as read {from_disk_direct:.1f} ms")
 
     rows = []
     for b in batches:

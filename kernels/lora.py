@@ -96,7 +96,6 @@ BLOCK_M_DECODE, BLOCK_M_PREFILL, DECODE_ROWS = 16, 64, 256
 MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few KB at most
 SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
 _SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
-_SUM_TILE = 8192            # fp32 partials the shrink's last split loads at once (splits x rows x rank)
 
 
 @triton.jit
@@ -124,13 +123,14 @@ def _segment_tile(SegStart, Rows, NUM_SLOTS, BLOCK_M: tl.constexpr, BLOCK_S: tl.
 
 
 @triton.jit
-def _lora_shrink_kernel(X, A, P, S, Counters, Rank, SegStart, Rows, NUM_SLOTS, K, K_PER_SPLIT, K_SPLITS, R_TOTAL, R_SUB,
+def _lora_shrink_kernel(X, A, P, S, Rank, SegStart, Rows, NUM_SLOTS, K, K_PER_SPLIT, K_SPLITS, R_TOTAL, R_SUB,
                         stride_xm, stride_as, stride_ar, stride_ps, stride_pm, stride_sm,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                        SPLIT_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """``S[i] = x[rows[i]] @ A[slot]^T`` (rounded to x's dtype) for the tile's positions i: each of
-    the tile's ``K_SPLITS`` programs reads ``m * R_SUB x K_PER_SPLIT`` of A once and writes its
-    partial sums ``P[split, i]``; the last of them to finish adds them up into S."""
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """``x[rows[i]] @ A[slot]^T`` for the tile's positions i over columns ``split * K_PER_SPLIT``
+    on (at most K_PER_SPLIT of them): ``m * R_SUB x K_PER_SPLIT`` of A read once. One split: S[i]
+    itself (rounded to x's dtype); more: the split's partial sums ``P[split, i]`` (fp32), which
+    `_lora_sum_kernel` adds up into S."""
     # The tile's rows and the slot's rank are a step's inputs (written before the step, not by the
     # kernel before): read while that kernel ends (`pdl_wait`).
     slot, first, seg_end, offs_m, m_mask, rows = _segment_tile(SegStart, Rows, NUM_SLOTS, BLOCK_M, BLOCK_S)
@@ -156,28 +156,26 @@ def _lora_shrink_kernel(X, A, P, S, Counters, Rank, SegStart, Rows, NUM_SLOTS, K
         a = tl.load(a_ptrs + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
         x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-    s_ptrs = S + offs_m[:, None] * stride_sm + offs_r[None, :]
     s_mask = m_mask[:, None] & r_in[None, :]
     if K_SPLITS == 1:
-        tl.store(s_ptrs, acc.to(S.dtype.element_ty), mask=s_mask)
-        return
-    offs_p = offs_m[:, None] * stride_pm + offs_r[None, :]
-    tl.store(P + split.to(tl.int64) * stride_ps + offs_p, acc, mask=s_mask)
-    # The tile's counter of finished splits: the last split sums every split's partials (read
-    # past L1: other SMs wrote them) and sets the counter back to 0 for the next launch. The
-    # barrier puts all of this program's stores before its release.
-    tl.debug_barrier()
-    tile = tl.program_id(1)
-    if tl.atomic_add(Counters + tile, 1, sem="acq_rel") == K_SPLITS - 1:
-        offs_sp = tl.arange(0, SPLIT_BLOCK)
-        s = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for sp0 in range(0, K_SPLITS, SPLIT_BLOCK):
-            sp = sp0 + offs_sp
-            mask = (sp < K_SPLITS)[:, None, None] & s_mask[None, :, :]
-            s += tl.sum(tl.load(P + sp[:, None, None].to(tl.int64) * stride_ps + offs_p[None, :, :], mask=mask,
-                                other=0.0, cache_modifier=".cg"), axis=0)
-        tl.store(s_ptrs, s.to(S.dtype.element_ty), mask=s_mask)
-        tl.atomic_xchg(Counters + tile, 0)
+        tl.store(S + offs_m[:, None] * stride_sm + offs_r[None, :], acc.to(S.dtype.element_ty), mask=s_mask)
+    else:
+        tl.store(P + split.to(tl.int64) * stride_ps + offs_m[:, None] * stride_pm + offs_r[None, :], acc, mask=s_mask)
+
+
+@triton.jit
+def _lora_sum_kernel(P, S, K_SPLITS, R_TOTAL, stride_ps, stride_pm, stride_sm,
+                     BLOCK_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """``S[i] = sum over splits of P[:, i]``, rounded to S's dtype, for position i = program_id(0):
+    all of its partials in one load (``K_SPLITS x R_TOTAL`` floats, a few KB)."""
+    pdl_wait(PDL)
+    i = tl.program_id(0).to(tl.int64)
+    offs_sp = tl.arange(0, BLOCK_SPLITS)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_in = offs_r < R_TOTAL
+    p = tl.load(P + offs_sp[:, None] * stride_ps + i * stride_pm + offs_r[None, :],
+                mask=(offs_sp < K_SPLITS)[:, None] & r_in[None, :], other=0.0)
+    tl.store(S + i * stride_sm + offs_r, tl.sum(p, 0).to(S.dtype.element_ty), mask=r_in)
 
 
 @triton.jit
@@ -416,25 +414,6 @@ def expand_block_n(splits: tuple[int, ...]) -> int:
     return min(max(16, next_pow2(min(splits))), 256)
 
 
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def _tile_counters(tiles: int, device: torch.device) -> torch.Tensor:
-    """The shrink's per-tile counters of finished K splits (int32, zero between launches: the last
-    split of a tile sets its counter back). One tensor per device, shared by every launch: a
-    worker runs one forward at a time, and its shrinks one after another (each waits for the
-    stream it joins). Made once, before a CUDA graph is captured (the first, uncaptured step),
-    and grown only for a larger launch (a prefill's tiles; the smaller tensor stays alive for
-    the graphs that read it)."""
-    key = str(device)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _COUNTERS.setdefault(key + "/old", []).append(_COUNTERS.get(key))
-        _COUNTERS[key] = counters
-    return counters
-
-
 @dataclass(frozen=True)
 class Shrunk:
     """A shrink's output ``s`` ``[rows, m * R]`` (x's dtype; position i of ``rows`` at row i) and
@@ -468,17 +447,22 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
     s = torch.empty((rows.numel(), r_total), dtype=x.dtype, device=x.device)
     partials = torch.empty((plan.k_splits if plan.k_splits > 1 else 0, rows.numel(), r_total), dtype=torch.float32,
                            device=x.device)
-    counters = _tile_counters(tiles, x.device)
-    split_block = max(2, min(next_pow2(plan.k_splits), _SUM_TILE // (block_m * block_r)))
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         launcher(_lora_shrink_kernel, x)[(plan.k_splits, tiles)](
-            x, a, partials, s, counters, slot_rank, seg_start, rows, num_slots, k, plan.k_per_split, plan.k_splits,
+            x, a, partials, s, slot_rank, seg_start, rows, num_slots, k, plan.k_per_split, plan.k_splits,
             r_total, r_sub, x.stride(0), a.stride(0), a.stride(1), partials.stride(0), partials.stride(1), s.stride(0),
             BLOCK_M=block_m, BLOCK_K=plan.block_k, BLOCK_R=block_r, BLOCK_S=max(2, next_pow2(num_slots)),
-            SPLIT_BLOCK=split_block, DOT_PRECISION=dot_precision(x.dtype),
+            DOT_PRECISION=dot_precision(x.dtype),
             num_stages=plan.num_stages, num_warps=num_warps or (8 if block_m * block_r >= 8192 else 4),
             **pdl(x),
         )
+        if plan.k_splits > 1:
+            block_splits = next_pow2(plan.k_splits)
+            launcher(_lora_sum_kernel, x)[(rows.numel(),)](
+                partials, s, plan.k_splits, r_total, partials.stride(0), partials.stride(1), s.stride(0),
+                BLOCK_SPLITS=block_splits, BLOCK_R=block_r, num_warps=max(1, min(4, block_splits * block_r // 256)),
+                **pdl(x),
+            )
     return Shrunk(s, block_m, tiles)
 
 

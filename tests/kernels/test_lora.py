@@ -2,8 +2,7 @@
 adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
 below the pool's rank, a slot's tokens over several row tiles, stacked projections, an output that is a column slice of a wider one with
 tails in its projections' columns, 256-column expand blocks, decode and prompt-sized
-tiles, the shrink cut into many K splits with a short last one and the expand summing them a few
-at a time); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
+tiles, the shrink cut into many K splits with a short last one, then summed); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
 shrink_plan's splits; lora_segments' grouping."""
 
 from __future__ import annotations
@@ -96,10 +95,9 @@ def test_prompt_tiles_match_twin(device, dtype, monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_k_splits_match_twin(device, dtype, case, monkeypatch):
     """K = 200 in blocks of 16 (13 blocks, the last one short) over 24 'SMs': 3 blocks a split, so
-    5 splits of which the last holds one short block, summed by the expand 2 splits a load."""
+    5 splits of which the last holds one short block, then summed."""
     monkeypatch.setattr(lora_kernels, "SHRINK_BLOCK_K", 16)
     monkeypatch.setattr(lora_kernels, "_num_sms", lambda device: 24)
-    monkeypatch.setattr(lora_kernels, "_SUM_TILE", 2 * 16 * R_SUB)
     plan = shrink_plan(200, 4 if case == "decode" else 5, 16, 32, 4, 24)
     assert (plan.block_k, plan.k_per_split, plan.k_splits) == (16, 48, 5)
     t = _inputs(case, 200, (70, 33), dtype, device)
