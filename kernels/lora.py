@@ -1,5 +1,5 @@
 """Batched LoRA: each token of a batch adds its own adapter's low-rank product to a projection's
-output, ``y += (x @ A[slot]^T) @ B[slot]^T * scaling[slot]``, in two kernels per projection group
+output, ``y += (x @ A[slot]^T) @ B[slot]^T * scaling[slot]``, per projection group
 (``lora_add``): q, k and v of one ``qkv`` output (they share x) are one shrink and one expand, as
 are gate and up.
 
@@ -15,17 +15,23 @@ Several rows (``lora_add``; its halves ``lora_shrink_triton`` and ``lora_expand_
 that ``LoraBatch.linear`` can run the shrink, which reads x only, on a side stream beside the
 base projection):
 
-1. ``_lora_shrink_kernel``, grid (K split, row tile): each
-   program reads a ``K / k_splits`` slice of its slot's A once (every projection of the group:
-   x's slice is read once too) and writes its tiles' partial sums ``P[split, i, :]`` (fp32,
-   ``[k_splits, rows, m * R]``, i the position in ``rows``). Every partial the expand reads is
-   written, so nothing is zeroed first and nothing is added atomically.
-2. ``_lora_expand_kernel``, grid (column block, row tile): sums its tokens' partials over the
-   splits (``k_splits x BLOCK_M x R`` floats, a few KB), rounds the sum to the activations' dtype
-   (PEFT's ``lora_A(x)`` is in it too) and adds ``s @ B^T * scaling`` to its ``BLOCK_N`` columns
-   of y, in place. One block a program and no loop: a program waits on three loads in a row
-   (the segments' bounds; its rows, partials and B; y), and a launch's many programs wait side by
-   side. (Chunks of several blocks a program, looped over, cost 11 us a launch at batch 32.)
+1. ``_lora_shrink_kernel``, grid (K split, row tile): each program reads a ``K / k_splits``
+   slice of its slot's A once (every projection of the group: x's slice is read once too) and
+   writes its tiles' partial sums ``P[split, i, :]`` (fp32, ``[k_splits, rows, m * R]``, i the
+   position in ``rows``). Every partial the sum reads is written, so nothing is zeroed first and
+   nothing is added atomically. With one split it writes s itself.
+2. ``_lora_sum_kernel``, one program per position: ``s[i]`` = the sum of its partials (one load
+   of ``k_splits x m * R`` floats), rounded to the activations' dtype (PEFT's ``lora_A(x)`` is
+   in it too). On the side stream it is hidden beside the base projection as the shrink is.
+3. ``_lora_expand_kernel``, grid (column block, row tile): adds ``s @ B^T * scaling`` to its
+   ``BLOCK_N`` columns of y for its tile's tokens, in place. One block a program and no loop: a
+   program waits on three loads in a row (the segments' bounds; its rows and B; s and y), and a
+   launch's many programs wait side by side. (Chunks of several blocks a program, looped over,
+   cost 11 us a launch at batch 32.) The sum is a kernel of its own, not the expand's prologue,
+   because the expand's programs are many (896 at batch 32 for gate_up, against the sum's 32):
+   each summing its tokens' partials again took 156 registers a thread (64-bit addresses of a
+   ``k_splits x BLOCK_M x R`` tile), 3 programs an SM, and gate_up's expand 16.4 us on an
+   H200; reading s, 117 registers and 9.3 us (``lora_kernels.py``, 2026-11-28).
 
 A row tile is ``BLOCK_M`` rows of one slot's segment: the launches' row tiles are the segments'
 tiles in slot order (`_segment_tile` finds its own from all slots' bounds, one load), as many
@@ -36,13 +42,13 @@ may replay (its bucket) had 16 tiles at batch 32 over 8 adapters, 7 of them empt
 
 Each launch reads A or B once in all. The host picks ``k_splits`` so that the shrink's busy
 programs (splits x tiles that can hold tokens) fill about one wave of SMs, at most
-``MAX_K_SPLITS`` (the expand's sum grows with them), each split a whole number of ``BLOCK_K``
+``MAX_K_SPLITS`` (the sum's load grows with them), each split a whole number of ``BLOCK_K``
 blocks; the expand's blocks are 256 columns (`expand_block_n`). On an H100 (132 SMs),
 Llama-3-8B, rank 16, bf16, batch 32 over 8 adapters: 9 row tiles (8 segments of 4 tokens,
 plus a boundary's). The shrink: qkv 11 splits of 384 columns, 99 programs, 88 of them busy, of
 36 KB of A; down 14 splits of 1024, 112 busy programs of 32 KB. The expand: qkv 24 blocks x 8
-segments = 192 busy programs of 8 KB of B (plus 2.8 KB of partials from L2); gate_up 112 x 8
-= 896; o and down 128.
+segments = 192 busy programs of 8 KB of B (and 512 bytes of s); gate_up 112 x 8 = 896; o and
+down 128.
 
 One row (a batch-1 decode step, where the base projection is our GEMV, ``kernels/gemv.py``):
 the expand is the GEMV's epilogue, so a projection group costs one launch more than the base
@@ -93,7 +99,7 @@ from .triton_math import pdl_wait, row_chunk
 # Rows of a segment per program: tl.dot's least at decode (a segment holds a few tokens); wider
 # tiles for segments longer than DECODE_ROWS (prompts), which re-read A and B less often.
 BLOCK_M_DECODE, BLOCK_M_PREFILL, DECODE_ROWS = 16, 64, 256
-MAX_K_SPLITS = 32           # the expand sums k_splits partials a token: a few KB at most
+MAX_K_SPLITS = 32           # the sum reads k_splits partials a token: a few KB at most
 SHRINK_BLOCK_K = 128        # the widest K block; a split is a whole number of them
 _SHRINK_SMEM = 128 << 10    # bytes of shared memory the shrink's pipelined tiles may take
 
@@ -408,9 +414,8 @@ def shrink_plan(k: int, busy: int, block_m: int, block_r: int, elem_size: int, n
 def expand_block_n(splits: tuple[int, ...]) -> int:
     """The expand's columns a program: 256 (8 KB of B at rank 16), never wider than the narrowest
     projection needs. `benchmarks/lora_kernels.py --sweep` on an H200, batch 32 over 8 adapters,
-    each launch alone: 256 columns and 4 warps took 2.9-3.9 us for qkv, o and down against
-    4.2-5.9 us at 128 (fewer programs, each reading its tile's partials once), and 512 was
-    better only for gate_up alone, not in a step (`lora.py`, 6.92 against 6.89 ms)."""
+    each launch alone, 4 warps: 2.2-2.7 us for qkv, o and down at 256 columns, 2.4-2.8 at 128,
+    2.9-3.4 at 512; gate_up 9.2-9.6 at all three (2026-11-28, the expand reading s)."""
     return min(max(16, next_pow2(min(splits))), 256)
 
 
@@ -420,6 +425,10 @@ class Shrunk:
     the launch shape its expand shares."""
 
     s: torch.Tensor
+    # The fp32 partials s was summed from: held until the expand, which runs after the caller's
+    # join of the side stream the shrink may run on (freed sooner, the allocator could hand
+    # their memory to the main stream while the sum still reads them).
+    partials: torch.Tensor
     block_m: int
     tiles: int      # row tiles of the launches (the most the segments of the rows can need)
 
@@ -463,7 +472,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
                 BLOCK_SPLITS=block_splits, BLOCK_R=block_r, num_warps=max(1, min(4, block_splits * block_r // 256)),
                 **pdl(x),
             )
-    return Shrunk(s, block_m, tiles)
+    return Shrunk(s, partials, block_m, tiles)
 
 
 def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling: torch.Tensor,
@@ -489,7 +498,7 @@ def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
                     slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
                     splits: tuple[int, ...], r_sub: int) -> None:
-    """Triton version of `lora_add`: a split shrink into fp32 partials, then the expand."""
+    """Triton version of `lora_add`: the shrink (split over K, its partials summed), then the expand."""
     shrunk = lora_shrink_triton(x, a, slot_rank, seg_start, rows, max_len, splits, r_sub)
     if shrunk is not None:
         lora_expand_triton(y, shrunk, b, scaling, slot_rank, seg_start, rows, splits, r_sub)

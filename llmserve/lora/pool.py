@@ -123,11 +123,9 @@ class LoraPool:
     def load(self, slot: int, adapter: PackedAdapter | LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (whatever was there goes): one copy per pool tensor (after
         zeroing the slot where the adapter's rank is below the pool's). Asynchronous on a CUDA pool:
-        the forwards after it run on the same stream. An adapter as read (not packed) is copied
-        tensor by tensor, each converted to the pool's dtype on the device (`_load_read`)."""
+        the forwards after it run on the same stream."""
         if isinstance(adapter, LoraAdapter):
-            self._load_read(slot, adapter)
-            return
+            adapter = self.pack(adapter)
         r = adapter.rank
         if not 1 <= r <= self.max_rank:
             raise ValueError(f"LoRA adapter {adapter.name!r} has rank {r}, the pool's slots hold up to {self.max_rank}")
@@ -140,38 +138,7 @@ class LoraPool:
                 b.zero_()
             a.view(layers, m, self.max_rank, in_dim)[:, :, :r].copy_(a_host, non_blocking=True)
             b[:, :, :r].copy_(b_host, non_blocking=True)
-        self._set_slot(slot, adapter)
-
-    def _load_read(self, slot: int, adapter: LoraAdapter) -> None:
-        """`load` of an adapter as read from its directory: no packed copy on the host (writing
-        one is most of a load from disk: fresh host memory, page by page), each A and B copied
-        into the slot as it is."""
-        r = adapter.rank
-        if not 1 <= r <= self.max_rank:
-            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {r}, the pool's slots hold up to {self.max_rank}")
-        for group, modules in GROUPS.items():
-            weights = self.groups[group]
-            a_slot, b_slot = weights.a[slot], weights.b[slot]
-            a_slot.zero_()
-            b_slot.zero_()
-            a_view = a_slot.view(a_slot.shape[0], len(modules), self.max_rank, a_slot.shape[-1])
-            for j, module in enumerate(modules):
-                col, n = sum(weights.splits[:j]), weights.splits[j]
-                for i, layer in enumerate(self.model_layers):
-                    ab = adapter.weights.get((layer, module))
-                    if ab is None:
-                        continue
-                    a, b = ab
-                    if group in ROW_PARALLEL:
-                        a = self._cut(a, 1)
-                    else:
-                        b = self._cut(b, 0)
-                    a_view[i, j, :r].copy_(a, non_blocking=True)
-                    b_slot[i, col : col + n, :r].copy_(b, non_blocking=True)
-        self._set_slot(slot, adapter)
-
-    def _set_slot(self, slot: int, adapter: PackedAdapter | LoraAdapter) -> None:
-        self.rank[slot] = adapter.rank
+        self.rank[slot] = r
         self.scaling[slot] = adapter.scaling
         self.names[slot] = adapter.name
 

@@ -91,23 +91,3 @@ def test_a_pipeline_stage_holds_its_own_layers_adapter_weights(pool):
     for group in GROUPS:
         for got, want in zip(stage.layers[1][group][:2], pool.layers[1][group][:2]):
             assert torch.equal(got, want), group
-
-
-@pytest.mark.parametrize("tp_rank", [0, 1])
-def test_an_adapter_as_read_loads_as_its_packed_copy(tp_rank):
-    """`load` of an adapter as read (each tensor copied into the slot) puts in the slot what its
-    packed copy does, on each rank of tp=2, over a slot that held an adapter of a higher rank
-    (whose rows and columns past the new rank must be zero again)."""
-    pools = [LoraPool(CONFIG, 2, 16, tp_rank, 2, DTYPE, DEVICE) for _ in range(2)]
-    for pool in pools:
-        pool.load(1, _adapter(16, 7))
-    read = _adapter(RANKS[1], 3)
-    pools[0].load(1, read)
-    pools[1].load(1, pools[1].pack(read))
-    for group in GROUPS:
-        for got, want in zip((pools[0].groups[group].a, pools[0].groups[group].b),
-                             (pools[1].groups[group].a, pools[1].groups[group].b)):
-            assert torch.equal(got, want), group
-    assert pools[0].groups["qkv"].a[1].abs().sum() > 0
-    assert pools[0].rank.tolist() == pools[1].rank.tolist() == [0, RANKS[1]]
-    assert pools[0].scaling.tolist() == pools[1].scaling.tolist()
