@@ -15,7 +15,11 @@ What is measured
   3. load: putting one more adapter into a slot on demand, median of ``--load-repeats``: from
      host memory (the worker's cache of read adapters, ``--max-cpu-loras``, which keeps them
      packed in the pool's layout: ``LoraPool.pack``), and from its PEFT directory on disk (read
-     and checked, packed, then put in the slot), with the device synchronised.
+     and checked, packed, then put in the slot), with the device synchronised; the read and the
+     pack are also timed alone.
+
+``--no-side-stream`` runs each shrink on the main stream before its base projection (the pool's
+default runs it on a side stream beside it: ``LoraBatch.linear``).
 
 Columns
   ms/step, tok/s    as offline.py
