@@ -421,8 +421,8 @@ def expand_block_n(splits: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class Shrunk:
-    """A shrink's output ``s`` ``[rows, m * R]`` (x's dtype; position i of ``rows`` at row i) and
-    the launch shape its expand shares."""
+    """A shrink's output ``s`` ``[n, m * R]`` (x's dtype; position i of ``rows`` at row i, for the
+    positions the segments hold) and the launch shape its expand shares."""
 
     s: torch.Tensor
     # The fp32 partials s was summed from: held until the expand, which runs after the caller's
@@ -453,8 +453,11 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
     r_total = len(splits) * r_sub
     block_r = max(16, next_pow2(r_total))
     plan = shrink_plan(k, tiles, block_m, block_r, x.element_size(), sms)
-    s = torch.empty((rows.numel(), r_total), dtype=x.dtype, device=x.device)
-    partials = torch.empty((plan.k_splits if plan.k_splits > 1 else 0, rows.numel(), r_total), dtype=torch.float32,
+    # A position of ``rows`` that a segment holds is below n (each of the batch's n rows is in one
+    # segment at most), and a graph's ``rows`` may be longer than its bucket (the largest's tail,
+    # padded): s, the partials and the sum cover the first n positions only.
+    s = torch.empty((n, r_total), dtype=x.dtype, device=x.device)
+    partials = torch.empty((plan.k_splits if plan.k_splits > 1 else 0, n, r_total), dtype=torch.float32,
                            device=x.device)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         launcher(_lora_shrink_kernel, x)[(plan.k_splits, tiles)](
@@ -467,7 +470,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
         )
         if plan.k_splits > 1:
             block_splits = next_pow2(plan.k_splits)
-            launcher(_lora_sum_kernel, x)[(rows.numel(),)](
+            launcher(_lora_sum_kernel, x)[(n,)](
                 partials, s, plan.k_splits, r_total, partials.stride(0), partials.stride(1), s.stride(0),
                 BLOCK_SPLITS=block_splits, BLOCK_R=block_r, num_warps=max(1, min(4, block_splits * block_r // 256)),
                 **pdl(x),

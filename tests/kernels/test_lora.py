@@ -2,7 +2,8 @@
 adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
 below the pool's rank, a slot's tokens over several row tiles, stacked projections, an output that is a column slice of a wider one with
 tails in its projections' columns, 256-column expand blocks, decode and prompt-sized
-tiles, the shrink cut into many K splits with a short last one, then summed); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
+tiles, the shrink cut into many K splits with a short last one, then summed, a graph's rows longer than
+its batch); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
 shrink_plan's splits; lora_segments' grouping."""
 
 from __future__ import annotations
@@ -102,6 +103,19 @@ def test_k_splits_match_twin(device, dtype, case, monkeypatch):
     assert (plan.block_k, plan.k_per_split, plan.k_splits) == (16, 48, 5)
     t = _inputs(case, 200, (70, 33), dtype, device)
     torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_rows_longer_than_the_batch_match_twin(device, dtype, monkeypatch):
+    """A CUDA graph's ``rows`` is the largest bucket's (padded with zeros past the batch's adapter
+    tokens), longer than a smaller bucket's batch: only the segments' positions count, in K splits
+    too (the sum covers the batch's rows)."""
+    monkeypatch.setattr(lora_kernels, "SHRINK_BLOCK_K", 16)
+    monkeypatch.setattr(lora_kernels, "_num_sms", lambda device: 24)
+    t = _inputs("mixed", 200, (70, 33), dtype, device)
+    want = _run(lora_add_torch, t)
+    t["rows"] = torch.cat([t["rows"], torch.zeros(64, dtype=t["rows"].dtype, device=device)])
+    torch.testing.assert_close(_run(lora_add_triton, t), want, **tol(dtype))
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
