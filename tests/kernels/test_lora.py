@@ -1,10 +1,10 @@
 """lora_add: the twin against a per-token fp64 reference, Triton against the twin (tokens of an
 adapter scattered through the batch, the base model's tokens, a slot without tokens, adapters
-below the pool's rank, a slot's tokens over several row tiles, stacked projections, an output that is a column slice of a wider one with
-tails in its projections' columns, 256-column expand blocks, decode and prompt-sized
-tiles, the shrink cut into many K splits with a short last one, then summed, a graph's rows longer than
-its batch); at one row, the GEMVs' epilogue after the one-row shrink against linear then the twin;
-shrink_plan's splits; lora_segments' grouping."""
+below the pool's rank, a slot's tokens over several row tiles, stacked projections, an output
+that is a column slice of a wider one with tails in its projections' columns, 256-column expand
+blocks, decode and prompt-sized tiles, the shrink cut into many K splits with a short last one,
+then summed, a graph's rows longer than its batch); at one row, the GEMVs' epilogue after the
+one-row shrink against linear then the twin; shrink_plan's splits; lora_segments' grouping."""
 
 from __future__ import annotations
 
