@@ -18,8 +18,11 @@ What is measured
      and checked, packed, then put in the slot), with the device synchronised; the read and the
      pack are also timed alone.
 
-``--no-side-stream`` runs each shrink on the main stream before its base projection (the pool's
-default runs it on a side stream beside it: ``LoraBatch.linear``).
+The pool widens the base weights as the model's own does (``LoraPool.widen``: every slot's A below
+the weight it wraps), and each projection group takes the route ``LoraBatch.route`` times faster at
+its shape: the widened GEMM, or the shrink on a side stream beside the base projection.
+``--no-widen`` leaves the weights as they are (the side-stream route everywhere);
+``--no-side-stream`` runs that route's shrink on the main stream before its base projection.
 
 Columns
   ms/step, tok/s    as offline.py
@@ -52,6 +55,7 @@ from offline import CONFIGS, build_model, prefill
 from common import IntervalTimer, gc_paused  # noqa: E402  (common is imported already: offline's fix of sys.path ran)
 
 from llmserve.lora.adapter import TARGET_MODULES, LoraAdapter, projection_shape, read_adapter  # noqa: E402
+from llmserve.kernels.autotune import decisions  # noqa: E402
 from llmserve.lora.pool import LoraPool  # noqa: E402
 
 
@@ -114,6 +118,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps (graphs are used on CUDA otherwise)")
     p.add_argument("--no-side-stream", action="store_true",
                    help="each shrink on the main stream before its base projection, not beside it")
+    p.add_argument("--no-widen", action="store_true",
+                   help="leave the base weights as they are (no wide route: every shrink a kernel of its own)")
     add_device_arguments(p)
     return p.parse_args()
 
@@ -136,6 +142,8 @@ def main() -> int:
     adapters = [random_adapter(cfg, f"a{i}", args.rank, seed=i) for i in range(args.num_adapters + 1)]
     for slot, adapter in enumerate(adapters[: args.num_adapters]):
         pool.load(slot, adapter)
+    if not args.no_widen:
+        pool.widen(model.trans_layers_weight)     # as the model's own pool does
     if args.no_side_stream:
         pool.side_stream = None
     model.lora_pool = pool
@@ -171,7 +179,7 @@ def main() -> int:
         write_json(args.json, {"environment": environment(device), "args": vars(args),
                                "base_ms_per_step": base, "lora_ms_per_step": lora,
                                "load_ms_from_host": from_host, "load_ms_from_disk": from_disk,
-                               "read_ms": read_only, "pack_ms": pack_only})
+                               "read_ms": read_only, "pack_ms": pack_only, "autotune": decisions()})
     return 0
 
 

@@ -14,10 +14,13 @@ What is measured
   base      the base projection alone (``kernels.linear``: cuBLAS at these rows)
   shrink    ``lora_shrink_triton`` alone
   expand    ``lora_expand_triton`` alone (default tiles), on the shrink's s
-  linear    ``LoraBatch.linear`` itself: the shrink on a side stream beside the base projection,
-            joined, then the expand
+  linear    ``LoraBatch.linear`` itself, on the route it takes (``route``: timed at the first call)
   extra     linear - base: what the adapters add to a layer's group
-  serial    ``LoraBatch.linear`` without the side stream: shrink, base projection, expand in a row
+  wide      the wide route: one GEMM over the base weight widened by every slot's A, then the
+            expand from its tail (the base weights are widened as a model's are, ``LoraPool.widen``)
+  beside    the other route: the shrink on a side stream beside the base projection, joined, then
+            the expand
+  serial    the beside route without the side stream: shrink, base projection, expand in a row
 
 ``--sweep`` also times the expand at other tiles (``BLOCK_N`` x warps) and the shrink at other
 warps, each alone.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from types import SimpleNamespace
 
 import torch
 
@@ -38,7 +42,7 @@ from offline import LLAMA3_8B_CONFIG  # also takes this folder off sys.path (see
 from llmserve.common.basemodel.basemodel import hf_config_from_dict  # noqa: E402
 from llmserve.kernels.lora import lora_expand_triton, lora_shrink_triton  # noqa: E402
 from llmserve.kernels.quantized_linear import linear  # noqa: E402
-from llmserve.lora.pool import LoraBatch, LoraPool, lora_segments  # noqa: E402
+from llmserve.lora.pool import WEIGHT_ATTRS, LoraBatch, LoraPool, lora_segments  # noqa: E402
 
 
 def graph_call_us(calls: list, replays: int = 20) -> float:
@@ -60,7 +64,8 @@ def main() -> None:
     # The model's own pool, its first --layers layers: every slot holds a random rank-R adapter.
     pool = LoraPool(hf_config_from_dict(LLAMA3_8B_CONFIG), S, R, 0, 1, dtype, dev, layers=range(args.layers))
     for weights in pool.groups.values():
-        weights.a.normal_(0, 0.02)
+        for a in weights.a:
+            a.normal_(0, 0.02)
         weights.b.normal_(0, 0.02)
     pool.rank.fill_(R)
     pool.scaling.fill_(2.0)
@@ -82,7 +87,12 @@ def main() -> None:
 
         for group, (a0, b0, splits) in pool.layers[0].items():
             k, N = a0.shape[-1], b0.shape[1]
-            W = [torch.randn(N, k, device=dev, dtype=dtype) * 0.02 for _ in L]
+            # The layers' base weights, widened by the pool as a model's are (`LoraPool.widen`).
+            layers = [SimpleNamespace(**{attr: None for attr in WEIGHT_ATTRS}) for _ in L]
+            for w in layers:
+                setattr(w, WEIGHT_ATTRS[group], torch.randn(N, k, device=dev, dtype=dtype) * 0.02)
+            pool.widen(layers)
+            W = [getattr(w, WEIGHT_ATTRS[group]) for w in layers]
             x = torch.randn(n, k, device=dev, dtype=dtype)
             y = torch.zeros(n, N, device=dev, dtype=dtype)
             shrunk = [shrink(i, group, x) for i in L]
@@ -90,12 +100,15 @@ def main() -> None:
             shrink_us = graph_call_us([lambda i=i: shrink(i, group, x) for i in L])
             expand_us = graph_call_us([lambda i=i: expand(i, group, y, shrunk[i]) for i in L])
             full = graph_call_us([lambda i=i: batch.linear(i, group, x, W[i]) for i in L])
+            wide = graph_call_us([lambda i=i: batch._wide(i, group, x, W[i], None) for i in L])
+            beside = graph_call_us([lambda i=i: batch._beside(i, group, x, W[i], None) for i in L])
             side, pool.side_stream = pool.side_stream, None
-            serial = graph_call_us([lambda i=i: batch.linear(i, group, x, W[i]) for i in L])
+            serial = graph_call_us([lambda i=i: batch._beside(i, group, x, W[i], None) for i in L])
             pool.side_stream = side
             table.append({"rows": n, "group": group, "base us": round(base, 2), "shrink us": round(shrink_us, 2),
                           "expand us": round(expand_us, 2), "linear us": round(full, 2), "extra us": round(full - base, 2),
-                          "serial us": round(serial, 2)})
+                          "route": batch.route(0, group, x, W[0]), "wide us": round(wide, 2),
+                          "beside us": round(beside, 2), "serial us": round(serial, 2)})
             print(table[-1], flush=True)
             if args.sweep:
                 for bn, w in itertools.product((128, 256, 512), (2, 4, 8)):
@@ -104,7 +117,9 @@ def main() -> None:
                 for w in (2, 4, 8):
                     us = graph_call_us([lambda i=i: shrink(i, group, x, num_warps=w) for i in L])
                     sweep.append({"rows": n, "group": group, "kernel": "shrink", "BLOCK_N": "", "warps": w, "us": round(us, 2)})
-            del W, shrunk
+            del W, shrunk, layers
+            for i in L:
+                pool.wide.pop((i, group))
     for rows_ in (table, sweep):
         if rows_:
             print(markdown_table(list(rows_[0]), [list(r.values()) for r in rows_]))

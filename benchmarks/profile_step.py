@@ -62,6 +62,7 @@ def main() -> None:
         random_adapter = load_sibling("lora").random_adapter
 
         pool = LoraPool(model.network_config_, args.lora, 16, 0, 1, model.data_type, device)
+        pool.widen(model.trans_layers_weight)     # as the model's own pool does
         for slot in range(args.lora):
             pool.load(slot, random_adapter(model.network_config_, f"a{slot}", 16, seed=slot))
         model.lora_pool = pool

@@ -72,9 +72,10 @@ def bench(kernel_call: Callable[[], Any], quantiles: Sequence[float] = (0.5, 0.2
     return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
 
 
-# `fastest`'s choices, by the caller's key. Worker processes run one step at a time on one
-# thread: no lock.
+# `fastest`'s choices, by the caller's key, and the median milliseconds each choice took when it
+# was made (`decisions`). Worker processes run one step at a time on one thread: no lock.
 _fastest: dict[Any, Any] = {}
+_timed: dict[Any, list[float]] = {}
 
 T = TypeVar("T")
 
@@ -89,7 +90,15 @@ def fastest(key: Any, choices: Sequence[T], run: Callable[[T], Any]) -> T:
             return choices[0]
         times = [bench(lambda c=c: run(c))[0] for c in choices]
         _fastest[key] = choices[times.index(min(times))]
+        _timed[key] = times
     return _fastest[key]
+
+
+def decisions() -> list[dict[str, Any]]:
+    """What `fastest` chose so far, for a benchmark's JSON: each key, its choice and the choices'
+    median milliseconds (a choice between close times may differ from run to run)."""
+    return [{"key": repr(key), "choice": repr(choice), "ms": [round(t, 4) for t in _timed.get(key, [])]}
+            for key, choice in _fastest.items()]
 
 
 def faster(key: Any, candidate: Callable[[], Any], baseline: Callable[[], Any]) -> bool:

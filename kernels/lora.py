@@ -186,13 +186,15 @@ def _lora_sum_kernel(P, S, K_SPLITS, R_TOTAL, stride_ps, stride_pm, stride_sm,
 
 @triton.jit
 def _lora_expand_kernel(S, B, Y, Scaling, Rank, SegStart, Rows, NUM_SLOTS, Blocks, R_SUB,
-                        stride_sm, stride_bs, stride_bn, stride_ym,
+                        stride_sm, stride_ss, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """``y[rows[i], block] += S[i, projection's columns] @ B[slot, block]^T * scaling`` for the
-    tile's positions i and one column block: ``R x BLOCK_N`` of B. No loop over blocks: a
-    program waits on three loads in a row (the block and the segments' bounds; its rows and B;
-    s and y), and the many programs of a launch wait side by side."""
+                        S_BY_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """``y[rows[i], block] += s @ B[slot, block]^T * scaling`` for the tile's positions i and one
+    column block: ``R x BLOCK_N`` of B. s: the projection's columns of ``S[i]`` (a shrink's
+    output, by position), or with S_BY_ROW of ``S[rows[i], slot * stride_ss:]`` (the widened base
+    GEMM's tail: every slot's shrink of every token row). No loop over blocks: a program waits on
+    three loads in a row (the block and the segments' bounds; its rows and B; s and y), and the
+    many programs of a launch wait side by side."""
     # This program's columns: block program_id(0), of projection `proj` (its s columns start at
     # proj * R_SUB), columns col_start up to col_end of y (a block never spans two projections).
     # Loaded before the segment's bounds: they do not depend on them.
@@ -214,8 +216,11 @@ def _lora_expand_kernel(S, B, Y, Scaling, Rank, SegStart, Rows, NUM_SLOTS, Block
         return
     y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    s = tl.load(S + offs_m[:, None] * stride_sm + (proj * R_SUB + offs_r)[None, :],
-                mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    if S_BY_ROW:
+        s_ptrs = S + rows[:, None] * stride_sm + slot.to(tl.int64) * stride_ss
+    else:
+        s_ptrs = S + offs_m[:, None] * stride_sm
+    s = tl.load(s_ptrs + (proj * R_SUB + offs_r)[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     delta = tl.dot(s, b, input_precision=DOT_PRECISION) * tl.load(Scaling + slot)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
@@ -433,6 +438,15 @@ class Shrunk:
     tiles: int      # row tiles of the launches (the most the segments of the rows can need)
 
 
+def _row_tiles(n: int, num_slots: int, max_len: int) -> tuple[int, int]:
+    """The rows a tile (``BLOCK_M``) and the row tiles of the launches over n rows' segments of at
+    most ``max_len`` rows: at most the rows' tiles plus one per segment boundary (a sum of ceilings
+    exceeds the sum's ceiling by less than one a term), a count of shapes only, so a CUDA graph's
+    launches fit every step it replays."""
+    block_m = BLOCK_M_DECODE if max_len <= DECODE_ROWS else BLOCK_M_PREFILL
+    return block_m, min(num_slots, n) + triton.cdiv(n, block_m) - 1
+
+
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor,
                        rows: torch.Tensor, max_len: int, splits: tuple[int, ...], r_sub: int,
                        stream: torch.cuda.Stream | None = None, num_warps: int | None = None) -> Shrunk | None:
@@ -445,11 +459,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot_rank: torch.Tensor
         return None
     assert x.stride(1) == 1 and a.stride(2) == 1
     sms = _num_sms(x.device)
-    block_m = BLOCK_M_DECODE if max_len <= DECODE_ROWS else BLOCK_M_PREFILL
-    # The row tiles of n rows' segments are at most the rows' tiles plus one per segment boundary
-    # (a sum of ceilings exceeds the sum's ceiling by less than one a term): a count of shapes
-    # only, so a CUDA graph's launches fit every step it replays.
-    tiles = min(num_slots, n) + triton.cdiv(n, block_m) - 1
+    block_m, tiles = _row_tiles(n, num_slots, max_len)
     r_total = len(splits) * r_sub
     block_r = max(16, next_pow2(r_total))
     plan = shrink_plan(k, tiles, block_m, block_r, x.element_size(), sms)
@@ -484,16 +494,36 @@ def lora_expand_triton(y: torch.Tensor, shrunk: Shrunk, b: torch.Tensor, scaling
                        num_warps: int | None = None) -> None:
     """`lora_add`'s second half: ``y += s @ B^T * scaling`` (``block_n``, ``num_warps``: other
     tiles than the default's, for benchmarks/lora_kernels.py)."""
+    _expand(y, shrunk.s, 0, False, shrunk.block_m, shrunk.tiles, b, scaling, slot_rank, seg_start, rows, splits, r_sub,
+            block_n, num_warps)
+
+
+def lora_expand_wide_triton(y: torch.Tensor, s_all: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+                            slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
+                            splits: tuple[int, ...], r_sub: int) -> None:
+    """Triton version of `lora_expand_wide`."""
+    n, num_slots = y.shape[0], seg_start.numel() - 1
+    if n == 0 or num_slots == 0 or max_len == 0:
+        return
+    assert s_all.stride(1) == 1 and s_all.shape[1] == num_slots * len(splits) * r_sub
+    block_m, tiles = _row_tiles(n, num_slots, max_len)
+    _expand(y, s_all, len(splits) * r_sub, True, block_m, tiles, b, scaling, slot_rank, seg_start, rows, splits,
+            r_sub)
+
+
+def _expand(y: torch.Tensor, s: torch.Tensor, slot_stride: int, s_by_row: bool, block_m: int, tiles: int,
+            b: torch.Tensor, scaling: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor,
+            rows: torch.Tensor, splits: tuple[int, ...], r_sub: int, block_n: int | None = None,
+            num_warps: int | None = None) -> None:
     assert y.stride(1) == 1 and b.stride(2) == 1
-    block_m = shrunk.block_m
     block_n = block_n or expand_block_n(splits)
     blocks = _block_table(tuple(splits), block_n, y.device)
     num_slots = seg_start.numel() - 1
-    launcher(_lora_expand_kernel, y)[(blocks.shape[0], shrunk.tiles)](
-        shrunk.s, b, y, scaling, slot_rank, seg_start, rows, num_slots, blocks, r_sub,
-        shrunk.s.stride(0), b.stride(0), b.stride(1), y.stride(0),
+    launcher(_lora_expand_kernel, y)[(blocks.shape[0], tiles)](
+        s, b, y, scaling, slot_rank, seg_start, rows, num_slots, blocks, r_sub,
+        s.stride(0), slot_stride, b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, next_pow2(r_sub)), BLOCK_S=max(2, next_pow2(num_slots)),
-        DOT_PRECISION=dot_precision(y.dtype), num_warps=num_warps or 4,
+        S_BY_ROW=s_by_row, DOT_PRECISION=dot_precision(y.dtype), num_warps=num_warps or 4,
         **pdl(y),
     )
 
@@ -525,6 +555,38 @@ def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
             delta = (s @ b[slot, col : col + width, :rank].t()) * scale
             y[idx, col : col + width] = y[:, col : col + width].index_select(0, idx) + delta
             col += width
+
+
+def lora_expand_wide_torch(y: torch.Tensor, s_all: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+                           slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
+                           splits: tuple[int, ...], r_sub: int) -> None:
+    """Torch twin of `lora_expand_wide`, each projection on its own, at the adapter's own rank."""
+    starts, width = seg_start.tolist(), len(splits) * r_sub
+    for slot in range(len(starts) - 1):
+        if starts[slot] == starts[slot + 1]:
+            continue
+        idx = rows[starts[slot] : starts[slot + 1]].long()
+        rank, scale = int(slot_rank[slot]), float(scaling[slot])
+        s_slot = s_all.index_select(0, idx)[:, slot * width : (slot + 1) * width]
+        col = 0
+        for j, n in enumerate(splits):
+            delta = (s_slot[:, j * r_sub : j * r_sub + rank] @ b[slot, col : col + n, :rank].t()) * scale
+            y[idx, col : col + n] = y[:, col : col + n].index_select(0, idx) + delta
+            col += n
+
+
+def lora_expand_wide(y: torch.Tensor, s_all: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+                     slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
+                     splits: tuple[int, ...], r_sub: int) -> None:
+    """`lora_add`'s expand from every slot's shrink of every token: ``s_all`` ``[n, S * m *
+    r_sub]`` (token row t's ``x[t] @ A[s]^T`` at columns ``s * m * r_sub`` on, in y's dtype: the
+    tail of a base GEMM whose weight has every slot's A below it, ``LoraPool.widen``), of which
+    each token of slot s's segment adds its own slot's ``s_all[t, slot's columns] @ B[s]^T *
+    scaling[s]`` to y (the other slots' columns are not read)."""
+    if use_triton(y):
+        lora_expand_wide_triton(y, s_all, b, scaling, slot_rank, seg_start, rows, max_len, splits, r_sub)
+    else:
+        lora_expand_wide_torch(y, s_all, b, scaling, slot_rank, seg_start, rows, max_len, splits, r_sub)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,

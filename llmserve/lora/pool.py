@@ -1,12 +1,13 @@
 """A model worker's LoRA weights: a device pool of ``max_loras`` adapter slots, sized at start-up,
 and the per-forward view the layers add the adapters' products with (``LoraBatch``).
 
-Per projection group the pool holds A ``[slots, layers, m * R, in]`` (the m projections of a
-fused group stacked, so one shrink and one expand serve q, k and v) and B ``[slots, layers, out, R]`` (their B
-stacked as the fused output's columns), R = ``max_lora_rank``, an adapter of a lower rank padded
-with zeros. A slot's share of a tensor is contiguous, so putting an adapter in a slot (``load``)
-is one host-to-device copy per tensor, from the adapter packed on the host in the pool's layout
-(``pack``: pinned memory for a CUDA pool; the worker keeps its read adapters packed). The engine
+Per projection group and layer the pool holds A ``[slots, m * R, in]`` (the m projections of a
+fused group stacked, so one shrink and one expand serve q, k and v; with the model's dense
+weights, right below the base weight in one tensor, ``widen``), and per group B ``[slots, layers,
+out, R]`` (their B stacked as the fused output's columns), R = ``max_lora_rank``, an adapter of a
+lower rank padded with zeros. Putting an adapter in a slot (``load``) is one host-to-device copy
+per layer's A and per B, from the adapter packed on the host in the pool's layout (``pack``: pinned
+memory for a CUDA pool; the worker keeps its read adapters packed). The engine
 core decides which adapter goes where (``llmserve.lora.manager``).
 
 Tensor parallelism cuts an adapter as the weight it wraps: for a column-parallel projection (q,
@@ -23,7 +24,8 @@ import torch
 
 from llmserve.kernels.backend import use_triton
 from llmserve.kernels.gemv import gemv_triton, takes_gemv
-from llmserve.kernels.lora import RowLora, lora_add, lora_expand_triton, lora_row, lora_shrink_triton
+from llmserve.kernels.autotune import fastest, rows_bucket
+from llmserve.kernels.lora import RowLora, lora_add, lora_expand_triton, lora_expand_wide, lora_row, lora_shrink_triton
 from llmserve.kernels.quantized_linear import linear
 from llmserve.lora.adapter import LoraAdapter, projection_shape
 
@@ -32,9 +34,13 @@ GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate
 ROW_PARALLEL = {"o", "down"}
 
 
+# The layer weights' attribute holding each group's fused weight (LlamaTransformerLayerWeight's).
+WEIGHT_ATTRS = {"qkv": "qkv_weight_", "o": "o_weight_", "gate_up": "gate_up_weight_", "down": "down_weight_"}
+
+
 @dataclass
 class _GroupWeights:
-    a: torch.Tensor                 # [slots, layers, m * R, in / (tp if row-parallel)]
+    a: list[torch.Tensor]           # per layer [slots, m * R, in / (tp if row-parallel)] (`LoraPool.widen`)
     b: torch.Tensor                 # [slots, layers, sum of the outs / (tp if column-parallel), R]
     splits: tuple[int, ...]         # each projection's output columns (on this rank), in order
 
@@ -74,12 +80,48 @@ class LoraPool:
             splits = tuple(self._local(projection_shape(network_config, m)[1], group not in ROW_PARALLEL)
                            for m in modules)
             self.groups[group] = _GroupWeights(
-                torch.zeros(max_loras, num_layers, len(modules) * max_rank, in_dim, dtype=dtype, device=device),
+                [torch.zeros(max_loras, len(modules) * max_rank, in_dim, dtype=dtype, device=device)
+                 for _ in range(num_layers)],
                 torch.zeros(max_loras, num_layers, sum(splits), max_rank, dtype=dtype, device=device), splits)
+        # Base weights with every slot's A below them, by (layer, group): see `widen`.
+        self.wide: dict[tuple[int, str], torch.Tensor] = {}
+        self._index_layers()
+
+    def _index_layers(self) -> None:
         # What a layer's kernels read, by the model's layer number: per group, A [slots, m * R, in]
         # and B [slots, out, R] (views, made once: a forward asks for them 4 times a layer).
-        self.layers = {layer: {group: (w.a[:, i], w.b[:, i], w.splits) for group, w in self.groups.items()}
+        self.layers = {layer: {group: (w.a[i], w.b[:, i], w.splits) for group, w in self.groups.items()}
                        for i, layer in enumerate(self.model_layers)}
+
+    def widen(self, layer_weights: list) -> None:
+        """Put every slot's A of each projection group right below the base weight it wraps, in one
+        tensor ``[N + slots * m * R, in]``, so that one GEMM over it gives a batch's base output and
+        every slot's shrink of every token side by side (``LoraBatch.linear``'s wide route: the
+        shrink's A rides on the base weight's read, with no launch of its own). ``layer_weights``:
+        the layers' weight objects, in `model_layers` order; each group's attribute (`WEIGHT_ATTRS`)
+        becomes the first N rows of the new tensor (the same values, contiguous), A the rest (what
+        the pool held). Left as they are: weights that are not plain half/full-precision tensors
+        of the pool's dtype (quantized), and at tp > 1 the row-parallel groups, whose outputs an
+        all-reduce sums in place (it takes contiguous tensors only)."""
+        for i, (layer, weights) in enumerate(zip(self.model_layers, layer_weights, strict=True)):
+            for group, attr in WEIGHT_ATTRS.items():
+                base = getattr(weights, attr)
+                a = self.groups[group].a[i]
+                if (type(base) is not torch.Tensor or base.dim() != 2 or base.shape[1] != a.shape[2]
+                        or base.dtype != self.dtype or base.device != a.device
+                        or (self.world_size > 1 and group in ROW_PARALLEL)):
+                    continue
+                n = base.shape[0]
+                wide = torch.empty(n + a.shape[0] * a.shape[1], a.shape[2], dtype=self.dtype, device=a.device)
+                wide[:n].copy_(base)
+                wide[n:].copy_(a.view(-1, a.shape[2]))
+                setattr(weights, attr, wide[:n])
+                self.groups[group].a[i] = wide[n:].view(a.shape)
+                self.wide[(layer, group)] = wide
+                del base, a
+        self._index_layers()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()    # the base weights' old blocks: fit for no wider tensor
 
     def _local(self, n: int, split: bool) -> int:
         return n // self.world_size if split else n
@@ -90,7 +132,7 @@ class LoraPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for g in self.groups.values() for t in (g.a, g.b))
+        return sum(t.nbytes for g in self.groups.values() for t in (*g.a, g.b))
 
     def pack(self, adapter: LoraAdapter) -> PackedAdapter:
         """``adapter``'s share for this rank in the pool's layout, on the host (pinned for a CUDA
@@ -99,7 +141,7 @@ class LoraPool:
         tensors = {}
         for group, modules in GROUPS.items():
             weights = self.groups[group]
-            _, layers, _, in_dim = weights.a.shape
+            layers, in_dim = len(weights.a), weights.a[0].shape[-1]
             a_host = torch.empty(layers, len(modules), r, in_dim, dtype=self.dtype, pin_memory=pin)
             b_host = torch.empty(layers, weights.b.shape[2], r, dtype=self.dtype, pin_memory=pin)
             for j, module in enumerate(modules):
@@ -122,8 +164,9 @@ class LoraPool:
 
     def load(self, slot: int, adapter: PackedAdapter | LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (whatever was there goes): one copy per pool tensor (after
-        zeroing the slot where the adapter's rank is below the pool's). Asynchronous on a CUDA pool:
-        the forwards after it run on the same stream."""
+        zeroing the slot where the adapter's rank is below the pool's; A one copy per layer, as each
+        layer's A is a tensor of its own, `widen`). Asynchronous on a CUDA pool: the forwards after
+        it run on the same stream."""
         if isinstance(adapter, LoraAdapter):
             adapter = self.pack(adapter)
         r = adapter.rank
@@ -131,12 +174,15 @@ class LoraPool:
             raise ValueError(f"LoRA adapter {adapter.name!r} has rank {r}, the pool's slots hold up to {self.max_rank}")
         for group, (a_host, b_host) in adapter.tensors.items():
             weights = self.groups[group]
-            a, b = weights.a[slot], weights.b[slot]
-            layers, m, _, in_dim = a_host.shape
+            b = weights.b[slot]
+            _, m, _, in_dim = a_host.shape
             if r < self.max_rank:     # the padding rows of A and columns of B are zero
-                a.zero_()
                 b.zero_()
-            a.view(layers, m, self.max_rank, in_dim)[:, :, :r].copy_(a_host, non_blocking=True)
+            for i, a in enumerate(weights.a):
+                a = a[slot].view(m, self.max_rank, in_dim)
+                if r < self.max_rank:
+                    a[:, r:].zero_()
+                a[:, :r].copy_(a_host[i], non_blocking=True)
             b[:, :, :r].copy_(b_host, non_blocking=True)
         self.rank[slot] = r
         self.scaling[slot] = adapter.scaling
@@ -171,13 +217,70 @@ class LoraBatch:
     seg_start: torch.Tensor     # [slots + 1] int32 on the device
     rows: torch.Tensor          # int32
     max_len: int
+    rank: torch.Tensor | None = None   # [slots] each slot's rank: None, the pool's (a route's timing: its own)
+
+    def __post_init__(self) -> None:
+        if self.rank is None:
+            self.rank = self.pool.rank
 
     def linear(self, layer_num: int, group: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight^T (+ bias)`` with each token's adapter's product for projection group
-        ``group`` added: at one row a GEMV adds it in its epilogue after a one-row shrink (`row`),
-        at more `linear` beside the shrink, then the expand (`add`'s halves)."""
+        ``group`` added: at one row a GEMV adds it in its epilogue after a one-row shrink (`row`);
+        at more, one of two routes (`route`): the base GEMM over the weight widened by every
+        slot's A (`LoraPool.widen`), then the expand from its tail; or the shrink on a side
+        stream beside the base projection, then the expand."""
         if takes_gemv(x, weight):
             return gemv_triton(x, weight, bias, lora=self.row(layer_num, group, x))
+        if self.route(layer_num, group, x, weight) == "wide":
+            return self._wide(layer_num, group, x, weight, bias)
+        return self._beside(layer_num, group, x, weight, bias)
+
+    def route(self, layer_num: int, group: str, x: torch.Tensor, weight) -> str:
+        """``"wide"`` where the group's weight is widened and, on a GPU, the widened GEMM with the
+        expand beats the side stream's shrink beside the base GEMM for this shape and row bucket
+        (timed once, on every slot full, as `kernels.autotune` times the linear layers: which wins
+        depends on how cuBLAS takes the wider shape); else ``"beside"``."""
+        wide = self.pool.wide.get((layer_num, group))
+        if wide is None or wide.data_ptr() != weight.data_ptr():
+            return "beside"
+        if not x.is_cuda:
+            return "wide"
+        key = ("lora_route", x.device, tuple(wide.shape), weight.shape[0], rows_bucket(x.shape[0]))
+        timed: list[LoraBatch] = []     # made on the first timed call only (`fastest` runs none once it knows)
+
+        def run(route: str) -> torch.Tensor:
+            if not timed:
+                timed.append(self._everyone_on_every_slot(x.shape[0]))
+            return (timed[0]._wide if route == "wide" else timed[0]._beside)(layer_num, group, x, weight, None)
+
+        return fastest(key, ("wide", "beside"), run)
+
+    def _everyone_on_every_slot(self, n: int) -> "LoraBatch":
+        """A batch of n tokens spread over all slots, each slot at the pool's full rank (the routes'
+        timing: the slots' real ranks may be zero at start-up)."""
+        pool = self.pool
+        seg_start, rows, max_len = lora_segments([i % pool.max_loras for i in range(n)], [1] * n, pool.max_loras)
+        block = torch.tensor(seg_start + rows, dtype=torch.int32).to(pool.device)
+        full = LoraBatch(pool, block[: len(seg_start)], block[len(seg_start) :], max_len)
+        full.rank = torch.full_like(pool.rank, pool.max_rank)
+        return full
+
+    def _wide(self, layer_num: int, group: str, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """One GEMM over the widened weight: its first N columns are the base output (a view with
+        the wider row stride), the rest every slot's shrink of every token, which the expand reads
+        (`lora_expand_wide`)."""
+        pool = self.pool
+        _, b, splits = pool.layers[layer_num][group]
+        out = linear(x, pool.wide[(layer_num, group)], None)
+        y, s_all = out[:, : weight.shape[0]], out[:, weight.shape[0] :]
+        if bias is not None:
+            y += bias
+        lora_expand_wide(y, s_all, b, pool.scaling, self.rank, self.seg_start, self.rows, self.max_len, splits,
+                         pool.max_rank)
+        return y
+
+    def _beside(self, layer_num: int, group: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         pool = self.pool
         side = pool.side_stream
         if side is None or not use_triton(x):
@@ -190,23 +293,23 @@ class LoraBatch:
         a, b, splits = pool.layers[layer_num][group]
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
-        shrunk = lora_shrink_triton(x, a, pool.rank, self.seg_start, self.rows, self.max_len, splits, pool.max_rank,
+        shrunk = lora_shrink_triton(x, a, self.rank, self.seg_start, self.rows, self.max_len, splits, pool.max_rank,
                                     stream=side)
         out = linear(x, weight, bias)
         main.wait_stream(side)
         if shrunk is not None:
-            lora_expand_triton(out, shrunk, b, pool.scaling, pool.rank, self.seg_start, self.rows, splits, pool.max_rank)
+            lora_expand_triton(out, shrunk, b, pool.scaling, self.rank, self.seg_start, self.rows, splits, pool.max_rank)
         return out
 
     def row(self, layer_num: int, group: str, x: torch.Tensor) -> RowLora:
         """A one-row batch's shrink for ``group`` (Triton: the row's GEMV takes it, `takes_gemv`)."""
         pool = self.pool
         a, b, splits = pool.layers[layer_num][group]
-        return lora_row(x, a, b, pool.scaling, pool.rank, self.seg_start, splits, pool.max_rank)
+        return lora_row(x, a, b, pool.scaling, self.rank, self.seg_start, splits, pool.max_rank)
 
     def add(self, layer_num: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out += `` each token's adapter's product for projection group ``group`` (``out`` is
         the group's fused output, ``x`` its input): a shrink and an expand (``lora_add``)."""
         pool = self.pool
         a, b, splits = pool.layers[layer_num][group]
-        lora_add(out, x, a, b, pool.scaling, pool.rank, self.seg_start, self.rows, self.max_len, splits, pool.max_rank)
+        lora_add(out, x, a, b, pool.scaling, self.rank, self.seg_start, self.rows, self.max_len, splits, pool.max_rank)

@@ -3,7 +3,8 @@ adapter scattered through the batch, the base model's tokens, a slot without tok
 below the pool's rank, a slot's tokens over several row tiles, stacked projections, an output
 that is a column slice of a wider one with tails in its projections' columns, 256-column expand
 blocks, decode and prompt-sized tiles, the shrink cut into many K splits with a short last one,
-then summed, a graph's rows longer than its batch); at one row, the GEMVs' epilogue after the
+then summed, a graph's rows longer than its batch); the expand from every slot's shrink of every
+token (the wide route's); at one row, the GEMVs' epilogue after the
 one-row shrink against linear then the twin; shrink_plan's splits; lora_segments' grouping."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from kernel_test_utils import DEVICE_DTYPES, i32, linear_reference, randn, rng, 
 
 from llmserve.kernels import lora as lora_kernels
 from llmserve.kernels.gemv import ACTIVATIONS, TILES, gemv_act_and_mul_triton, gemv_triton
-from llmserve.kernels.lora import MAX_K_SPLITS, lora_add_torch, lora_add_triton, lora_row, shrink_plan
+from llmserve.kernels.lora import (MAX_K_SPLITS, lora_add_torch, lora_add_triton, lora_expand_wide_torch,
+                                   lora_expand_wide_triton, lora_row, shrink_plan)
 from llmserve.lora.pool import lora_segments
 
 SLOTS, R_SUB = 4, 16                 # pool slots (slot 3 holds an adapter no token uses), rank block
@@ -125,6 +127,36 @@ def test_wide_expand_blocks_match_twin(device, dtype):
     assert lora_kernels.expand_block_n((300, 260)) == 256 and lora_kernels.expand_block_n((96, 32, 32)) == 32
     t = _inputs("mixed", 64, (300, 260), dtype, device)
     torch.testing.assert_close(_run(lora_add_triton, t), _run(lora_add_torch, t), **tol(dtype))
+
+
+def _expand_from_all_slots(expand, t: dict) -> torch.Tensor:
+    """`_run` for `lora_expand_wide`'s halves: every slot's shrink of every token (``x @ A_all^T``,
+    rounded to x's dtype, as the widened GEMM's tail), as a column slice of a wider output too."""
+    K = t["x"].shape[1]
+    out = torch.cat([t["y"], (t["x"].double() @ t["a"].reshape(-1, K).double().t()).to(t["x"].dtype)], dim=1)
+    y, s_all = out[:, 2 : 2 + sum(t["splits"])], out[:, t["y"].shape[1] :]
+    expand(y, s_all, t["b"], t["scaling"], t["slot_rank"], t["seg_start"], t["rows"], t["max_len"], t["splits"], R_SUB)
+    return out[:, : t["y"].shape[1]]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expand_from_all_slots_twin_matches_lora_add(case):
+    """The wide route's twin: a token's own slot's columns of every slot's shrink, expanded, is
+    `lora_add`'s twin (which shrinks the token by its own slot only); other slots' columns unread."""
+    t = _inputs(case, 24, (20, 13), torch.float64, "cpu")
+    torch.testing.assert_close(_expand_from_all_slots(lora_expand_wide_torch, t), _run(lora_add_torch, t))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("K,splits", [(24, (20, 13)), (64, (96, 32, 32)), (64, (300, 260))])
+def test_expand_from_all_slots_matches_twin(device, dtype, case, K, splits, monkeypatch):
+    """The expand reading s by token row and slot (S_BY_ROW): decode and prompt-sized tiles."""
+    t = _inputs(case, K, splits, dtype, device)
+    want = _expand_from_all_slots(lora_expand_wide_torch, t)
+    torch.testing.assert_close(_expand_from_all_slots(lora_expand_wide_triton, t), want, **tol(dtype))
+    monkeypatch.setattr(lora_kernels, "DECODE_ROWS", 4)
+    torch.testing.assert_close(_expand_from_all_slots(lora_expand_wide_triton, t), want, **tol(dtype))
 
 
 def _one_row(slot: int, K: int, splits: tuple[int, ...], dtype, device: str) -> dict:

@@ -6,6 +6,8 @@ a CPU, bf16 with ``LLMSERVE_TEST_DEVICE=cuda``."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -13,7 +15,8 @@ from transformers import LlamaConfig
 from llmserve.kernels import backend
 from llmserve.kernels.gemv import ACTIVATIONS, gemv_act_and_mul, takes_gemv
 from llmserve.lora.adapter import TARGET_MODULES, LoraAdapter, projection_shape
-from llmserve.lora.pool import GROUPS, LoraBatch, LoraPool, lora_segments
+from llmserve.kernels.quantized_linear import linear
+from llmserve.lora.pool import GROUPS, WEIGHT_ATTRS, LoraBatch, LoraPool, lora_segments
 from parity_utils import TEST_DEVICE
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -64,7 +67,7 @@ def _on(name: str, fn):
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_one_row_epilogue_matches_the_twins(pool, group, slot):
     g = torch.Generator().manual_seed(len(group) + slot)
-    n_in = pool.groups[group].a.shape[-1]
+    n_in = pool.groups[group].a[0].shape[-1]
     n_out = sum(pool.groups[group].splits)
     x = torch.randn(1, n_in, generator=g).to(DEVICE, DTYPE)
     weight = (torch.randn(n_out, n_in, generator=g) * n_in ** -0.5).to(DEVICE, DTYPE)
@@ -91,3 +94,62 @@ def test_a_pipeline_stage_holds_its_own_layers_adapter_weights(pool):
     for group in GROUPS:
         for got, want in zip(stage.layers[1][group][:2], pool.layers[1][group][:2]):
             assert torch.equal(got, want), group
+
+
+def _layer_weights(pool: LoraPool, seed: int) -> list[SimpleNamespace]:
+    """Random base weights of the pool's layers, each group's fused weight at its attribute."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in pool.model_layers:
+        w = SimpleNamespace()
+        for group, attr in WEIGHT_ATTRS.items():
+            n_in, n_out = pool.groups[group].a[0].shape[-1], sum(pool.groups[group].splits)
+            setattr(w, attr, (torch.randn(n_out, n_in, generator=g) * n_in ** -0.5).to(DEVICE, DTYPE))
+        layers.append(w)
+    return layers
+
+
+def test_widened_weights_keep_their_values_and_both_routes_agree():
+    """`widen` puts every slot's A below each base weight (the layer keeps the same values, now
+    the first rows of the wide tensor; the pool the same A, its last rows), and at several rows
+    the wide route (one GEMM over the widened weight, the expand from its tail) adds what the
+    other route does (shrink, base projection, expand), for every group."""
+    pool = LoraPool(CONFIG, 3, 16, 0, 1, DTYPE, DEVICE)
+    for slot, rank in enumerate(RANKS):
+        pool.load(slot, _adapter(rank, slot))
+    layers = _layer_weights(pool, 0)
+    bases = [{attr: getattr(w, attr).clone() for attr in WEIGHT_ATTRS.values()} for w in layers]
+    adapters = {(layer, group): a.clone() for layer, groups in pool.layers.items() for group, (a, _, _) in groups.items()}
+    pool.widen(layers)
+    for layer, (w, base) in enumerate(zip(layers, bases)):
+        for group, attr in WEIGHT_ATTRS.items():
+            wide, a = pool.wide[(layer, group)], pool.layers[layer][group][0]
+            assert torch.equal(getattr(w, attr), base[attr]) and getattr(w, attr).is_contiguous()
+            assert getattr(w, attr).data_ptr() == wide.data_ptr() and torch.equal(a, adapters[(layer, group)])
+            assert torch.equal(wide[base[attr].shape[0] :], a.reshape(-1, a.shape[-1]))
+    # A load after the widening lands in the wide tensors' A rows.
+    before, n = pool.wide[(1, "down")].clone(), CONFIG.hidden_size
+    pool.load(1, _adapter(RANKS[1], 5))
+    after = pool.wide[(1, "down")]
+    assert torch.equal(after[:n], before[:n]) and not torch.equal(after[n:], before[n:])
+    seg_start, rows, max_len = lora_segments([0, 1, -1, 0, 1], [1, 2, 1, 1, 1], pool.max_loras)
+    block = torch.tensor(seg_start + rows, dtype=torch.int32, device=DEVICE)
+    batch = LoraBatch(pool, block[: len(seg_start)], block[len(seg_start) :], max_len)
+    g = torch.Generator().manual_seed(3)
+    for group, attr in WEIGHT_ATTRS.items():
+        weight = getattr(layers[1], attr)
+        x = torch.randn(6, weight.shape[1], generator=g).to(DEVICE, DTYPE)
+        if DEVICE.type == "cpu":
+            assert batch.route(1, group, x, weight) == "wide"
+        got = batch._wide(1, group, x, weight, None)
+        want = batch._beside(1, group, x, weight, None)
+        torch.testing.assert_close(got, want, **TOL)
+        assert not torch.equal(got, _on("torch", lambda: linear(x, weight)))    # the adapters added something
+
+
+def test_widen_leaves_row_parallel_groups_at_tensor_parallelism():
+    """At tp > 1 the row-parallel groups' outputs are all-reduced in place (contiguous only), so
+    their weights stay as they are; the column-parallel ones are widened."""
+    pool = LoraPool(CONFIG, 3, 16, 0, 2, DTYPE, DEVICE)
+    pool.widen(_layer_weights(pool, 1))
+    assert sorted({group for _, group in pool.wide}) == ["gate_up", "qkv"]

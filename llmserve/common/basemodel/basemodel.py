@@ -216,8 +216,10 @@ class TpPartBaseModel:
             raise ModelLoadError(f"LoRA adapters are not supported for {self.model_type} models")
         from llmserve.lora.pool import LoraPool
 
-        return LoraPool(self.network_config_, p.max_loras, p.max_lora_rank, self.tp_rank_, self.world_size_,
+        pool = LoraPool(self.network_config_, p.max_loras, p.max_lora_rank, self.tp_rank_, self.world_size_,
                         self.data_type, self.device, layers=self.stage_layers)
+        pool.widen(self.trans_layers_weight)
+        return pool
 
     def _init_extra_weights(self, *args) -> list:
         """Hook: weight objects beyond the decoder's (LLaVA's vision tower and projector), loaded
