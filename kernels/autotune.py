@@ -47,7 +47,10 @@ def _flush_buffer() -> torch.Tensor:
     device = torch.device("cuda", torch.cuda.current_device())
     if device not in _flush:
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
-        _flush[device] = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+        # A plain tensor even when the first bench runs under inference mode: a later one outside
+        # it (a forward under no_grad) writes it too, which an inference tensor refuses.
+        with torch.inference_mode(False):
+            _flush[device] = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
     return _flush[device]
 
 
