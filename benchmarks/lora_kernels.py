@@ -88,7 +88,7 @@ def main() -> None:
         for group, (a0, b0, splits) in pool.layers[0].items():
             k, N = a0.shape[-1], b0.shape[1]
             # The layers' base weights, widened by the pool as a model's are (`LoraPool.widen`).
-            layers = [SimpleNamespace(**{attr: None for attr in WEIGHT_ATTRS}) for _ in L]
+            layers = [SimpleNamespace(**dict.fromkeys(WEIGHT_ATTRS.values())) for _ in L]
             for w in layers:
                 setattr(w, WEIGHT_ATTRS[group], torch.randn(N, k, device=dev, dtype=dtype) * 0.02)
             pool.widen(layers)
