@@ -32,10 +32,11 @@ Columns
 The issue's targets: batch 32 over 8 adapters >= 0.85x base decode throughput; batch 1 with an
 adapter <= 1.1x the base step; an on-demand load < 50 ms.
 
-Keep the default order (batch 1, then 32): on an H200 (2026-11-28) ``--batch-sizes 32`` alone read
-the LoRA step at batch 32 as 7.76 ms against 6.50-6.53 in every ``1,32`` run of the same kernels,
-the base step the same in both (benchmarks/README.md, "LoRA's shrink summed by a kernel of its
-own"); not yet explained.
+The batch order: on one H200 (2026-11-28, session 38) ``--batch-sizes 32`` alone read the LoRA
+step at batch 32 as 7.76 ms against 6.50-6.53 in every ``1,32`` run of the same kernels; on the
+next session's H200 both orders read the same (6.54 / 6.64 / 6.54 ms: 32, then 1,32, then 32).
+The JSON lists autotune's choices (``autotune``: the routes, cuBLAS or our skinny GEMM), the
+first thing to compare when two runs disagree.
 
 Run (GPU):   python benchmarks/lora.py --json benchmarks/results/lora.json
 Smoke (CPU): python benchmarks/lora.py --device cpu --model-size tiny --batch-sizes 1,4 --prompt-len 16 --steps 3

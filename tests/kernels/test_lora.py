@@ -4,7 +4,7 @@ below the pool's rank, a slot's tokens over several row tiles, stacked projectio
 that is a column slice of a wider one with tails in its projections' columns, 256-column expand
 blocks, decode and prompt-sized tiles, the shrink cut into many K splits with a short last one,
 then summed, a graph's rows longer than its batch); the expand from every slot's shrink of every
-token (the wide route's); at one row, the GEMVs' epilogue after the
+token (the wide route's), its twin against lora_add's; at one row, the GEMVs' epilogue after the
 one-row shrink against linear then the twin; shrink_plan's splits; lora_segments' grouping."""
 
 from __future__ import annotations
