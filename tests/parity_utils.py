@@ -122,6 +122,10 @@ def _tp_rank_main(rank: int, world: int, build_driver, prompts: list[list[int]],
         decode = driver.decode(list(range(1, len(prompts) + 1)))
         if rank == 0:
             torch.save({"prefill": prefill, "decode": decode}, out)
+        # Both ranks done before either tears its group down: on a loaded 2-core machine a rank
+        # that left first once had its peer abort in gloo's teardown ("terminate called without
+        # an active exception", SIGABRT), failing a test whose checks had passed.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

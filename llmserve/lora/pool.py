@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.kernels.autotune import fastest, rows_bucket
 from llmserve.kernels.backend import use_triton
 from llmserve.kernels.gemv import gemv_triton, takes_gemv
-from llmserve.kernels.autotune import fastest, rows_bucket
-from llmserve.kernels.lora import RowLora, lora_add, lora_expand_triton, lora_expand_wide, lora_row, lora_shrink_triton
+from llmserve.kernels.lora import (DECODE_ROWS, RowLora, lora_add, lora_expand_triton, lora_expand_wide, lora_row,
+                                   lora_shrink_triton)
 from llmserve.kernels.quantized_linear import linear
 from llmserve.lora.adapter import LoraAdapter, projection_shape
 
@@ -243,7 +244,10 @@ class LoraBatch:
         wide = self.pool.wide.get((layer_num, group))
         if wide is None or wide.data_ptr() != weight.data_ptr():
             return "beside"
-        if not x.is_cuda:
+        if not x.is_cuda or x.shape[0] > DECODE_ROWS:
+            # A prompt's rows: the widened GEMM is bound by its arithmetic, A's rows a few percent
+            # more of it, and no timing at serving time (decode buckets are timed as their CUDA
+            # graphs are captured; see kernels/autotune.py).
             return "wide"
         key = ("lora_route", x.device, tuple(wide.shape), weight.shape[0], rows_bucket(x.shape[0]))
         timed: list[LoraBatch] = []     # made on the first timed call only (`fastest` runs none once it knows)
