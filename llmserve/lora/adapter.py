@@ -25,6 +25,10 @@ from llmserve.common.errors import ModelLoadError
 # are made of them: q, k, v -> qkv; gate, up -> gate_up; o and down alone).
 TARGET_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
                   "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+# Fused projections, as HF's Phi-3 names its modules (the only ones a PEFT adapter of it can
+# wrap): one lora_A for all parts, and lora_B's rows the parts' outputs in order (q, k, v; gate,
+# up). Part p then adds x A^T B_p^T * scaling, exactly an adapter on the parts with A shared.
+FUSED_MODULES = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -66,21 +70,29 @@ def read_adapter(name: str, path: str, network_config, max_rank: int) -> LoraAda
     if not os.path.isfile(weights_file):
         raise AdapterLoadError(f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors")
     tensors = load_file(weights_file)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}     # (layer, PEFT's module name)
     for key, t in tensors.items():
         m = _KEY.match(key)
-        if m is None or m.group(3) not in TARGET_MODULES:
-            raise AdapterLoadError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (only q/k/v/o/gate/up/down "
-                                   f"projections' lora_A / lora_B are served)")
-        halves.setdefault((int(m.group(1)), TARGET_MODULES[m.group(3)]), {})[m.group(4)] = t
+        if m is None or (m.group(3) not in TARGET_MODULES and m.group(3) not in FUSED_MODULES):
+            raise AdapterLoadError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (only the q/k/v/o/gate/up/down "
+                                   f"projections' (or qkv_proj's, gate_up_proj's) lora_A / lora_B are served)")
+        halves.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
     weights = {}
-    for (layer, module), ab in sorted(halves.items()):
+    for (layer, peft_module), ab in sorted(halves.items()):
         if set(ab) != {"A", "B"}:
-            raise AdapterLoadError(f"LoRA adapter {name!r}: layer {layer} {module}_proj has lora_A or lora_B only")
+            raise AdapterLoadError(f"LoRA adapter {name!r}: layer {layer} {peft_module} has lora_A or lora_B only")
         a, b = ab["A"], ab["B"]
-        _check_shapes(name, layer, module, a, b, config.r, network_config)
-        weights[(layer, module)] = (a, b)
+        parts = FUSED_MODULES.get(peft_module, (TARGET_MODULES.get(peft_module),))
+        _check_shapes(name, layer, peft_module, parts, a, b, config.r, network_config)
+        row = 0
+        for part in parts:
+            if (layer, part) in weights:
+                raise AdapterLoadError(f"LoRA adapter {name!r}: layer {layer} wraps {part}_proj twice "
+                                       f"(on its own and in a fused module)")
+            rows = projection_shape(network_config, part)[1]
+            weights[(layer, part)] = (a, b[row : row + rows])
+            row += rows
     if not weights:
         raise AdapterLoadError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
     return LoraAdapter(name, path, config.r, scaling, weights)
@@ -97,9 +109,10 @@ def _check_config(name: str, config, max_rank: int) -> None:
         raise refuse(f"rank {config.r} is above --max-lora-rank {max_rank}")
     targets = config.target_modules
     names = {targets} if isinstance(targets, str) else set(targets or ())
-    unknown = names - set(TARGET_MODULES)
+    unknown = names - set(TARGET_MODULES) - set(FUSED_MODULES)
     if unknown:
-        raise refuse(f"target_modules {sorted(unknown)} are not supported (any of {', '.join(TARGET_MODULES)})")
+        raise refuse(f"target_modules {sorted(unknown)} are not supported (any of "
+                     f"{', '.join([*TARGET_MODULES, *FUSED_MODULES])})")
     unsupported = [what for what, on in (
         ("use_dora", config.use_dora), (f"bias={config.bias!r}", config.bias != "none"),
         ("lora_bias", getattr(config, "lora_bias", False)), ("rank_pattern", config.rank_pattern),
@@ -111,13 +124,17 @@ def _check_config(name: str, config, max_rank: int) -> None:
         raise refuse(f"{', '.join(unsupported)} is not supported")
 
 
-def _check_shapes(name: str, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, r: int, cfg) -> None:
+def _check_shapes(name: str, layer: int, peft_module: str, parts: tuple[str, ...], a: torch.Tensor, b: torch.Tensor,
+                  r: int, cfg) -> None:
+    """A ``[r, in]`` and B ``[out, r]`` of module ``peft_module`` (our ``parts`` of it: B's rows
+    are their outputs, in order)."""
     if layer >= cfg.num_hidden_layers:
         raise AdapterLoadError(f"LoRA adapter {name!r}: layer {layer} is past the model's {cfg.num_hidden_layers}")
-    in_dim, out_dim = projection_shape(cfg, module)
+    in_dim = projection_shape(cfg, parts[0])[0]
+    out_dim = sum(projection_shape(cfg, part)[1] for part in parts)
     if a.shape != (r, in_dim) or b.shape != (out_dim, r):
         raise AdapterLoadError(
-            f"LoRA adapter {name!r}: layer {layer} {module}_proj has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+            f"LoRA adapter {name!r}: layer {layer} {peft_module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
             f"the model needs ({r}, {in_dim}) and ({out_dim}, {r}): an adapter of another base model?")
 
 

@@ -106,7 +106,7 @@ class LoraPool:
         all-reduce sums in place (it takes contiguous tensors only)."""
         for i, (layer, weights) in enumerate(zip(self.model_layers, layer_weights, strict=True)):
             for group, attr in WEIGHT_ATTRS.items():
-                base = getattr(weights, attr)
+                base = getattr(weights, attr, None)     # None: an MoE layer has experts instead
                 a = self.groups[group].a[i]
                 if (type(base) is not torch.Tensor or base.dim() != 2 or base.shape[1] != a.shape[2]
                         or base.dtype != self.dtype or base.device != a.device

@@ -1,6 +1,7 @@
-"""Reading PEFT adapter directories: what is served (scaling, rsLoRA, ranks, targets) and what is
-refused with a one-line reason (modules_to_save, other targets, DoRA, ranks above the pool's,
-another base model's shapes, a path that is no adapter)."""
+"""Reading PEFT adapter directories: what is served (scaling, rsLoRA, ranks, targets, Phi-3's
+fused qkv_proj / gate_up_proj split into their parts) and what is refused with a one-line reason
+(modules_to_save, other targets, DoRA, ranks above the pool's, another base model's shapes, a
+projection wrapped both alone and fused, a path that is no adapter)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import re
 
 import pytest
 from lora_utils import AdapterSpec, make_peft_adapter
-from transformers import LlamaConfig
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, Phi3Config
 
 from llmserve.lora.adapter import AdapterLoadError, AdapterCache, read_adapter
 from parity_utils import build_tiny_hf_model
@@ -63,3 +65,26 @@ def test_cache_keeps_the_most_recent(hf, tmp_path):
     cache = AdapterCache(dirs, hf.config, 8, capacity=2)     # each read (and checked) at start
     assert list(cache._read) == ["b", "c"]
     assert cache.get("a", dirs["a"]).name == "a" and list(cache._read) == ["c", "a"]
+
+
+def test_fused_modules_split_into_their_parts(tmp_path):
+    """Phi-3's qkv_proj: one A for q, k and v, B's rows cut at q's and k's outputs (gate_up_proj:
+    gate's, then up's); an adapter also naming q_proj on its own is refused."""
+    cfg = Phi3Config(**CFG, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = build_tiny_hf_model(cfg, tmp_path / "phi3")
+    path = make_peft_adapter(hf, tmp_path / "a", AdapterSpec(r=4, targets=("qkv_proj", "gate_up_proj")))
+    adapter = read_adapter("a", path, cfg, max_rank=8)
+    assert adapter.modules == {"q", "k", "v", "gate", "up"}
+    tensors = load_file(f"{path}/adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.1"
+    a, b = tensors[f"{prefix}.self_attn.qkv_proj.lora_A.weight"], tensors[f"{prefix}.self_attn.qkv_proj.lora_B.weight"]
+    q, kv = 32, 16      # 4 heads of 8, 2 of them for k and v
+    for part, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
+        assert adapter.weights[(1, part)][0].equal(a) and adapter.weights[(1, part)][1].equal(b[rows])
+    b = tensors[f"{prefix}.mlp.gate_up_proj.lora_B.weight"]
+    assert adapter.weights[(1, "gate")][1].equal(b[:48]) and adapter.weights[(1, "up")][1].equal(b[48:])
+    tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"] = a.clone()
+    tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] = tensors[f"{prefix}.self_attn.qkv_proj.lora_B.weight"][:q].clone()
+    save_file(tensors, f"{path}/adapter_model.safetensors")
+    with pytest.raises(AdapterLoadError, match="layer 1 wraps q_proj twice"):
+        read_adapter("a", path, cfg, max_rank=8)

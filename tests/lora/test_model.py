@@ -1,13 +1,15 @@
 """LoRA adapters in our models against PEFT on the same weights: tiny random Llama, Qwen2,
 Mistral and Gemma 2 (its own MLP activation), each with three random adapters of different
-ranks and targets (fp32 on the CPU: identical greedy tokens), a batch mixing the base model and all three, and prompts in chunks."""
+ranks and targets (fp32 on the CPU: identical greedy tokens), a batch mixing the base model and
+all three, and prompts in chunks; Phi-3 with an adapter on its fused qkv_proj and gate_up_proj
+(HF's module names), and an MoE model with one on its attention, each beside the base model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from lora_utils import ALL_TARGETS, AdapterSpec, adapter_active, make_peft_adapter, peft_greedy, peft_model_of
-from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3MoeConfig
 
 from llmserve.lora.adapter import read_adapter
 from parity_utils import (
@@ -117,3 +119,32 @@ def test_triton_kernels_give_the_twins_logits(family):
             driver.free()
             set_backend(None)
     assert rel_err(logits["triton"].cpu(), logits["torch"].cpu()) < (1e-5 if EXACT else 2e-2)
+
+
+# Families whose adapters wrap other modules than the Llama-like ones above: Phi-3's fused
+# projections (PEFT's only targets there), and an MoE model's attention (its experts take none).
+OTHER_FAMILIES = {
+    "phi3-fused": (lambda: Phi3Config(**SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                   AdapterSpec(r=4, targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), alpha=8, seed=4)),
+    "qwen3-moe-attention": (lambda: Qwen3MoeConfig(**{**SHAPE, "intermediate_size": 48}, head_dim=16,
+                                                   moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+                            AdapterSpec(r=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"), alpha=8, seed=5)),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_FAMILIES))
+def test_fused_targets_and_moe_attention_match_peft(name, tmp_path):
+    config, spec = OTHER_FAMILIES[name]
+    hf = build_tiny_hf_model(config(), tmp_path / "model")
+    adapter_dir = make_peft_adapter(hf, tmp_path / "adapter", spec)
+    ours = load_ours(tmp_path / "model", max_loras=1, max_lora_rank=spec.r)
+    ours.lora_pool.load(0, read_adapter("a", adapter_dir, ours.network_config_, spec.r))
+    peft_model = peft_model_of(hf, {"a": adapter_dir})
+    prompts = random_prompts([5, 9], ours.vocab_size, seed=3)
+    refs = [peft_greedy(peft_model, adapter, p, 7) for adapter, p in zip(("a", None), prompts)]
+    assert refs[0][0] != peft_greedy(peft_model, None, prompts[0], 7)[0]    # the adapter changes the tokens
+    driver = BatchDriver(ours, lora_slots=[0, -1])
+    try:
+        compare_steps(driver, refs, prompts, 6)
+    finally:
+        driver.free()
