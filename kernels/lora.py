@@ -527,6 +527,8 @@ def _expand(y: torch.Tensor, s: torch.Tensor, slot_stride: int, s_by_row: bool, 
             b: torch.Tensor, scaling: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor,
             rows: torch.Tensor, splits: tuple[int, ...], r_sub: int, block_n: int | None = None,
             num_warps: int | None = None) -> None:
+    """The expand's launch over ``tiles`` row tiles of ``block_m`` rows, reading s by position (a
+    shrink's output) or, with ``s_by_row``, by token row and slot (``slot_stride`` columns a slot)."""
     assert y.stride(1) == 1 and b.stride(2) == 1
     block_n = block_n or expand_block_n(splits)
     blocks = _block_table(tuple(splits), block_n, y.device)
