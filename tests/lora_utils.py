@@ -17,7 +17,7 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 @dataclass(frozen=True)
 class AdapterSpec:
     r: int
-    targets: tuple[str, ...] = ALL_TARGETS
+    targets: tuple[str, ...] | str = ALL_TARGETS     # module names, or PEFT's regex over module paths
     alpha: int = 16
     rslora: bool = False
     seed: int = 0
@@ -29,7 +29,8 @@ def make_peft_adapter(hf_model, path, spec: AdapterSpec) -> str:
     random (PEFT starts B at zero, which would add nothing)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), use_rslora=spec.rslora,
+    targets = spec.targets if isinstance(spec.targets, str) else list(spec.targets)    # a str: PEFT's regex
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=targets, use_rslora=spec.rslora,
                         lora_dropout=0.0, **spec.extra)
     peft_model = get_peft_model(copy.deepcopy(hf_model), config)
     g = torch.Generator().manual_seed(spec.seed)

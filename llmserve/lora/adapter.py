@@ -29,7 +29,10 @@ TARGET_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
 # wrap): one lora_A for all parts, and lora_B's rows the parts' outputs in order (q, k, v; gate,
 # up). Part p then adds x A^T B_p^T * scaling, exactly an adapter on the parts with A shared.
 FUSED_MODULES = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# A decoder layer's projection: ``model.layers.N`` (a causal LM), or a LLaVA's language model
+# (``model.language_model.layers.N``, or ``language_model.model.layers.N`` before transformers 4.52).
+_KEY = re.compile(r"^base_model\.model\.(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(\d+)\."
+                  r"(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
 class AdapterLoadError(ModelLoadError):
@@ -74,8 +77,9 @@ def read_adapter(name: str, path: str, network_config, max_rank: int) -> LoraAda
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None or (m.group(3) not in TARGET_MODULES and m.group(3) not in FUSED_MODULES):
-            raise AdapterLoadError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (only the q/k/v/o/gate/up/down "
-                                   f"projections' (or qkv_proj's, gate_up_proj's) lora_A / lora_B are served)")
+            raise AdapterLoadError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (only the decoder layers' "
+                                   f"q/k/v/o/gate/up/down projections' (or qkv_proj's, gate_up_proj's) lora_A / "
+                                   f"lora_B are served)")
         halves.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
     weights = {}
@@ -107,8 +111,11 @@ def _check_config(name: str, config, max_rank: int) -> None:
                      "low-rank deltas of the projections are served, not replaced modules")
     if not 1 <= config.r <= max_rank:
         raise refuse(f"rank {config.r} is above --max-lora-rank {max_rank}")
+    # A list names modules, by name or by a path ending in one (PEFT saves "all-linear" as the
+    # paths it matched); a string is PEFT's regex over module paths, which may match what it will:
+    # the weights' own names are checked as they are read.
     targets = config.target_modules
-    names = {targets} if isinstance(targets, str) else set(targets or ())
+    names = set() if isinstance(targets, str) else {t.rsplit(".", 1)[-1] for t in targets or ()}
     unknown = names - set(TARGET_MODULES) - set(FUSED_MODULES)
     if unknown:
         raise refuse(f"target_modules {sorted(unknown)} are not supported (any of "

@@ -1,5 +1,6 @@
 """Reading PEFT adapter directories: what is served (scaling, rsLoRA, ranks, targets, Phi-3's
-fused qkv_proj / gate_up_proj split into their parts) and what is refused with a one-line reason
+fused qkv_proj / gate_up_proj split into their parts, a LLaVA's language model's names in both
+checkpoint layouts, targets given as PEFT's regex or "all-linear") and what is refused with a one-line reason
 (modules_to_save, other targets, DoRA, ranks above the pool's, another base model's shapes, a
 projection wrapped both alone and fused, a path that is no adapter)."""
 
@@ -88,3 +89,19 @@ def test_fused_modules_split_into_their_parts(tmp_path):
     save_file(tensors, f"{path}/adapter_model.safetensors")
     with pytest.raises(AdapterLoadError, match="layer 1 wraps q_proj twice"):
         read_adapter("a", path, cfg, max_rank=8)
+
+
+@pytest.mark.parametrize("prefix", ["base_model.model.model.language_model.layers",
+                                    "base_model.model.language_model.model.layers"])
+def test_a_llavas_language_model_names(hf, tmp_path, prefix):
+    """A LLaVA's adapter names its decoder's layers under ``language_model`` (where transformers
+    4.52+ puts it, and where llava-hf's older checkpoints have it): read as a causal LM's."""
+    path = make_peft_adapter(hf, tmp_path / "a", AdapterSpec(r=2, targets="all-linear"))
+    want = read_adapter("a", path, hf.config, 8)
+    assert want.modules == {"q", "k", "v", "o", "gate", "up", "down"}      # all-linear: the seven
+    tensors = load_file(f"{path}/adapter_model.safetensors")
+    save_file({k.replace("base_model.model.model.layers", prefix): t for k, t in tensors.items()},
+              f"{path}/adapter_model.safetensors")
+    got = read_adapter("a", path, hf.config, 8)
+    assert got.weights.keys() == want.weights.keys()
+    assert all(g.equal(w) for key in want.weights for g, w in zip(got.weights[key], want.weights[key]))

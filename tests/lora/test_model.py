@@ -2,7 +2,8 @@
 Mistral and Gemma 2 (its own MLP activation), each with three random adapters of different
 ranks and targets (fp32 on the CPU: identical greedy tokens), a batch mixing the base model and
 all three, and prompts in chunks; Phi-3 with an adapter on its fused qkv_proj and gate_up_proj
-(HF's module names), and an MoE model with one on its attention, each beside the base model."""
+(HF's module names), an MoE model with one on its attention, and a LLaVA with one on its language
+model (a prompt with an image), each beside the base model."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import torch
 from lora_utils import ALL_TARGETS, AdapterSpec, adapter_active, make_peft_adapter, peft_greedy, peft_model_of
 from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3MoeConfig
 
-from llmserve.lora.adapter import read_adapter
+from llmserve.lora.adapter import AdapterLoadError, read_adapter
+from llmserve.worker.images import RequestImages, step_input_embeds
 from parity_utils import (
-    EXACT, LOGITS_TOL, BatchDriver, build_tiny_hf_model, compare_steps, load_ours, random_prompts, rel_err,
+    EXACT, LOGITS_TOL, BatchDriver, build_tiny_hf_model, compare_steps, hf_llava_greedy, load_ours, random_prompts,
+    rel_err,
 )
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -148,3 +151,44 @@ def test_fused_targets_and_moe_attention_match_peft(name, tmp_path):
         compare_steps(driver, refs, prompts, 6)
     finally:
         driver.free()
+
+
+def test_llava_language_model_adapter_matches_peft(tiny_llava, tmp_path):
+    """PEFT's adapter of a LLaVA's language model (targets as a regex over module paths, as LLaVA
+    fine-tunes leave the vision tower alone): a prompt with an image on the adapter beside a
+    text-only one on the base model, greedy tokens and logits as PEFT's. An adapter that also
+    wraps the vision tower (plain module names match its attention too) is refused."""
+    path, hf = tiny_llava
+    adapter_dir = make_peft_adapter(hf, tmp_path / "lm", AdapterSpec(
+        r=4, targets=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)", seed=6))
+    ours = load_ours(path, max_loras=1, max_lora_rank=4)
+    ours.lora_pool.load(0, read_adapter("lm", adapter_dir, ours.network_config_, 4))
+    peft_model = peft_model_of(hf, {"lm": adapter_dir})
+    image = [ours.image_token_id] * ours.tokens_per_image
+    prompts = [[1, 40, 41, *image, 300, 301], [1, 2, 3, 4, 5]]
+    pixels = [torch.randn(1, 3, 30, 30, generator=torch.Generator().manual_seed(1)), None]
+    with adapter_active(peft_model, "lm"):
+        ref_lm = hf_llava_greedy(peft_model, prompts[0], pixels[0], 6)
+    with adapter_active(peft_model, None):
+        ref_base = hf_llava_greedy(peft_model, prompts[1], None, 6)
+        assert hf_llava_greedy(peft_model, prompts[0], pixels[0], 6)[0] != ref_lm[0]    # the adapter matters
+    images = [RequestImages.of_prompt(prompts[0], ours.image_token_id, ours.encode_images(pixels[0])), None]
+    rows, lens, chunks = [ours.req_manager.alloc_req() for _ in prompts], [0, 0], prompts
+    try:
+        for step in range(6):
+            parts = [(0, images[0], lens[0], len(chunks[0]))] if step == 0 else []
+            ids = torch.tensor([t for c in chunks for t in c])
+            logits = ours.forward(ids, rows, list(lens), [len(c) for c in chunks], b_lora_slot=[0, -1],
+                                  input_embeds=step_input_embeds(parts, ours.device) if parts else None)
+            for i, (tokens, ref_logits) in enumerate((ref_lm, ref_base)):
+                assert rel_err(logits[i].cpu(), ref_logits[step]) < LOGITS_TOL, f"request {i} step {step}"
+                if EXACT:
+                    assert int(logits[i].argmax()) == tokens[step], f"request {i} step {step}"
+            lens = [n + len(c) for n, c in zip(lens, chunks)]
+            chunks = [[ref_lm[0][step]], [ref_base[0][step]]]
+    finally:
+        for row in rows:
+            ours.req_manager.free_req(row)
+    tower_too = make_peft_adapter(hf, tmp_path / "all", AdapterSpec(r=4, targets=("q_proj", "v_proj")))
+    with pytest.raises(AdapterLoadError, match="unexpected tensor .*vision_tower"):
+        read_adapter("all", tower_too, ours.network_config_, 4)

@@ -32,7 +32,6 @@ _OLD_TOWER_PREFIX = VISION_PREFIX + "vision_model."
 
 
 class LlavaTpPartModel(LlamaTpPartModel):
-    supports_lora = False     # an adapter of a LLaVA names its language model's layers otherwise: not read yet
     pre_layer_infer_class = LlavaPreLayerInfer
 
     # The worker runs the vision tower on at most this many images at once (a step's new images
