@@ -2,7 +2,7 @@
 Mistral and Gemma 2 (its own MLP activation), each with three random adapters of different
 ranks and targets (fp32 on the CPU: identical greedy tokens), a batch mixing the base model and
 all three, and prompts in chunks; Phi-3 with an adapter on its fused qkv_proj and gate_up_proj
-(HF's module names), an MoE model with one on its attention, and a LLaVA with one on its language
+(HF's module names), Qwen3 and Gemma 3, an MoE model with one on its attention, and a LLaVA with one on its language
 model (a prompt with an image), each beside the base model."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lora_utils import ALL_TARGETS, AdapterSpec, adapter_active, make_peft_adapter, peft_greedy, peft_model_of
-from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3MoeConfig
+from transformers import (
+    Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+)
 
 from llmserve.lora.adapter import AdapterLoadError, read_adapter
 from llmserve.worker.images import RequestImages, step_input_embeds
@@ -124,11 +126,17 @@ def test_triton_kernels_give_the_twins_logits(family):
     assert rel_err(logits["triton"].cpu(), logits["torch"].cpu()) < (1e-5 if EXACT else 2e-2)
 
 
-# Families whose adapters wrap other modules than the Llama-like ones above: Phi-3's fused
-# projections (PEFT's only targets there), and an MoE model's attention (its experts take none).
+# More families, one adapter each: Qwen3 and Gemma 3 (q/k norms; Gemma 3's sliding layers) on
+# every projection, Phi-3's fused projections (PEFT's only targets there), and an MoE model's
+# attention (its experts take none).
 OTHER_FAMILIES = {
     "phi3-fused": (lambda: Phi3Config(**SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2),
                    AdapterSpec(r=4, targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), alpha=8, seed=4)),
+    "qwen3": (lambda: Qwen3Config(**SHAPE, head_dim=16), AdapterSpec(r=4, alpha=8, seed=7)),
+    # sliding-window and global layers, q/k norms; prompts past the window
+    "gemma3": (lambda: Gemma3TextConfig(**SHAPE, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "full_attention"]),
+               AdapterSpec(r=4, alpha=8, seed=8)),
     "qwen3-moe-attention": (lambda: Qwen3MoeConfig(**{**SHAPE, "intermediate_size": 48}, head_dim=16,
                                                    moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
                             AdapterSpec(r=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"), alpha=8, seed=5)),
@@ -136,7 +144,7 @@ OTHER_FAMILIES = {
 
 
 @pytest.mark.parametrize("name", list(OTHER_FAMILIES))
-def test_fused_targets_and_moe_attention_match_peft(name, tmp_path):
+def test_other_families_match_peft(name, tmp_path):
     config, spec = OTHER_FAMILIES[name]
     hf = build_tiny_hf_model(config(), tmp_path / "model")
     adapter_dir = make_peft_adapter(hf, tmp_path / "adapter", spec)
