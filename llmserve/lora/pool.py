@@ -302,7 +302,8 @@ class LoraBatch:
         out = linear(x, weight, bias)
         main.wait_stream(side)
         if shrunk is not None:
-            lora_expand_triton(out, shrunk, b, pool.scaling, self.rank, self.seg_start, self.rows, splits, pool.max_rank)
+            lora_expand_triton(out, shrunk, b, pool.scaling, self.rank, self.seg_start, self.rows, splits,
+                               pool.max_rank)
         return out
 
     def row(self, layer_num: int, group: str, x: torch.Tensor) -> RowLora:

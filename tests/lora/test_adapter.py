@@ -85,7 +85,8 @@ def test_fused_modules_split_into_their_parts(tmp_path):
     b = tensors[f"{prefix}.mlp.gate_up_proj.lora_B.weight"]
     assert adapter.weights[(1, "gate")][1].equal(b[:48]) and adapter.weights[(1, "up")][1].equal(b[48:])
     tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"] = a.clone()
-    tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] = tensors[f"{prefix}.self_attn.qkv_proj.lora_B.weight"][:q].clone()
+    qkv_b = tensors[f"{prefix}.self_attn.qkv_proj.lora_B.weight"]
+    tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] = qkv_b[:q].clone()
     save_file(tensors, f"{path}/adapter_model.safetensors")
     with pytest.raises(AdapterLoadError, match="layer 1 wraps q_proj twice"):
         read_adapter("a", path, cfg, max_rank=8)

@@ -6,6 +6,8 @@ a CPU, bf16 with ``LLMSERVE_TEST_DEVICE=cuda``."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -111,7 +113,8 @@ def _layer_weights(pool: LoraPool, seed: int) -> list[SimpleNamespace]:
 
 def test_widened_weights_keep_their_values_and_both_routes_agree():
     """`widen` puts every slot's A below each base weight (the layer keeps the same values, now
-    the first rows of the wide tensor; the pool the same A, its last rows), and at several rows
+    the first rows of the wide tensor, the old tensors freed; the pool the same A, its last rows),
+    and at several rows
     the wide route (one GEMM over the widened weight, the expand from its tail) adds what the
     other route does (shrink, base projection, expand), for every group."""
     pool = LoraPool(CONFIG, 3, 16, 0, 1, DTYPE, DEVICE)
@@ -119,8 +122,12 @@ def test_widened_weights_keep_their_values_and_both_routes_agree():
         pool.load(slot, _adapter(rank, slot))
     layers = _layer_weights(pool, 0)
     bases = [{attr: getattr(w, attr).clone() for attr in WEIGHT_ATTRS.values()} for w in layers]
-    adapters = {(layer, group): a.clone() for layer, groups in pool.layers.items() for group, (a, _, _) in groups.items()}
+    adapters = {(layer, group): a.clone()
+                for layer, groups in pool.layers.items() for group, (a, _, _) in groups.items()}
+    old = [weakref.ref(getattr(w, attr)) for w in layers for attr in WEIGHT_ATTRS.values()]
     pool.widen(layers)
+    gc.collect()
+    assert all(ref() is None for ref in old)     # the weights are not held twice
     for layer, (w, base) in enumerate(zip(layers, bases)):
         for group, attr in WEIGHT_ATTRS.items():
             wide, a = pool.wide[(layer, group)], pool.layers[layer][group][0]
