@@ -244,11 +244,14 @@ class LoraBatch:
         wide = self.pool.wide.get((layer_num, group))
         if wide is None or wide.data_ptr() != weight.data_ptr():
             return "beside"
-        if not x.is_cuda or x.shape[0] > DECODE_ROWS:
-            # A prompt's rows: the widened GEMM is bound by its arithmetic, A's rows a few percent
-            # more of it, and no timing at serving time (decode buckets are timed as their CUDA
-            # graphs are captured; see kernels/autotune.py).
+        if not x.is_cuda:
             return "wide"
+        if x.shape[0] > DECODE_ROWS:
+            # A prompt's rows, not timed at serving time (decode buckets are timed as their CUDA
+            # graphs are captured; see kernels/autotune.py). Its GEMM is bound by arithmetic, and
+            # the wide route shrinks every token by every slot's A: taken while those rows stay
+            # a small share of the weight's (a sixteenth; 8 rank-16 slots on Llama-3-8B's qkv).
+            return "wide" if wide.shape[0] - weight.shape[0] <= weight.shape[0] // 16 else "beside"
         key = ("lora_route", x.device, tuple(wide.shape), weight.shape[0], rows_bucket(x.shape[0]))
         timed: list[LoraBatch] = []     # made on the first timed call only (`fastest` runs none once it knows)
 
