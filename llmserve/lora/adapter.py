@@ -80,15 +80,24 @@ def read_adapter(name: str, path: str, network_config, max_rank: int) -> LoraAda
             raise AdapterLoadError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (only the decoder layers' "
                                    f"q/k/v/o/gate/up/down projections' (or qkv_proj's, gate_up_proj's) lora_A / "
                                    f"lora_B are served)")
-        halves.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
-    scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+        halves.setdefault((int(m.group(1)), m.group(3), key[len("base_model.model."): m.start(4) - len(".lora_")]),
+                          {})[m.group(4)] = t
+    scaling = _scaling(config, config.r, config.lora_alpha)
     weights = {}
-    for (layer, peft_module), ab in sorted(halves.items()):
+    rank = 0
+    for (layer, peft_module, module_path), ab in sorted(halves.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterLoadError(f"LoRA adapter {name!r}: layer {layer} {peft_module} has lora_A or lora_B only")
         a, b = ab["A"], ab["B"]
+        r, alpha = _module_rank_and_alpha(config, module_path)
+        if r > max_rank:
+            raise AdapterLoadError(f"LoRA adapter {name!r}: {module_path} has rank {r}, above --max-lora-rank {max_rank}")
         parts = FUSED_MODULES.get(peft_module, (TARGET_MODULES.get(peft_module),))
-        _check_shapes(name, layer, peft_module, parts, a, b, config.r, network_config)
+        _check_shapes(name, layer, peft_module, parts, a, b, r, network_config)
+        if _scaling(config, r, alpha) != scaling:
+            # The pool keeps one scaling a slot: a module of another rank or alpha carries the ratio in B.
+            b = b * (_scaling(config, r, alpha) / scaling)
+        rank = max(rank, r)
         row = 0
         for part in parts:
             if (layer, part) in weights:
@@ -99,7 +108,26 @@ def read_adapter(name: str, path: str, network_config, max_rank: int) -> LoraAda
             row += rows
     if not weights:
         raise AdapterLoadError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
-    return LoraAdapter(name, path, config.r, scaling, weights)
+    return LoraAdapter(name, path, rank, scaling, weights)
+
+
+def _module_rank_and_alpha(config, module_path: str) -> tuple[int, float]:
+    """The rank and alpha PEFT gives the module at ``module_path`` (``model.layers.3.mlp.down_proj``):
+    ``rank_pattern`` / ``alpha_pattern``'s entry whose key matches the path's end, else ``r`` /
+    ``lora_alpha`` (PEFT's own matching, ``get_pattern_key``)."""
+    from peft.utils.other import get_pattern_key
+
+    r, alpha = config.r, config.lora_alpha
+    if config.rank_pattern:
+        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module_path), r)
+    if config.alpha_pattern:
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module_path), alpha)
+    return r, alpha
+
+
+def _scaling(config, r: int, alpha: float) -> float:
+    """PEFT's ``lora_B(lora_A(x)) * scaling``: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / (math.sqrt(r) if config.use_rslora else r)
 
 
 def _check_config(name: str, config, max_rank: int) -> None:
@@ -122,8 +150,7 @@ def _check_config(name: str, config, max_rank: int) -> None:
                      f"{', '.join([*TARGET_MODULES, *FUSED_MODULES])})")
     unsupported = [what for what, on in (
         ("use_dora", config.use_dora), (f"bias={config.bias!r}", config.bias != "none"),
-        ("lora_bias", getattr(config, "lora_bias", False)), ("rank_pattern", config.rank_pattern),
-        ("alpha_pattern", config.alpha_pattern), ("layer_replication", config.layer_replication),
+        ("lora_bias", getattr(config, "lora_bias", False)), ("layer_replication", config.layer_replication),
         ("trainable_token_indices", config.trainable_token_indices),
         ("alora_invocation_tokens", getattr(config, "alora_invocation_tokens", None)),
     ) if on]

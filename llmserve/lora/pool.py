@@ -158,8 +158,11 @@ class LoraPool:
                         a = self._cut(a, 1)
                     else:
                         b = self._cut(b, 0)
-                    a_host[i, j].copy_(a)
-                    b_host[i, col : col + n].copy_(b)
+                    # a module of a lower rank than the adapter's largest (rank_pattern): zero-padded
+                    a_host[i, j].zero_()
+                    b_host[i, col : col + n].zero_()
+                    a_host[i, j, : a.shape[0]].copy_(a)
+                    b_host[i, col : col + n, : b.shape[1]].copy_(b)
             tensors[group] = (a_host, b_host)
         return PackedAdapter(adapter.name, r, adapter.scaling, tensors)
 

@@ -127,8 +127,8 @@ def test_triton_kernels_give_the_twins_logits(family):
 
 
 # More families, one adapter each: Qwen3 and Gemma 3 (q/k norms; Gemma 3's sliding layers) on
-# every projection, Phi-3's fused projections (PEFT's only targets there), and an MoE model's
-# attention (its experts take none).
+# every projection, Llama with per-module ranks and alphas, Phi-3's fused projections (PEFT's only
+# targets there), and an MoE model's attention (its experts take none).
 OTHER_FAMILIES = {
     "phi3-fused": (lambda: Phi3Config(**SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2),
                    AdapterSpec(r=4, targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), alpha=8, seed=4)),
@@ -137,6 +137,9 @@ OTHER_FAMILIES = {
     "gemma3": (lambda: Gemma3TextConfig(**SHAPE, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
                                         layer_types=["sliding_attention", "full_attention"]),
                AdapterSpec(r=4, alpha=8, seed=8)),
+    # PEFT's rank_pattern / alpha_pattern: modules of other ranks and alphas in one adapter
+    "llama-rank-pattern": (lambda: LlamaConfig(**SHAPE), AdapterSpec(r=4, alpha=8, seed=9, extra={
+        "rank_pattern": {"q_proj": 2, "down_proj": 6}, "alpha_pattern": {"v_proj": 32, "layers.1.mlp.up_proj": 3}})),
     "qwen3-moe-attention": (lambda: Qwen3MoeConfig(**{**SHAPE, "intermediate_size": 48}, head_dim=16,
                                                    moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
                             AdapterSpec(r=4, targets=("q_proj", "k_proj", "v_proj", "o_proj"), alpha=8, seed=5)),
@@ -148,8 +151,8 @@ def test_other_families_match_peft(name, tmp_path):
     config, spec = OTHER_FAMILIES[name]
     hf = build_tiny_hf_model(config(), tmp_path / "model")
     adapter_dir = make_peft_adapter(hf, tmp_path / "adapter", spec)
-    ours = load_ours(tmp_path / "model", max_loras=1, max_lora_rank=spec.r)
-    ours.lora_pool.load(0, read_adapter("a", adapter_dir, ours.network_config_, spec.r))
+    ours = load_ours(tmp_path / "model", max_loras=1, max_lora_rank=MAX_RANK)
+    ours.lora_pool.load(0, read_adapter("a", adapter_dir, ours.network_config_, MAX_RANK))
     peft_model = peft_model_of(hf, {"a": adapter_dir})
     prompts = random_prompts([5, 9], ours.vocab_size, seed=3)
     refs = [peft_greedy(peft_model, adapter, p, 7) for adapter, p in zip(("a", None), prompts)]
