@@ -73,15 +73,16 @@ def read_adapter(name: str, path: str, network_config, max_rank: int) -> LoraAda
     if not os.path.isfile(weights_file):
         raise AdapterLoadError(f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors")
     tensors = load_file(weights_file)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}     # (layer, PEFT's module name)
+    # (layer, PEFT's module name, the module's path: model.layers.N.self_attn.q_proj) -> A and B
+    halves: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None or (m.group(3) not in TARGET_MODULES and m.group(3) not in FUSED_MODULES):
             raise AdapterLoadError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (only the decoder layers' "
                                    f"q/k/v/o/gate/up/down projections' (or qkv_proj's, gate_up_proj's) lora_A / "
                                    f"lora_B are served)")
-        halves.setdefault((int(m.group(1)), m.group(3), key[len("base_model.model."): m.start(4) - len(".lora_")]),
-                          {})[m.group(4)] = t
+        module_path = key[len("base_model.model.") : m.start(4) - len(".lora_")]
+        halves.setdefault((int(m.group(1)), m.group(3), module_path), {})[m.group(4)] = t
     scaling = _scaling(config, config.r, config.lora_alpha)
     weights = {}
     rank = 0
