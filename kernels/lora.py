@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -556,16 +557,25 @@ def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
                    splits: tuple[int, ...], r_sub: int) -> None:
     """Torch twin of `lora_add`, computed as PEFT's ``result + lora_B(lora_A(x)) * scaling``, each
     projection on its own, at the adapter's own rank."""
+    def shrink(slot: int, idx: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        xs = x.index_select(0, idx)
+        return [xs @ a[slot, j * r_sub : j * r_sub + rank].t() for j in range(len(splits))]
+
+    _expand_torch(y, shrink, b, scaling, slot_rank, seg_start, rows, splits)
+
+
+def _expand_torch(y: torch.Tensor, shrink: Callable[[int, torch.Tensor, int], list[torch.Tensor]], b: torch.Tensor, scaling: torch.Tensor, slot_rank: torch.Tensor,
+                  seg_start: torch.Tensor, rows: torch.Tensor, splits: tuple[int, ...]) -> None:
+    """The twins' expand: ``y[t] += s_j @ B[slot, projection j's columns, :rank]^T * scaling`` for
+    each slot's token rows t and projection j, ``shrink(slot, rows, rank)`` giving the s_j."""
     starts = seg_start.tolist()
     for slot in range(len(starts) - 1):
         if starts[slot] == starts[slot + 1]:
             continue
         idx = rows[starts[slot] : starts[slot + 1]].long()
         rank, scale = int(slot_rank[slot]), float(scaling[slot])
-        xs = x.index_select(0, idx)
         col = 0
-        for j, width in enumerate(splits):
-            s = xs @ a[slot, j * r_sub : j * r_sub + rank].t()
+        for s, width in zip(shrink(slot, idx, rank), splits):
             delta = (s @ b[slot, col : col + width, :rank].t()) * scale
             y[idx, col : col + width] = y[:, col : col + width].index_select(0, idx) + delta
             col += width
@@ -575,18 +585,13 @@ def lora_expand_wide_torch(y: torch.Tensor, s_all: torch.Tensor, b: torch.Tensor
                            slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor, max_len: int,
                            splits: tuple[int, ...], r_sub: int) -> None:
     """Torch twin of `lora_expand_wide`, each projection on its own, at the adapter's own rank."""
-    starts, width = seg_start.tolist(), len(splits) * r_sub
-    for slot in range(len(starts) - 1):
-        if starts[slot] == starts[slot + 1]:
-            continue
-        idx = rows[starts[slot] : starts[slot + 1]].long()
-        rank, scale = int(slot_rank[slot]), float(scaling[slot])
-        s_slot = s_all.index_select(0, idx)[:, slot * width : (slot + 1) * width]
-        col = 0
-        for j, n in enumerate(splits):
-            delta = (s_slot[:, j * r_sub : j * r_sub + rank] @ b[slot, col : col + n, :rank].t()) * scale
-            y[idx, col : col + n] = y[:, col : col + n].index_select(0, idx) + delta
-            col += n
+    width = len(splits) * r_sub
+
+    def own_slots_columns(slot: int, idx: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        s = s_all.index_select(0, idx)[:, slot * width : (slot + 1) * width]
+        return [s[:, j * r_sub : j * r_sub + rank] for j in range(len(splits))]
+
+    _expand_torch(y, own_slots_columns, b, scaling, slot_rank, seg_start, rows, splits)
 
 
 def lora_expand_wide(y: torch.Tensor, s_all: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,

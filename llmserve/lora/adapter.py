@@ -95,9 +95,10 @@ def read_adapter(name: str, path: str, network_config, max_rank: int) -> LoraAda
             raise AdapterLoadError(f"LoRA adapter {name!r}: {module_path} has rank {r}, above --max-lora-rank {max_rank}")
         parts = FUSED_MODULES.get(peft_module, (TARGET_MODULES.get(peft_module),))
         _check_shapes(name, layer, peft_module, parts, a, b, r, network_config)
-        if _scaling(config, r, alpha) != scaling:
+        module_scaling = _scaling(config, r, alpha)
+        if module_scaling != scaling:
             # The pool keeps one scaling a slot: a module of another rank or alpha carries the ratio in B.
-            b = b * (_scaling(config, r, alpha) / scaling)
+            b = b * (module_scaling / scaling)
         rank = max(rank, r)
         row = 0
         for part in parts:

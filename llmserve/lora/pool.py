@@ -143,24 +143,20 @@ class LoraPool:
         for group, modules in GROUPS.items():
             weights = self.groups[group]
             layers, in_dim = len(weights.a), weights.a[0].shape[-1]
-            a_host = torch.empty(layers, len(modules), r, in_dim, dtype=self.dtype, pin_memory=pin)
-            b_host = torch.empty(layers, weights.b.shape[2], r, dtype=self.dtype, pin_memory=pin)
+            # zeros where it wraps no projection, or past a module's rank below the adapter's (rank_pattern)
+            a_host = torch.zeros(layers, len(modules), r, in_dim, dtype=self.dtype, pin_memory=pin)
+            b_host = torch.zeros(layers, weights.b.shape[2], r, dtype=self.dtype, pin_memory=pin)
             for j, module in enumerate(modules):
                 col, n = sum(weights.splits[:j]), weights.splits[j]     # its columns of the fused output
                 for i, layer in enumerate(self.model_layers):
                     ab = adapter.weights.get((layer, module))
                     if ab is None:
-                        a_host[i, j].zero_()
-                        b_host[i, col : col + n].zero_()
                         continue
                     a, b = ab
                     if group in ROW_PARALLEL:
                         a = self._cut(a, 1)
                     else:
                         b = self._cut(b, 0)
-                    # a module of a lower rank than the adapter's largest (rank_pattern): zero-padded
-                    a_host[i, j].zero_()
-                    b_host[i, col : col + n].zero_()
                     a_host[i, j, : a.shape[0]].copy_(a)
                     b_host[i, col : col + n, : b.shape[1]].copy_(b)
             tensors[group] = (a_host, b_host)
@@ -227,6 +223,14 @@ class LoraBatch:
         if self.rank is None:
             self.rank = self.pool.rank
 
+    @classmethod
+    def of(cls, pool: LoraPool, b_lora_slot: list[int], b_q_len: list[int]) -> LoraBatch:
+        """The batch of requests on slots ``b_lora_slot`` (-1: the base model) bringing ``b_q_len``
+        tokens each: its tokens grouped by slot on the host (`lora_segments`), then one copy."""
+        seg_start, rows, max_len = lora_segments(b_lora_slot, b_q_len, pool.max_loras)
+        block = torch.tensor(seg_start + rows, dtype=torch.int32).to(pool.device, non_blocking=True)
+        return cls(pool, block[: len(seg_start)], block[len(seg_start) :], max_len)
+
     def linear(self, layer_num: int, group: str, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight^T (+ bias)`` with each token's adapter's product for projection group
         ``group`` added: at one row a GEMV adds it in its epilogue after a one-row shrink (`row`);
@@ -265,13 +269,11 @@ class LoraBatch:
 
         return fastest(key, ("wide", "beside"), run)
 
-    def _everyone_on_every_slot(self, n: int) -> "LoraBatch":
+    def _everyone_on_every_slot(self, n: int) -> LoraBatch:
         """A batch of n tokens spread over all slots, each slot at the pool's full rank (the routes'
         timing: the slots' real ranks may be zero at start-up)."""
         pool = self.pool
-        seg_start, rows, max_len = lora_segments([i % pool.max_loras for i in range(n)], [1] * n, pool.max_loras)
-        block = torch.tensor(seg_start + rows, dtype=torch.int32).to(pool.device)
-        full = LoraBatch(pool, block[: len(seg_start)], block[len(seg_start) :], max_len)
+        full = LoraBatch.of(pool, [i % pool.max_loras for i in range(n)], [1] * n)
         full.rank = torch.full_like(pool.rank, pool.max_rank)
         return full
 

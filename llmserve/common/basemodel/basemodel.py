@@ -411,13 +411,11 @@ class TpPartBaseModel:
     def lora_batch(self, b_lora_slot: list[int], b_q_len: list[int]) -> LoraBatch:
         """The layers' view of a batch's adapters: its tokens grouped by adapter slot, on the host,
         then one copy to the device."""
-        from llmserve.lora.pool import LoraBatch, lora_segments
+        from llmserve.lora.pool import LoraBatch
 
         if self.lora_pool is None:
             raise ValueError("a request names a LoRA adapter, and this model serves none")
-        seg_start, rows, max_len = lora_segments(b_lora_slot, b_q_len, self.lora_pool.max_loras)
-        block = torch.tensor(seg_start + rows, dtype=torch.int32).to(self.device, non_blocking=True)
-        return LoraBatch(self.lora_pool, block[: len(seg_start)], block[len(seg_start) :], max_len)
+        return LoraBatch.of(self.lora_pool, b_lora_slot, b_q_len)
 
     def forward_layers(self, input_ids: torch.Tensor, state: InferStateInfo) -> torch.Tensor | None:
         """The layers over a batch whose slots and state are ready (``input_ids`` on the device);
