@@ -170,7 +170,7 @@ def test_rank0_reports_each_requests_match_after_every_step(tied_llama_dir):
         tokens = [*prompt, *out.token_ids]
         ends = [n for n, _ in got[1:]] + [len(out.token_ids)]    # each step's tokens end where the next began
         want = [PromptLookup(tokens[: len(prompt) + end]).match_len() for end in ends]
-        assert [m for _, m in got[:-1]] == want[:-1] and got[-1][1] in (want[-1], 0)
+        assert [m for _, m in got[:-1]] == want[:-1] and got[-1][1] in (want[-1], 0), (got, want)
     assert max(m for got in reports.values() for _, m in got) >= LONG_MATCH
 
 
