@@ -31,14 +31,14 @@ would not pay even alone, it backs off as after a miss (1, 3, then 7 steps; up t
 its draft tokens has ever been accepted). A back-off ends early when rank 0 reports a long match
 (``LONG_MATCH``: after every step it reads, the match each drafting request's next draft would
 continue): a copy has started, of the prompt or of the output's own loop, and waiting would miss
-its start. The worker's draft is at most the
-budget, and shorter where its match supports less (2 tokens per matched token).
+its start. The worker's draft is at most the budget, and shorter where its match supports less
+(2 tokens per matched token).
 
 Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
 cheap as decode steps (the split-K attention path for few-token verify batches is
 kernels/verify_attention, still to be measured on a GPU: offline.py --verify; on a CPU, per-row
-costs that follow the accepted work), the budget sized by rank 0's own match and acceptance (it
-is the engine's estimate here, a step late under overlap), and the GPU measurements.
+costs that follow the accepted work), and the GPU measurements. The budget follows the engine's
+estimate of each request's acceptance and the match rank 0 reported (a step late under overlap).
 """
 
 from __future__ import annotations
