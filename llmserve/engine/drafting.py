@@ -28,14 +28,17 @@ whose copy keeps diverging drafts a token or two or none, one copying a passage 
 ``speculate``. A request left out for its acceptance sits the next step out and its evidence
 fades toward the prior, so it tries again a few steps later; left out for an acceptance that
 would not pay even alone, it backs off as after a miss (1, 3, then 7 steps; up to 15 while none of
-its draft tokens has ever been accepted). The worker's draft is at most the
-budget, and shorter where its match supports less (2 tokens per matched token).
+its draft tokens has ever been accepted). A back-off ends early when rank 0 reports a long match
+(``LONG_MATCH``: after every step it reads, the match each drafting request's next draft would
+continue): a copy has started, of the prompt or of the output's own loop, and waiting would miss
+its start. The worker's draft is at most the budget, and shorter where its match supports less
+(2 tokens per matched token).
 
 Left of issue 35 (its first part, drafts inside the overlapped loop, is this): verify steps as
 cheap as decode steps (the split-K attention path for few-token verify batches is
 kernels/verify_attention, still to be measured on a GPU: offline.py --verify; on a CPU, per-row
-costs that follow the accepted work), the budget sized by rank 0's own match and acceptance (it
-is the engine's estimate here, a step late under overlap), and the GPU measurements.
+costs that follow the accepted work), and the GPU measurements. The budget follows the engine's
+estimate of each request's acceptance and the match rank 0 reported (a step late under overlap).
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ if TYPE_CHECKING:
 # text ran at 0.96x there (benchmarks/README.md, 2026-11-28).
 MAX_DRAFT_WAIT = 15
 MAX_SKIP_WAIT = 7
+# A match this long (tokens of a request's end that recur together, as rank 0 reports each step)
+# says a copy is under way, a passage or a loop of the output: it ends the request's back-off, and
+# its draft is planned at the prior's acceptance at least, until a draft from that copy is
+# rejected whole. On the CPU's `prompt_lookup.py` rows at batch 1 (2026-11-28), waits that ignored
+# matches had `answer` miss its loops' starts (1.64 tokens a forward; 2.16 with this) and
+# code edits their copies' restarts (1.13; 1.70); free text's matches rarely reach 4 tokens.
+LONG_MATCH = 4
 # A request's acceptance before its first verify (the chance that each next draft token is
 # accepted), as if seen over ``PRIOR_WEIGHT`` draft tokens, and how much each verify's evidence
 # fades per later verify: the estimate follows the last few drafts.
@@ -130,6 +140,15 @@ class DraftState:
     accepted: float = 0.0
     rejected: float = 0.0
     ever_accepted: bool = False
+    # The match its next draft would continue (rank 0's latest report), and whether a draft from
+    # the copy that match belongs to was rejected whole (then the match is no longer evidence).
+    match_len: int = 0
+    copy_failed: bool = False
+
+    @property
+    def copying(self) -> bool:
+        """Whether the request's end is a long match that no draft has failed on yet."""
+        return self.match_len >= LONG_MATCH and not self.copy_failed
 
     @property
     def acceptance(self) -> float:
@@ -175,10 +194,11 @@ class Drafter:
             if not req.params.speculate:
                 continue
             state = self.states[req]
-            if state.wait:
+            if state.wait and not state.copying:
                 state.wait -= 1
                 continue
-            acceptances[i] = state.acceptance
+            state.wait = 0
+            acceptances[i] = max(state.acceptance, PRIOR_ACCEPTANCE) if state.copying else state.acceptance
             limits[i] = max(0, min(self.speculate, req.params.max_new_tokens - req.max_num_output_tokens - 1))
         for s, k, acceptance, limit in zip(decodes, self.cost.draft_lengths(acceptances, limits), acceptances, limits):
             if limit and not k:
@@ -207,6 +227,8 @@ class Drafter:
         3. A draft rejected whole is a miss if its match was 2 tokens or more. One that continued
            a lone recurring token is a guess of 2 tokens at most (see worker/prompt_lookup.py),
            cheap to verify and often wrong: it costs the request nothing here.
+        4. A draft of a long match rejected whole marks its copy failed (``copy_failed``): that
+           match no longer ends a back-off, until a shorter one ends the copy (``matched``).
 
         From the second miss in a row the request sits out 1, 3, 7, then 15 decode steps
         (``wait``) before it looks for a draft again. An answer that copies nothing then costs
@@ -221,6 +243,17 @@ class Drafter:
             state.num_misses = 0
         elif match_len >= 2:
             self._missed(state)
+        state.copy_failed = not num_accepted and match_len >= LONG_MATCH
+
+    def matched(self, req: Request, match_len: int) -> None:
+        """Rank 0 read a step of ``req``: a draft proposed now would continue a match of
+        ``match_len`` tokens. A match shorter than ``LONG_MATCH`` ends the copy a failed draft
+        belonged to, so the next long one is evidence again."""
+        if not req.params.speculate:
+            return
+        state = self.states[req]
+        state.match_len = match_len
+        state.copy_failed &= match_len >= LONG_MATCH
 
     def forget(self, req: Request) -> None:
         """The request finished: its state goes."""

@@ -339,6 +339,8 @@ class LLMEngine:
             run = result.run_of(i)
             if s.draft_budget:
                 self._verified(s, run)
+            if result.match_lens is not None:
+                self.scheduler.drafter.matched(req, result.match_lens[i])
             reason = None
             for j, token_id in enumerate(run.token_ids):
                 reason = req.append_token(token_id, eos_token_ids=self.eos_token_ids,

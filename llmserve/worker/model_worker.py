@@ -241,14 +241,19 @@ class ModelWorker:
 
     def _read(self, launched: _Launched | None) -> list[StepOutput]:
         """The output of a launched step, read now (waiting for its draw, or verifying its drafts),
-        or nothing. Rank 0's n-gram indexes take the tokens it emitted."""
+        or nothing. Rank 0's n-gram indexes take the tokens it emitted, and the output says how
+        long a match each request's next draft would continue (``match_lens``)."""
         if launched is None:
             return []
         output = launched.read()
+        match_lens = [0] * len(launched.req_ids)
         for i, req_id in enumerate(launched.req_ids):
             lookup = self.lookups.get(req_id)
             if lookup is not None and output.token_ids[i] is not None:
                 lookup.extend(output.run_of(i).token_ids)
+                match_lens[i] = lookup.match_len()
+        if self.lookups:
+            output.match_lens = match_lens
         return [output]
 
     def _fill_in(self, entries: list[BatchEntry], output: StepOutput, owed_req_ids: list[int]) -> None:

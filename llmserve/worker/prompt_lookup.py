@@ -93,10 +93,24 @@ class PromptLookup:
     def propose(self, k: int) -> Draft:
         """A draft of up to ``k`` tokens to follow the sequence (see the module's doc); an empty one
         when no n-gram of its end recurs."""
-        tokens = self.token_ids
-        length = len(tokens)
         if k <= 0:
             return Draft([])
+        start, match_len = self._best_match()
+        if start < 0:
+            return Draft([])
+        return Draft(_copy(self.token_ids, start, min(k, DRAFT_PER_MATCHED_TOKEN * match_len)), match_len)
+
+    def match_len(self) -> int:
+        """The match a draft proposed now would continue (`Draft.match_len`): 0 when no n-gram of
+        the sequence's end recurs. Microseconds: most ends of free text have no recurring n-gram
+        of ``max_ngram`` tokens, and the walk stops at ``CANDIDATES`` occurrences."""
+        return self._best_match()[1]
+
+    def _best_match(self) -> tuple[int, int]:
+        """Where the draft starts (the token after the chosen occurrence of the longest recurring
+        n-gram), and its match length; (-1, 0) when no n-gram of the end recurs."""
+        tokens = self.token_ids
+        length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             previous = self._previous[n - self.min_ngram]
             # The n-gram's latest occurrence is the suffix itself (nothing follows it): start before it.
@@ -113,8 +127,8 @@ class PromptLookup:
                     best, best_len = start, match_len
                 start = previous[start]
             if best >= 0:
-                return Draft(_copy(tokens, best + n, min(k, DRAFT_PER_MATCHED_TOKEN * best_len)), best_len)
-        return Draft([])
+                return best + n, best_len
+        return -1, 0
 
 
 def _copy(tokens: list[int], start: int, size: int) -> list[int]:

@@ -224,6 +224,10 @@ class StepOutput:
     # logprobs fields hold its first), None for an entry without a draft (one with a budget whose
     # lookup found nothing included).
     runs: list[TokenRun | None] | None = None
+    # Rank 0 with speculation on, per entry: the match a draft of its request would continue now,
+    # with this step's tokens (`PromptLookup.match_len`; 0 where none recurs or the request does
+    # not draft). The engine ends a request's back-off on a long one (`Drafter.matched`).
+    match_lens: list[int] | None = None
 
     @classmethod
     def failed_forward(cls, num_entries: int, error: str) -> StepOutput:
@@ -235,11 +239,15 @@ class StepOutput:
     @classmethod
     def concat(cls, parts: list[StepOutput]) -> StepOutput:
         """The outputs of consecutive slices of one batch, as one output of the whole batch."""
-        runs = None
-        if any(p.runs is not None for p in parts):
-            runs = sum((p.runs if p.runs is not None else [None] * len(p.token_ids) for p in parts), [])
+        def joined(name: str, absent: object) -> list | None:     # a per-entry field that may be None
+            if all(getattr(p, name) is None for p in parts):
+                return None
+            return sum((getattr(p, name) if getattr(p, name) is not None else [absent] * len(p.token_ids)
+                        for p in parts), [])
+
         return cls(*(sum((getattr(p, name) for p in parts), []) for name in (
-            "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "errors")), runs=runs)
+            "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "errors")),
+            runs=joined("runs", None), match_lens=joined("match_lens", 0))
 
     def run_of(self, i: int) -> TokenRun:
         """Every token entry ``i`` emitted (one, unless it drafted), with its logprobs."""

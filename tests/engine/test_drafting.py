@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.drafting import DRAFT_COSTS, MAX_DRAFT_WAIT, MAX_SKIP_WAIT, DraftCost
+from llmserve.engine.drafting import DRAFT_COSTS, LONG_MATCH, MAX_DRAFT_WAIT, MAX_SKIP_WAIT, PRIOR_ACCEPTANCE, DraftCost
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
 from scheduling_utils import EOS, TOKEN, make_request, make_scheduler, run_step
@@ -249,6 +249,56 @@ def test_free_texts_failing_guesses_back_off_like_misses():
     # (twice in a row where its evidence has not faded enough after one wait).
     verifies = [step(accept=False) for _ in range(200)]
     assert set(gaps(verifies[100:])) <= {MAX_SKIP_WAIT + 2, 2 * MAX_SKIP_WAIT + 3} and sum(verifies[100:]) >= 7
+
+
+def test_a_long_match_ends_a_back_off_once_a_copy():
+    """A request backed off after failed guesses (free text, or an answer between its loops) drafts
+    at once when rank 0 reports a match of LONG_MATCH tokens (a copy under way), planned at the
+    prior's acceptance at least. If that copy's draft is rejected whole, the match stops being
+    evidence (the back-off holds) until a shorter match ends the copy; the next long one ends the
+    back-off again."""
+    scheduler = make_scheduler(2000, speculate=10, draft_cost=DRAFT_COSTS["cpu"])
+    req = make_request(0, 20, max_new_tokens=1000)
+    decoding(scheduler, req)
+    drafter = scheduler.drafter
+
+    def step(match_len: int, accepted: int = 0) -> int:
+        """One decode step; a draft is read with ``accepted`` of its tokens kept. Then rank 0's
+        report of the request's match. Returns the step's budget."""
+        output = scheduler.schedule()
+        [s] = output.scheduled
+        scheduler.update_after_step(output)
+        if s.draft_budget:
+            read(scheduler, s, s.draft_budget, min(accepted, s.draft_budget), match_len=drafter.states[req].match_len)
+        else:
+            req.append_token(TOKEN)
+        drafter.matched(req, match_len)
+        return s.draft_budget
+
+    for _ in range(60):            # guesses from lone tokens, all rejected: a long back-off
+        step(match_len=1)
+    state = drafter.states[req]
+    assert state.wait >= MAX_SKIP_WAIT and state.acceptance < PRIOR_ACCEPTANCE
+    step(match_len=LONG_MATCH - 1)
+    assert not step(match_len=LONG_MATCH - 1) and state.wait > 0      # a short match changes nothing
+    step(match_len=LONG_MATCH)
+    budget = step(match_len=LONG_MATCH + 1)                           # the wait is over at once
+    assert budget >= DRAFT_COSTS["cpu"].best_length(PRIOR_ACCEPTANCE, 10) and state.copy_failed
+    # That copy's draft was rejected whole: its long match no longer ends the back-off ...
+    assert state.wait and not any(step(match_len=LONG_MATCH + 2) for _ in range(state.wait))
+    # ... until the copy ends (a short match) and another starts, which drafts and is kept.
+    step(match_len=2)
+    step(match_len=LONG_MATCH)
+    assert step(match_len=LONG_MATCH + 1, accepted=10) and state.num_misses == 0 and not state.copy_failed
+    assert all(step(match_len=LONG_MATCH + 2, accepted=10) for _ in range(5))
+
+
+def test_requests_without_speculation_keep_no_draft_state():
+    scheduler = make_scheduler(200, speculate=4)
+    req = make_request(0, 20, max_new_tokens=50)
+    req.params = SamplingParams(max_new_tokens=50, speculate=False)
+    scheduler.drafter.matched(req, LONG_MATCH)
+    assert req not in scheduler.drafter.states
 
 
 @settings(max_examples=60, deadline=None)

@@ -20,7 +20,8 @@ from transformers import BloomConfig, LlamaConfig
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.config import SPECULATE_MAX_BATCH, EngineConfig, with_device_defaults
-from llmserve.engine.drafting import DraftCost
+from llmserve.engine.drafting import LONG_MATCH, DraftCost
+from llmserve.worker.prompt_lookup import PromptLookup
 from parity_utils import build_tiny_hf_model, build_tiny_llava
 from speculation_utils import (MAX_BATCH, SPECULATE, assert_all_overlapped, assert_same_tokens, generate_counting,
                                overlapped, plain)
@@ -140,6 +141,38 @@ def test_overlapped_drafts_equal_plain_under_preemption(tied_llama_dir):
         assert_same_tokens(got, want)
         assert_all_overlapped(records)
         assert accepted > 0 and llm.engine.scheduler.num_preemptions > preemptions
+
+
+def test_rank0_reports_each_requests_match_after_every_step(tied_llama_dir):
+    """The drafter learns each drafting request's match from rank 0 after every step it samples
+    (`StepOutput.match_lens`): what `PromptLookup.match_len` gives over the request's tokens with
+    that step's. The report of a request's last step is not checked: it comes when the request has
+    finished, and under the overlapped loop (the GPU's) rank 0 may have forgotten the request by
+    then (a retirement sent while that step was in flight: 0), or counted a verify's tokens past
+    ``max_new_tokens``, which the engine drops. The random model's output cycles, so some matches
+    are long (they end back-offs)."""
+    reports: dict[int, list[tuple[int, int]]] = {}
+    with LLM(tied_llama_dir, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_total_token_num=2048,
+             overlap=True) as llm:
+        drafter = llm.engine.scheduler.drafter
+        matched = drafter.matched
+
+        def record(req, match_len: int) -> None:     # (before the step's tokens are appended)
+            reports.setdefault(req.req_id, []).append((req.num_output_tokens, match_len))
+            matched(req, match_len)
+
+        prompts, params = random_workload(512, 4, seed=3)
+        params = [dataclasses.replace(p, max_new_tokens=30, ignore_eos=True, speculate=True) for p in params]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(drafter, "matched", record)
+            outs = llm.generate(prompts, params)
+    assert len(reports) == len(prompts)
+    for prompt, out, got in zip(prompts, outs, reports.values()):
+        tokens = [*prompt, *out.token_ids]
+        ends = [n for n, _ in got[1:]] + [len(out.token_ids)]    # each step's tokens end where the next began
+        want = [PromptLookup(tokens[: len(prompt) + end]).match_len() for end in ends]
+        assert [m for _, m in got[:-1]] == want[:-1]
+    assert max(m for got in reports.values() for _, m in got) >= LONG_MATCH
 
 
 def test_max_batch_default_is_the_devices():

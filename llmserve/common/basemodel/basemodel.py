@@ -448,7 +448,10 @@ class TpPartBaseModel:
         later starts pay little. Leaves the pools as it found them."""
         decode_rows = 17                                  # neither 1 nor a multiple of 16
         prefill_lens = [n for n in (100, 512, min(2048, max_prefill_tokens)) if n <= self.max_seq_len - 2]
-        need = decode_rows * 3 + sum(prefill_lens) + 8
+        # The most slots held at once: the prompts' steps (each prompt's row emptied after it), or
+        # the last verify step's, the decode rows' tokens by then and 1 + speculate more each.
+        held = decode_rows * (1 + len(prefill_lens))
+        need = max(decode_rows * 3 + sum(prefill_lens), held + decode_rows * (1 + self.params.speculate)) + 8
         if need > self.mem_manager.can_use_mem_size or decode_rows + 1 > self.req_manager.can_use_req_size:
             return                                        # a pool too small to be worth warming
         rows = [self.req_manager.alloc_req() for _ in range(decode_rows + 1)]
