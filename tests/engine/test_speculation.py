@@ -7,7 +7,10 @@ fall inside accepted runs, are test_speculation_grounded.py's (a module of its o
 pytest-xdist runs the two on both workers).
 
 The plain side of each comparison is the same engine with ``SamplingParams.speculate=False``
-(the request-level switch), so the two differ only in the drafts."""
+(the request-level switch), so the two differ only in the drafts. Every engine here runs in
+float32: on a GPU an fp32 checkpoint otherwise serves in bf16, where a verify step's few-row
+products and a decode step's GEMV may round a near-tie apart (one bf16 step at 3.24 split the
+preemption test's request 1 at its 38th token on an H200)."""
 
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def tiny_model_dir(request, tmp_path_factory, smollm2_tokenizer) -> str:
 
 def test_greedy_equals_plain_on_each_architecture(tiny_model_dir):
     # A KV pool of the test's size: on a GPU the default one takes most of its memory.
-    with LLM(tiny_model_dir, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48, max_total_token_num=8192) as llm:
+    with LLM(tiny_model_dir, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48, max_total_token_num=8192) as llm:
         prompts, params = random_workload(512, 6, seed=0)
         want = llm.generate(prompts, plain(params))
         got, accepted = generate_counting(llm, prompts, params)
@@ -126,7 +129,7 @@ def tied_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
 def test_overlapped_drafts_equal_plain_under_preemption(tied_llama_dir):
     # The plain side: no drafts and no overlap. A KV pool too small for the batch: requests with
     # drafts in flight are preempted, and prompts are chunked.
-    with LLM(tied_llama_dir, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48,
+    with LLM(tied_llama_dir, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48,
              max_total_token_num=192) as llm:
         # Drafts as long as their match allows: at batch 8 the CPU's costs (drafting.DRAFT_COSTS)
         # soon stop a random model's drafts, and this test is of the drafts' bookkeeping.
@@ -152,7 +155,7 @@ def test_rank0_reports_each_requests_match_after_every_step(tied_llama_dir):
     ``max_new_tokens``, which the engine drops. The random model's output cycles, so some matches
     are long (they end back-offs)."""
     reports: dict[int, list[tuple[int, int]]] = {}
-    with LLM(tied_llama_dir, speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_total_token_num=2048,
+    with LLM(tied_llama_dir, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_total_token_num=2048,
              overlap=True) as llm:
         drafter = llm.engine.scheduler.drafter
         matched = drafter.matched
