@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmserve.engine.request import Request
+from llmserve.worker.prompt_lookup import LONG_MATCH
 
 if TYPE_CHECKING:
     from llmserve.engine.scheduler import ScheduledRequest
@@ -62,13 +63,13 @@ if TYPE_CHECKING:
 # text ran at 0.96x there (benchmarks/README.md, 2026-11-28).
 MAX_DRAFT_WAIT = 15
 MAX_SKIP_WAIT = 7
-# A match this long (tokens of a request's end that recur together, as rank 0 reports each step)
-# says a copy is under way, a passage or a loop of the output: it ends the request's back-off, and
-# its draft is planned at the prior's acceptance at least, until a draft from that copy is
-# rejected whole. On the CPU's `prompt_lookup.py` rows at batch 1 (2026-11-28), waits that ignored
-# matches had `answer` miss its loops' starts (1.64 tokens a forward; 2.16 with this) and
-# code edits their copies' restarts (1.13; 1.70); free text's matches rarely reach 4 tokens.
-LONG_MATCH = 4
+# A long match (worker/prompt_lookup.LONG_MATCH tokens of a request's end that recur together, as
+# rank 0 reports each step) says a copy is under way, a passage or a loop of the output: it ends
+# the request's back-off, and its draft is planned at the prior's acceptance at least, until a
+# draft from that copy is rejected whole. On the CPU's `prompt_lookup.py` rows at batch 1
+# (2026-11-28), waits that ignored matches had `answer` miss its loops' starts (1.64 tokens a
+# forward; 2.16 with this) and code edits their copies' restarts (1.13; 1.70); free text's matches
+# rarely reach 4 tokens.
 # A request's acceptance before its first verify (the chance that each next draft token is
 # accepted), as if seen over ``PRIOR_WEIGHT`` draft tokens, and how much each verify's evidence
 # fades per later verify: the estimate follows the last few drafts.

@@ -28,7 +28,7 @@ from llmserve.lora.adapter import AdapterCache
 from llmserve.worker.faults import InjectedFaults, is_device_failure
 from llmserve.worker.images import RequestImages, stack_pixel_values, step_input_embeds
 from llmserve.worker.prefix_slots import PrefixSlots
-from llmserve.worker.prompt_lookup import PromptLookup
+from llmserve.worker.prompt_lookup import LONG_MATCH, PromptLookup
 from llmserve.worker.protocol import (
     RPYC_CONFIG, BatchEntry, StepInput, StepOutput, TokenRun, WorkerError, WorkerInfo, WorkerInitArgs,
 )
@@ -251,7 +251,7 @@ class ModelWorker:
             lookup = self.lookups.get(req_id)
             if lookup is not None and output.token_ids[i] is not None:
                 lookup.extend(output.run_of(i).token_ids)
-                match_lens[i] = lookup.match_len()
+                match_lens[i] = lookup.match_len(at_most=LONG_MATCH)
         if self.lookups:
             output.match_lens = match_lens
         return [output]

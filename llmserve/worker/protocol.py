@@ -225,8 +225,9 @@ class StepOutput:
     # lookup found nothing included).
     runs: list[TokenRun | None] | None = None
     # Rank 0 with speculation on, per entry: the match a draft of its request would continue now,
-    # with this step's tokens (`PromptLookup.match_len`; 0 where none recurs or the request does
-    # not draft). The engine ends a request's back-off on a long one (`Drafter.matched`).
+    # with this step's tokens, counted up to LONG_MATCH (`PromptLookup.match_len`; 0 where none
+    # recurs or the request does not draft). The engine ends a request's back-off on a long one
+    # (`Drafter.matched`).
     match_lens: list[int] | None = None
 
     @classmethod

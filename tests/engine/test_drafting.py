@@ -8,9 +8,10 @@ from __future__ import annotations
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.drafting import DRAFT_COSTS, LONG_MATCH, MAX_DRAFT_WAIT, MAX_SKIP_WAIT, PRIOR_ACCEPTANCE, DraftCost
+from llmserve.engine.drafting import DRAFT_COSTS, MAX_DRAFT_WAIT, MAX_SKIP_WAIT, PRIOR_ACCEPTANCE, DraftCost
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.worker.prompt_lookup import LONG_MATCH
 from scheduling_utils import EOS, TOKEN, make_request, make_scheduler, run_step
 
 

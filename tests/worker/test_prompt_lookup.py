@@ -51,7 +51,8 @@ def test_propose_follows_the_rule_as_tokens_append(vocab, min_ngram, max_ngram):
         for _ in range(40):
             k = rng.randrange(0, 12)
             assert lookup.propose(k) == (reference(seq, k, min_ngram, max_ngram) if k else Draft([]))
-            assert lookup.match_len() == reference(seq, 1, min_ngram, max_ngram).match_len   # rank 0's report
+            full = reference(seq, 1, min_ngram, max_ngram).match_len
+            assert lookup.match_len() == full and lookup.match_len(at_most=3) == min(full, 3)   # rank 0's report
             new = [rng.randrange(vocab) for _ in range(rng.choice([1, 1, 1, 3, 70]))]
             lookup.extend(new)
             seq += new
