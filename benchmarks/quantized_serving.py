@@ -81,7 +81,8 @@ def run_format(args: argparse.Namespace, name: str, bandwidth: float, port: int)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF directory (make_random_model.py writes one)")
     p.add_argument("--formats", default="bf16,fp8,fp8+kv", help=f"comma-separated, of {', '.join(FORMATS)}")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
@@ -111,7 +112,8 @@ def main() -> int:
     print(markdown_table(["format", "flags", "weights GB", "KV tokens", "out tok/s", f"/ {results[0].name}",
                           "TPOT p50 ms", "ceiling tok/s", "of ceiling"], rows))
     if args.json:
-        write_json(args.json, {"benchmark": "quantized_serving", "environment": environment(device), "model": args.model,
+        write_json(args.json, {"benchmark": "quantized_serving", "environment": environment(device),
+                               "model": args.model,
                                "load_format": args.load_format, "concurrency": args.concurrency,
                                "input_len": args.input_len, "output_len": args.output_len,
                                "copy_bandwidth_bytes_per_s": bandwidth, "results": [asdict(r) for r in results]})

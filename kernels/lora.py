@@ -564,8 +564,9 @@ def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     _expand_torch(y, shrink, b, scaling, slot_rank, seg_start, rows, splits)
 
 
-def _expand_torch(y: torch.Tensor, shrink: Callable[[int, torch.Tensor, int], list[torch.Tensor]], b: torch.Tensor, scaling: torch.Tensor, slot_rank: torch.Tensor,
-                  seg_start: torch.Tensor, rows: torch.Tensor, splits: tuple[int, ...]) -> None:
+def _expand_torch(y: torch.Tensor, shrink: Callable[[int, torch.Tensor, int], list[torch.Tensor]], b: torch.Tensor,
+                  scaling: torch.Tensor, slot_rank: torch.Tensor, seg_start: torch.Tensor, rows: torch.Tensor,
+                  splits: tuple[int, ...]) -> None:
     """The twins' expand: ``y[t] += s_j @ B[slot, projection j's columns, :rank]^T * scaling`` for
     each slot's token rows t and projection j, ``shrink(slot, rows, rank)`` giving the s_j."""
     starts = seg_start.tolist()

@@ -195,10 +195,11 @@ class Drafter:
             if not req.params.speculate:
                 continue
             state = self.states[req]
-            if state.wait and not state.copying:
-                state.wait -= 1
-                continue
-            state.wait = 0
+            if state.wait:
+                if not state.copying:
+                    state.wait -= 1
+                    continue
+                state.wait = 0      # a copy has started: its back-off ends
             acceptances[i] = max(state.acceptance, PRIOR_ACCEPTANCE) if state.copying else state.acceptance
             limits[i] = max(0, min(self.speculate, req.params.max_new_tokens - req.max_num_output_tokens - 1))
         for s, k, acceptance, limit in zip(decodes, self.cost.draft_lengths(acceptances, limits), acceptances, limits):

@@ -64,7 +64,8 @@ def tiny_model_dir(request, tmp_path_factory, smollm2_tokenizer) -> str:
 
 def test_greedy_equals_plain_on_each_architecture(tiny_model_dir):
     # A KV pool of the test's size: on a GPU the default one takes most of its memory.
-    with LLM(tiny_model_dir, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48, max_total_token_num=8192) as llm:
+    with LLM(tiny_model_dir, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_prefill_tokens=48,
+             max_total_token_num=8192) as llm:
         prompts, params = random_workload(512, 6, seed=0)
         want = llm.generate(prompts, plain(params))
         got, accepted = generate_counting(llm, prompts, params)
@@ -149,11 +150,11 @@ def test_overlapped_drafts_equal_plain_under_preemption(tied_llama_dir):
 def test_rank0_reports_each_requests_match_after_every_step(tied_llama_dir):
     """The drafter learns each drafting request's match from rank 0 after every step it samples
     (`StepOutput.match_lens`): what `PromptLookup.match_len` gives over the request's tokens with
-    that step's, counted up to LONG_MATCH. The report of a request's last step is not checked: it comes when the request has
-    finished, and under the overlapped loop (the GPU's) rank 0 may have forgotten the request by
-    then (a retirement sent while that step was in flight: 0), or counted a verify's tokens past
-    ``max_new_tokens``, which the engine drops. The random model's output cycles, so some matches
-    are long (they end back-offs)."""
+    that step's, counted up to LONG_MATCH. The report of a request's last step is not checked: it
+    comes when the request has finished, and under the overlapped loop (the GPU's) rank 0 may have
+    forgotten the request by then (a retirement sent while that step was in flight: 0), or counted
+    a verify's tokens past ``max_new_tokens``, which the engine drops. The random model's output
+    cycles, so some matches are long (they end back-offs)."""
     reports: dict[int, list[tuple[int, int]]] = {}
     with LLM(tied_llama_dir, dtype="float32", speculate=SPECULATE, speculate_max_batch=MAX_BATCH, max_total_token_num=2048,
              overlap=True) as llm:
