@@ -10,8 +10,10 @@ What is measured, for each --tp value
             --max-concurrency 128 (4 x 128 requests, same lengths), its output tok/s.
 
 At tp > 1 each runs once per --all-reduce mode: ``custom`` (the default at pp = 1: small all-reduces
-over peer-to-peer buffers, common/custom_all_reduce.py) and ``nccl`` (``--disable-custom-all-reduce``;
-the only one at pp > 1). With --pp (pipeline stages, a list like --tp) each tp runs at each pp:
+over peer-to-peer buffers, common/custom_all_reduce.py, each layer's two fused with the residual add
+and norm after them), ``unfused`` (the same without the fusion: ``LLMSERVE_FUSED_ALL_REDUCE=0``,
+an all-reduce launch and an add_rmsnorm launch) and ``nccl`` (``--disable-custom-all-reduce``; the
+only one at pp > 1). With --pp (pipeline stages, a list like --tp) each tp runs at each pp:
 the stages run one after another, so pp=2's step is pp=1's plus the hand-offs, not less.
 Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
 <= 0.62x at C=32, tp=4 <= 0.36x; C=128 throughput at tp=2 >= 1.7x).
@@ -38,7 +40,9 @@ Smoke (CPU): python benchmarks/make_random_model.py --shape tiny --device cpu --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -63,7 +67,7 @@ GOALS = {(2, "tpot C=1"): ("<=", 0.6), (2, "tpot C=32"): ("<=", 0.62), (4, "tpot
 @dataclass
 class TpResult:
     tp: int
-    all_reduce: str                  # custom | nccl ("" at tp=1)
+    all_reduce: str                  # custom | unfused | nccl ("" at tp=1)
     weight_bytes: int = 0            # the model's weights, all ranks' shares (WorkerInfo.weight_bytes)
     numbers: dict[str, float] = field(default_factory=dict)   # metric -> value
     pp: int = 1
@@ -136,6 +140,27 @@ def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int
     return summary["output_throughput"]
 
 
+MODES = ("custom", "unfused", "nccl")
+
+
+@contextlib.contextmanager
+def all_reduce_mode(mode: str):
+    """``unfused``: the custom all-reduce's fused kernel off, for the engines and servers started
+    inside (their worker processes inherit the environment)."""
+    from llmserve.common.custom_all_reduce import FUSED_ENV_VAR
+
+    before = os.environ.get(FUSED_ENV_VAR)
+    if mode == "unfused":
+        os.environ[FUSED_ENV_VAR] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FUSED_ENV_VAR, None)
+        else:
+            os.environ[FUSED_ENV_VAR] = before
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF directory (benchmarks/make_random_model.py writes one)")
@@ -151,8 +176,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-total-token-num", type=int, default=None)
     p.add_argument("--all-reduce", default="custom,nccl",
-                   help="at tp > 1, run once per mode: custom (the default: peer-to-peer kernels "
-                        "for small messages), nccl (default: custom,nccl)")
+                   help="at tp > 1, run once per mode: custom (the default: peer-to-peer kernels for small "
+                        "messages, fused with the residual add and norm), unfused (custom without the fusion), "
+                        "nccl (default: custom,nccl)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="decode graphs up to this batch (default: the engine's); smaller starts faster")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
@@ -172,8 +198,8 @@ def main() -> int:
     pps = [int(p) for p in args.pp.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.all_reduce.split(",")
-    if not set(modes) <= {"custom", "nccl"}:
-        raise SystemExit(f"--all-reduce takes custom and nccl, got {args.all_reduce!r}")
+    if not set(modes) <= set(MODES):
+        raise SystemExit(f"--all-reduce takes {', '.join(MODES)}, got {args.all_reduce!r}")
     if args.peer and args.load_format == "dummy":
         raise SystemExit("--peer loads --model's weight files: write them with make_random_model.py (the weights "
                          "--load-format dummy draws) and run without --load-format dummy")
@@ -184,10 +210,11 @@ def main() -> int:
         for pp in pps:
             # The custom all-reduce is refused at pp > 1 (engine/config.py, check_pipeline).
             for all_reduce in ([m for m in modes if pp == 1 or m == "nccl"] or ["nccl"]) if tp > 1 else [""]:
-                result = offline(args, tp, all_reduce, levels, pp)
-                if not args.no_serving:
-                    result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(
-                        args, tp, all_reduce, args.serving_concurrency, pp)
+                with all_reduce_mode(all_reduce):
+                    result = offline(args, tp, all_reduce, levels, pp)
+                    if not args.no_serving:
+                        result.numbers[f"serving tok/s C={args.serving_concurrency}"] = serving(
+                            args, tp, all_reduce, args.serving_concurrency, pp)
                 results.append(result)
     if args.peer:
         results += [hf_peer(args, tp, levels, results[0].weight_bytes) for tp in tps]

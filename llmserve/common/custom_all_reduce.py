@@ -25,6 +25,13 @@ sum is rounded after each addition), in the same order on every rank, so that ev
 same bits. At world size 2 that equals NCCL's sum exactly (one rounding of a + b); at 4 and more
 NCCL adds in another order, and the two agree to bf16 rounding.
 
+- **fused with the residual add and norm** (`kernels/all_reduce_add_rmsnorm.py`, our own kernel):
+  where a layer's row-parallel output goes straight into a residual add and an RMSNorm (every
+  Llama-shaped layer, twice), one launch pushes this rank's addend into its peers' buffers,
+  waits for theirs once, sums, adds and normalises. It has buffers of its own (two halves of
+  ``world x ONE_SHOT_MAX_BYTES``, and flags), and takes messages up to ``ONE_SHOT_MAX_BYTES``;
+  ``LLMSERVE_FUSED_ALL_REDUCE=0`` turns it off (the benchmark's A/B).
+
 NVLink multicast (the ``multimem_*`` ops, NVLS) is never used, and ``TORCH_SYMM_MEM_DISABLE_MULTICAST``
 is set before the buffer is allocated, so that torch does not create a multicast object either:
 on the shared GPU hosts multicast must stay off.
@@ -39,6 +46,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from llmserve.kernels.all_reduce_add_rmsnorm import PROGRAMS, all_reduce_add_rmsnorm_triton
+
 logger = logging.getLogger(__name__)
 
 Algorithm = Literal["one_shot", "two_shot", "nccl"]
@@ -51,6 +60,8 @@ TWO_SHOT_MAX_BYTES = 8 << 20
 TWO_SHOT_WORLD_SIZES = (2, 4, 8)    # the world sizes two_shot_all_reduce_out is compiled for
 DTYPES = (torch.bfloat16, torch.float32)   # what the symm_mem kernels dispatch on
 ALIGNMENT = 16                      # bytes: the kernels' vector width, for start and size alike
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)   # what the fused kernel takes
+FUSED_ENV_VAR = "LLMSERVE_FUSED_ALL_REDUCE"   # "0": all-reduce, then add_rmsnorm (two launches)
 
 
 def algorithm_for(nbytes: int, dtype: torch.dtype, world_size: int, one_shot_max: int = ONE_SHOT_MAX_BYTES,
@@ -97,6 +108,22 @@ class CustomAllReduce:
         self.buffer = symm_mem.empty(max(one_shot_max, self.two_shot_max), dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
         self._views = {dtype: self.buffer.view(dtype) for dtype in DTYPES}
+        self.fuses_add_rmsnorm = os.environ.get(FUSED_ENV_VAR, "1").strip() != "0"
+        if self.fuses_add_rmsnorm:
+            self._setup_fused(symm_mem, group, device)
+
+    def _setup_fused(self, symm_mem, group: dist.ProcessGroup, device: torch.device) -> None:
+        """The fused kernel's buffers: every rank's mapped into every other's, the flags zeroed on
+        every rank before any rank can signal into them (the closing all-reduce is a barrier)."""
+        fused = symm_mem.empty(2 * self.world_size * self.one_shot_max, dtype=torch.uint8, device=device)
+        flags = symm_mem.empty(PROGRAMS * self.world_size, dtype=torch.int64, device=device)
+        flags.zero_()
+        self._fused_ptrs = _peer_pointers(symm_mem.rendezvous(fused, self.group_name), device)
+        self._flag_ptrs = _peer_pointers(symm_mem.rendezvous(flags, self.group_name), device)
+        self._fused_buffers = (fused, flags)   # kept alive: the pointers above are all the kernel holds
+        self._epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     @classmethod
     def setup(cls, group: dist.ProcessGroup, device: torch.device, **thresholds: int) -> CustomAllReduce | None:
@@ -142,9 +169,23 @@ class CustomAllReduce:
             raise ValueError(f"not a custom all-reduce algorithm: {algorithm!r}")
         return t
 
+    def takes_add_rmsnorm(self, addend: torch.Tensor) -> bool:
+        """Whether ``all_reduce_add_rmsnorm`` takes this addend (else: all-reduce, then add_rmsnorm)."""
+        return (self.fuses_add_rmsnorm and addend.dtype in FUSED_DTYPES and addend.is_contiguous()
+                and 0 < addend.numel() * addend.element_size() <= self.one_shot_max)
+
+    def all_reduce_add_rmsnorm(self, addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                               round_first: bool) -> torch.Tensor:
+        """``h += the sum of addend over the ranks`` in place, then RMSNorm of h: one launch
+        (`kernels/all_reduce_add_rmsnorm.py`); for an addend ``takes_add_rmsnorm`` takes."""
+        return all_reduce_add_rmsnorm_triton(addend, h, weight, eps, round_first, self._fused_ptrs, self._flag_ptrs,
+                                             self._epochs, self.rank, self.one_shot_max // addend.element_size())
+
     def describe(self) -> str:
         two_shot = f", two-shot up to {human_bytes(self.two_shot_max)}" if self.two_shot_max > self.one_shot_max else ""
-        return f"custom (symmetric memory, bf16/fp32: one-shot up to {human_bytes(self.one_shot_max)}{two_shot}, NCCL above)"
+        fused = ", fused with the residual add and norm" if self.fuses_add_rmsnorm else ""
+        return (f"custom (symmetric memory, bf16/fp32: one-shot up to {human_bytes(self.one_shot_max)}{two_shot}, "
+                f"NCCL above{fused})")
 
     def _check(self) -> str | None:
         """Sum small integers, whose bf16 sum is exact, with each kernel; what went wrong, or None."""
@@ -154,7 +195,18 @@ class CustomAllReduce:
             self.all_reduce(t, algorithm)
             if not bool((t == expected).all()):
                 return f"its {algorithm} sum was wrong in a self-check"
+        if self.fuses_add_rmsnorm:
+            addend = torch.full((3, 64), self.rank + 1, dtype=torch.bfloat16, device=self.buffer.device)
+            h = torch.ones_like(addend)
+            self.all_reduce_add_rmsnorm(addend, h, torch.ones(64, dtype=torch.bfloat16, device=h.device), 1e-6, True)
+            if not bool((h == expected + 1).all()):
+                return "its fused all-reduce + add + norm was wrong in a self-check"
         return None
+
+
+def _peer_pointers(handle, device: torch.device) -> torch.Tensor:
+    """Every rank's copy of a rendezvoused buffer, as this process addresses it (int64 [world])."""
+    return torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
 
 
 def _unusable(device: torch.device, world_size: int) -> str | None:

@@ -21,11 +21,13 @@ import pickle
 import socket
 import struct
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from llmserve.common.custom_all_reduce import CustomAllReduce
+from llmserve.kernels import add_rmsnorm_forward
 
 # This process's custom all-reduce (GPUs of one node, see custom_all_reduce.py), or None: NCCL's
 # or gloo's. Set once by init_distributed, before the model's first forward; read by every
@@ -53,6 +55,38 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
         else:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_tp_group)
     return t
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    """A row-parallel projection's output before its all-reduce: this rank's addend of the sum
+    over the stage's tp ranks. A layer leaves its output so only where a residual add and an
+    RMSNorm come next (``TransformerLayerInferTpl.reduces_in_norm``): `add_rmsnorm` then sums it,
+    in one kernel with the add and the norm where the custom all-reduce's fused kernel takes it.
+    Any other consumer gets a reduced tensor (``reduce``), and fails loudly on this type."""
+
+    addend: torch.Tensor
+
+    def __getitem__(self, rows) -> PartialSum:
+        """Some rows of the sum (the post layer's logit rows): the sum of those rows' addends."""
+        return PartialSum(self.addend[rows])
+
+    def reduce(self) -> torch.Tensor:
+        """The sum itself (in place over the addend)."""
+        return all_reduce(self.addend)
+
+
+def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | PartialSum, weight: torch.Tensor, eps: float,
+                round_first: bool = True) -> torch.Tensor:
+    """`add_rmsnorm_forward` (``h += delta`` in place, then the norm of h), where ``delta`` may
+    still be a ``PartialSum``: summed over the ranks in the same kernel where the fused all-reduce
+    takes it, else all-reduced first."""
+    if isinstance(delta, PartialSum):
+        custom = _custom_all_reduce
+        if custom is not None and custom.takes_add_rmsnorm(delta.addend):
+            return custom.all_reduce_add_rmsnorm(delta.addend, h, weight, eps, round_first)
+        delta = delta.reduce()
+    return add_rmsnorm_forward(h, delta, weight, eps, round_first)
 
 
 def all_reduce_description() -> str:

@@ -3,7 +3,9 @@
 On the CPU: which all-reduce a message gets (the gloo path itself is held exact by the tensor-
 parallel tests, which it leaves untouched). With two CUDA devices: both kernels give NCCL's sum
 bit for bit (at world size 2 both add a + b once, in bf16 or fp32), eagerly and replayed from a
-CUDA graph, and a tp=2 model decodes with them exactly the tokens it decodes with NCCL."""
+CUDA graph, as does the kernel that fuses the sum with the residual add and the norm (against
+NCCL's sum and add_rmsnorm); and a tp=2 model decodes with them exactly the tokens it decodes
+with NCCL. The fused kernel's protocol on the CPU: tests/kernels/test_all_reduce_add_rmsnorm.py."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def test_all_reduce_sends_each_message_where_the_custom_all_reduce_says(monkeypa
     used = []
     custom = CustomAllReduce.__new__(CustomAllReduce)   # its choice only: no buffer, no peers
     custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
+    custom.fuses_add_rmsnorm = False
     monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
     monkeypatch.setattr(distributed, "tp_size", lambda: 2)
     monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op, group: used.append("nccl"))
@@ -55,6 +58,29 @@ def test_all_reduce_sends_each_message_where_the_custom_all_reduce_says(monkeypa
     finally:
         distributed.set_custom_all_reduce(None)
     assert used == ["one_shot", "two_shot", "nccl", "nccl", "nccl", "nccl"]
+
+
+def test_add_rmsnorm_fuses_what_the_fused_kernel_takes_and_reduces_the_rest_first(monkeypatch):
+    used = []
+    custom = CustomAllReduce.__new__(CustomAllReduce)   # its choices only: no buffers, no peers
+    custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
+    custom.fuses_add_rmsnorm = True
+    monkeypatch.setattr(custom, "all_reduce_add_rmsnorm", lambda addend, h, w, eps, round_first: used.append("fused"))
+    monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
+    monkeypatch.setattr(distributed, "tp_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op, group: used.append("nccl"))
+    distributed.set_custom_all_reduce(custom)
+    try:
+        for fuses in (True, False):
+            custom.fuses_add_rmsnorm = fuses
+            for rows, dtype in [(1, BF16), (1, torch.float16), (256, BF16), (4096, BF16)]:
+                h = torch.zeros(rows, 4096, dtype=dtype)
+                distributed.add_rmsnorm(h, distributed.PartialSum(torch.zeros_like(h)), torch.ones(4096, dtype=dtype),
+                                        1e-6)
+    finally:
+        distributed.set_custom_all_reduce(None)
+    # the fused kernel takes fp16 too, and what fits one-shot's buffer; larger sums reduce first
+    assert used == ["fused", "fused", "two_shot", "nccl"] + ["one_shot", "nccl", "two_shot", "nccl"]
 
 
 # -- two GPUs ---------------------------------------------------------------------------------
@@ -148,8 +174,48 @@ def _check_rank(rank: int, world: int, port: int) -> None:
         for s, x in zip(statics, inputs):
             dist.all_reduce(x)
             assert torch.equal(s, x), f"{s.numel() * 2} bytes through distributed.all_reduce in a graph"
+        _check_fused(custom, gen, device)
     finally:
         distributed.set_custom_all_reduce(None)
+
+
+# Rows x hidden: a decode row of Llama-3-8B, a batch of 32 of them (more rows than the fused
+# kernel's programs: some take two), rows wider than one 4096 block (70B's), an odd small size.
+FUSED_SHAPES = [(1, 4096), (40, 4096), (3, 8192), (5, 100)]
+
+
+def _check_fused(custom: CustomAllReduce, gen: torch.Generator, device: torch.device) -> None:
+    """all_reduce_add_rmsnorm against NCCL's sum then add_rmsnorm, bit for bit (h and the norm),
+    eagerly and replayed from a CUDA graph with new inputs (so the epochs and buffer halves move on)."""
+    import torch.distributed as dist
+
+    from llmserve.kernels import add_rmsnorm_forward
+
+    shared = torch.Generator(device).manual_seed(1234)   # h and the weight: the same on every rank
+    for dtype in (BF16, torch.float32):
+        for m, n in FUSED_SHAPES:
+            what = f"fused, {m} x {n} of {dtype}"
+            w = torch.randn(n, generator=shared, device=device, dtype=dtype)
+            inputs = [(torch.randn(m, n, generator=gen, device=device, dtype=dtype),
+                       3 * torch.randn(m, n, generator=shared, device=device, dtype=dtype)) for _ in range(3)]
+            wants = []
+            for addend, h0 in inputs:
+                total = addend.clone()
+                dist.all_reduce(total)
+                h = h0.clone()
+                wants.append((h, add_rmsnorm_forward(h, total, w, 1e-6)))
+            assert custom.takes_add_rmsnorm(inputs[0][0]), what
+            h = inputs[0][1].clone()
+            y = custom.all_reduce_add_rmsnorm(inputs[0][0], h, w, 1e-6, True)
+            assert torch.equal(h, wants[0][0]) and torch.equal(y, wants[0][1]), what
+            static_a, static_h = torch.empty_like(inputs[0][0]), torch.empty_like(inputs[0][1])
+            out = []
+            graph = _graph_of(lambda: out.append(custom.all_reduce_add_rmsnorm(static_a, static_h, w, 1e-6, True)))
+            for (addend, h0), (want_h, want_y) in zip(inputs, wants):
+                static_a.copy_(addend)
+                static_h.copy_(h0)
+                graph.replay()
+                assert torch.equal(static_h, want_h) and torch.equal(out[-1], want_y), f"{what}, in a CUDA graph"
 
 
 @two_gpus
@@ -195,7 +261,7 @@ def test_tp2_decodes_the_tokens_of_nccl_and_of_tp1(tiny_llama_dir):
             return [out.token_ids for out in llm.generate(prompts, params)], llm.engine.info.all_reduce
 
     custom, used = tokens(2, "bfloat16", custom_all_reduce=True)
-    assert used.startswith("custom"), used
+    assert used.startswith("custom") and "fused with the residual add and norm" in used, used
     nccl, used = tokens(2, "bfloat16", custom_all_reduce=False)
     assert used == "NCCL", used
     assert custom == nccl   # the same sums, bit for bit, so the same logits

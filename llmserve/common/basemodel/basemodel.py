@@ -19,7 +19,7 @@ from llmserve.common.basemodel.layer_weights.hf_load_utils import ModelLoadError
 from llmserve.common.basemodel.model_shape import (  # noqa: F401  (verify_tp_split: also imported from here)
     head_dim, num_kv_heads, stage_layers, verify_tp_split,
 )
-from llmserve.common.distributed import PipelineLink, reduce_over_ranks
+from llmserve.common.distributed import PartialSum, PipelineLink, reduce_over_ranks
 from llmserve.common.mem_manager import MemoryManager, ReqManager, kv_bytes_per_token
 from llmserve.quantization.config import Quantization, quantization_for
 from llmserve.quantization.kv_cache import KVCacheScales, check_kv_cache_scheme, kv_cache_dtype
@@ -429,6 +429,8 @@ class TpPartBaseModel:
         for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
             h, pending = layer_infer.forward(h, pending, state, layer_weight)
         if not self.is_last_stage:
+            if isinstance(pending, PartialSum):   # the next stage's first add-norm is not this stage's
+                pending = pending.reduce()
             self.pipeline.send_hidden(*self._stage_output(h, pending))
             return None
         return self.post_infer.forward(h, pending, state, self.pre_post_weight)

@@ -13,6 +13,10 @@ class Gemma2TransformerLayerInfer(GemmaTransformerLayerInfer):
     ``query_pre_attn_scalar ** -0.5`` and soft-capped (``attn_logit_softcapping``). The template gives a sliding window to the layers ``layer_types``
     marks ``sliding_attention`` (Gemma 2: every other one; Gemma 3: five of six)."""
 
+    # An output is normalised after its sum over the ranks, before the residual add: the add-norms
+    # below take reduced outputs.
+    reduces_in_norm = False
+
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
         cfg = network_config

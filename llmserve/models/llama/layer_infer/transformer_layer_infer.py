@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 
 from llmserve.common.basemodel import TransformerLayerInferTpl
+from llmserve.common.distributed import PartialSum, add_rmsnorm
 from llmserve.kernels import (
-    add_rmsnorm_forward,
     gelu_and_mul_fwd,
     rmsnorm_forward,
     rotary_emb_copy_kv,
@@ -26,6 +26,7 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
     # The norms round as HF LlamaRMSNorm (True) or GemmaRMSNorm (False: see rmsnorm_forward).
     norm_round_first: bool = True
     mlp_act: str = "silu"    # SwiGLU (a key of ACT_AND_MUL)
+    reduces_in_norm = True   # the add-norms below sum a PartialSum over the ranks themselves
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
@@ -37,13 +38,13 @@ class LlamaTransformerLayerInfer(TransformerLayerInferTpl):
     def _ffn_norm(self, h: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> torch.Tensor:
         return rmsnorm_forward(h, layer_weight.ffn_norm_weight_, self.eps_, self.norm_round_first)
 
-    def _add_att_norm(self, h: torch.Tensor, pending: torch.Tensor, infer_state: LlamaInferStateInfo,
+    def _add_att_norm(self, h: torch.Tensor, pending: torch.Tensor | PartialSum, infer_state: LlamaInferStateInfo,
                       layer_weight) -> torch.Tensor:
-        return add_rmsnorm_forward(h, pending, layer_weight.att_norm_weight_, self.eps_, self.norm_round_first)
+        return add_rmsnorm(h, pending, layer_weight.att_norm_weight_, self.eps_, self.norm_round_first)
 
-    def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: LlamaInferStateInfo,
+    def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor | PartialSum, infer_state: LlamaInferStateInfo,
                       layer_weight) -> torch.Tensor:
-        return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_, self.norm_round_first)
+        return add_rmsnorm(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_, self.norm_round_first)
 
     def _store_kv(self, q: torch.Tensor, kv: torch.Tensor, infer_state: LlamaInferStateInfo, layer_weight) -> None:
         # Rotary on q (in place) and k (on its way into the cache), and the store: one launch.

@@ -8,7 +8,7 @@ from llmserve.common.basemodel.basemodel import head_dim, num_kv_heads
 from llmserve.common.basemodel.model_shape import sliding_window
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
-from llmserve.common.distributed import all_reduce
+from llmserve.common.distributed import PartialSum, all_reduce, tp_size
 from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destindex_copy_kv, linear, verify_attention_fwd
 
 
@@ -22,7 +22,13 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
     Subclasses supply the norms, ``_ffn`` and any change to q/k (rotary, in ``_store_kv``);
     ``_add_att_norm`` and ``_add_ffn_norm`` (a residual add and the norm after it) may each be
     one fused kernel. The heads of this rank are a contiguous slice, so attention itself needs
-    no communication; the two row-parallel projections end in an all-reduce."""
+    no communication; the two row-parallel projections end in an all-reduce, which a family
+    whose add-norms are `distributed.add_rmsnorm` leaves to them (``reduces_in_norm``)."""
+
+    # Whether ``_add_att_norm`` and ``_add_ffn_norm`` (and the post layer's final add-norm) take
+    # a ``PartialSum``: at tp > 1 the o and down projections then hand on their outputs unreduced,
+    # and the sum over the ranks runs in one kernel with the residual add and the norm.
+    reduces_in_norm: bool = False
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
@@ -148,8 +154,12 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         """Each rank multiplies its slice of the inputs; the sum over ranks is the full output.
         The bias is added once, after the reduction. With adapters in the batch (``infer_state.lora``),
         their products for ``lora_group`` are partial sums too (A is cut as the weight), added before
-        the reduction."""
-        y = all_reduce(self._linear(x, weight, None, infer_state, lora_group))
+        the reduction. Without a bias, where ``reduces_in_norm``, the reduction is left to the
+        add-norm that takes the output (a ``PartialSum``)."""
+        y = self._linear(x, weight, None, infer_state, lora_group)
+        if bias is None and self.reduces_in_norm and tp_size() > 1:
+            return PartialSum(y)
+        y = all_reduce(y)
         return y if bias is None else y.add_(bias)
 
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, infer_state: InferStateInfo | None,

@@ -1,0 +1,148 @@
+"""A tensor-parallel all-reduce, the residual add after it and the next RMSNorm in one kernel
+(issue 34).
+
+At tp > 1 each decoder layer ends its attention and its MLP with a row-parallel projection whose
+per-rank outputs are summed over the ranks, added to the residual stream and normalised for the
+next projection. Apart, that is an all-reduce kernel (copy in, barrier, read, barrier) and an
+`add_rmsnorm` launch; here it is one launch with one barrier:
+
+1. **push**: every program copies its rows of this rank's addend into each peer's symmetric
+   buffer (peer-to-peer stores over NVLink), in the half of the buffer this call's epoch picks;
+2. **signal**: it stores the epoch into each peer's flag for (this program, this rank), with
+   release semantics at system scope, so that a peer that sees the flag also sees the rows;
+3. **wait**: it spins until every peer's flag for this program in its own flags reaches the epoch;
+4. **reduce, add, norm**: it sums the ranks' addends of its rows in rank order (its own from the
+   input, the others from its own buffer), and goes on as `add_rmsnorm`: ``h += sum`` (in place,
+   rounded to h's dtype), then the norm of h.
+
+Why no closing barrier: a rank's program can reach epoch ``e + 2`` and write into the half its
+peer read at epoch ``e`` only after it saw the peer's program signal epoch ``e + 1``, and that
+program signals only after its launch of epoch ``e`` has ended (stream order, which PDL keeps:
+every program waits for the kernel before it first). So two halves suffice. For the same reason
+the grid is a fixed ``PROGRAMS`` whatever the rows (row i is always program ``i % PROGRAMS``'s),
+and every program signals and waits in every call, rows or not: each program's epoch then
+advances once a call on every rank (``Epochs`` holds it, in this rank's memory).
+
+Sum order: rank 0's addend, then rank 1's, and so on, rounded to the dtype after each addition,
+on every rank alike; so every rank's h gets the same bits, and they equal the custom one-shot
+all-reduce's sum followed by `add_rmsnorm` (the torch twin below says it in torch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .add_rmsnorm import add_rmsnorm_forward_torch
+from .backend import pdl, row_launch_config
+from .triton_math import pdl_wait
+
+# The grid, whatever the rows: see the module's docstring. 32 programs push and sum a batch of 32
+# rows in one pass each; the ones without rows only signal and wait.
+PROGRAMS = 32
+
+
+@triton.jit
+def _all_reduce_add_rmsnorm_kernel(Addend, H, W, Y, BufferPtrs, FlagPtrs, Epochs, M, N, stride_a, stride_h,
+                                   stride_y, rank_stride, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = H.dtype.element_ty
+    epoch = tl.load(Epochs + pid) + 1
+    tl.store(Epochs + pid, epoch)
+    half = (epoch % 2) * WORLD * rank_stride           # this epoch's half of every buffer
+
+    # 1. push this rank's rows into its region of every peer's buffer
+    for row in range(pid, M, programs):
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            a = tl.load(Addend + row * stride_a + cols, mask=mask)
+            for peer in tl.static_range(WORLD):
+                if peer != RANK:
+                    buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(dtype))
+                    tl.store(buffer + half + RANK * rank_stride + row * N + cols, a, mask=mask)
+    # 2. signal: every thread's stores above come before the flag (the barrier orders them, the
+    # release makes them visible first)
+    tl.debug_barrier()
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            flags = tl.load(FlagPtrs + peer).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(flags + pid * WORLD + RANK, epoch, sem="release", scope="sys")
+    # 3. wait for every peer's rows of this program
+    own_flags = tl.load(FlagPtrs + RANK).to(tl.pointer_type(tl.int64))
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            while tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys") < epoch:
+                pass
+    tl.debug_barrier()
+    # 4. sum in rank order, add to the residual, normalise (as _add_rmsnorm_kernel)
+    own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
+    for row in range(pid, M, programs):
+        h_row = H + row * stride_h
+        sq = tl.zeros([BLOCK_N], tl.float32)
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            for peer in tl.static_range(WORLD):
+                if peer == RANK:
+                    a = tl.load(Addend + row * stride_a + cols, mask=mask, other=0.0)
+                else:   # written by the peer: not through this SM's L1, which may hold an old epoch's
+                    a = tl.load(own + peer * rank_stride + row * N + cols, mask=mask, other=0.0,
+                                cache_modifier=".cv")
+                if peer == 0:
+                    total = a
+                else:
+                    total = (total.to(tl.float32) + a.to(tl.float32)).to(dtype)
+            h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (h + total.to(tl.float32)).to(dtype)
+            tl.store(h_row + cols, s, mask=mask)
+            s = s.to(tl.float32)
+            sq += s * s
+        rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
+        tl.debug_barrier()                            # the second pass reads what the first wrote
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            x = s * rstd
+            if ROUND_FIRST:
+                x = x.to(dtype).to(tl.float32)
+            tl.store(Y + row * stride_y + cols, (w * x).to(Y.dtype.element_ty), mask=mask)
+
+
+def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  round_first: bool, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor,
+                                  epochs: torch.Tensor, rank: int, rank_stride: int) -> torch.Tensor:
+    """``h += sum over ranks of addend`` in place, then RMSNorm of h (as `add_rmsnorm_forward`);
+    returns the norm. Every rank of the group calls it with its own addend ``[M, N]``, at once.
+
+    ``buffer_ptrs`` / ``flag_ptrs``: int64 ``[world]``, every rank's symmetric buffer (``2 x world x
+    rank_stride`` elements of h's dtype) and flags (``PROGRAMS x world`` int64, zero at start) as
+    mapped in this process; ``epochs``: int64 ``[PROGRAMS]``, this rank's own, zero at start.
+    ``M x N`` must fit ``rank_stride``."""
+    n = h.shape[-1]
+    h2, a2 = h.view(-1, n), addend.view(-1, n)
+    assert a2.shape == h2.shape and a2.dtype == h2.dtype and h2.numel() <= rank_stride, (a2.shape, h2.shape)
+    y = torch.empty_like(h2)
+    block_n, num_warps = row_launch_config(n)
+    _all_reduce_add_rmsnorm_kernel[(PROGRAMS,)](
+        a2, h2, weight, y, buffer_ptrs, flag_ptrs, epochs, h2.shape[0], n, a2.stride(0), h2.stride(0),
+        y.stride(0), rank_stride, eps, RANK=rank, WORLD=buffer_ptrs.numel(), BLOCK_N=block_n,
+        ROUND_FIRST=round_first, num_warps=num_warps, **pdl(h2),
+    )
+    return y.view(h.shape)
+
+
+def all_reduce_add_rmsnorm_torch(addends: list[torch.Tensor], h: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 round_first: bool = True) -> torch.Tensor:
+    """Torch twin, given every rank's addend in rank order: their sum rounded to the dtype after
+    each addition, then `add_rmsnorm_forward`'s residual add and norm."""
+    total = addends[0].clone()
+    for a in addends[1:]:
+        total += a
+    return add_rmsnorm_forward_torch(h, total, weight, eps, round_first)

@@ -1,0 +1,87 @@
+"""all_reduce_add_rmsnorm: the fused tensor-parallel kernel's protocol, on the CPU.
+
+Each rank is a forked process running the kernel in Triton's interpreter; their buffers and flags
+are shared memory allocated before the fork, so every process addresses every rank's at the same
+address, as symmetric memory maps them on GPUs. Several calls in a row use both halves of the
+buffers and reuse them. The GPU's two ranks are tests/common/test_custom_all_reduce.py's."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from kernel_test_utils import cpu_triton, randn, rng, tol
+
+from llmserve.kernels.add_rmsnorm import add_rmsnorm_forward_triton
+from llmserve.kernels.all_reduce_add_rmsnorm import (
+    PROGRAMS, all_reduce_add_rmsnorm_torch, all_reduce_add_rmsnorm_triton,
+)
+
+CALLS = 3            # > 2: a buffer half is written again after a call that used the other
+JOIN_S = 120         # a rank still waiting then is a protocol that hangs
+
+
+def _run_ranks(world: int, addends: list[list[torch.Tensor]], h0: list[torch.Tensor], w: torch.Tensor,
+               round_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's h and norm after each call (``[world, calls, M, N]`` each)."""
+    m, n = h0[0].shape
+    dtype = h0[0].dtype
+    rank_stride = m * n + 7     # not a multiple of a row: the kernel must not assume one
+    buffers = [torch.full((2 * world * rank_stride,), float("nan"), dtype=dtype).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(PROGRAMS * world, dtype=torch.int64).share_memory_() for _ in range(world)]
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    hs = torch.zeros(world, len(h0), m, n, dtype=dtype).share_memory_()
+    ys = torch.zeros_like(hs).share_memory_()
+
+    def rank_main(rank: int) -> None:
+        epochs = torch.zeros(PROGRAMS, dtype=torch.int64)
+        for call, (addend, h) in enumerate(zip(addends[rank], h0)):
+            h = h.clone()
+            ys[rank, call] = all_reduce_add_rmsnorm_triton(addend, h, w, 1e-6, round_first, buffer_ptrs, flag_ptrs,
+                                                           epochs, rank, rank_stride)
+            hs[rank, call] = h
+
+    ranks = [mp.get_context("fork").Process(target=rank_main, args=(r,)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(JOIN_S)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0] * world, "a rank failed or hung (its traceback is above)"
+    for rank, f in enumerate(flags):   # every program heard every peer once a call; none signals itself
+        expected = torch.full((PROGRAMS, world), CALLS, dtype=torch.int64)
+        expected[:, rank] = 0
+        assert torch.equal(f.view(PROGRAMS, world), expected), rank
+    return hs, ys
+
+
+@cpu_triton
+@pytest.mark.parametrize("round_first", [True, False], ids=["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("world,m,n", [(2, 1, 64), (2, PROGRAMS + 8, 96), (3, 2, 5000)],
+                         ids=["one-row", "more-rows-than-programs", "three-ranks-chunked-rows"])
+def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(world, m, n, dtype, round_first):
+    g = rng(world * 1000 + m + n)
+    addends = [[randn(g, m, n, dtype=dtype, device="cpu") for _ in range(CALLS)] for _ in range(world)]
+    h0 = [randn(g, m, n, dtype=dtype, device="cpu", scale=3.0) for _ in range(CALLS)]
+    w = randn(g, n, dtype=dtype, device="cpu")
+    if not round_first:   # Gemma's weight: the fp32 1 + w
+        w = 1.0 + w.float()
+    hs, ys = _run_ranks(world, addends, h0, w, round_first)
+    for call in range(CALLS):
+        h_twin = h0[call].clone()
+        want = all_reduce_add_rmsnorm_torch([addends[r][call] for r in range(world)], h_twin, w, 1e-6, round_first)
+        # The same sum on the unfused path: the ranks' addends in rank order, then add_rmsnorm.
+        total = addends[0][call].clone()
+        for r in range(1, world):
+            total += addends[r][call]
+        plain = add_rmsnorm_forward_triton(h0[call].clone(), total, w, 1e-6, round_first)
+        for rank in range(world):
+            what = f"rank {rank}, call {call}"
+            torch.testing.assert_close(hs[rank, call], h_twin, atol=0, rtol=0, msg=what)
+            torch.testing.assert_close(ys[rank, call], plain, atol=0, rtol=0, msg=what)
+            torch.testing.assert_close(ys[rank, call], want, **tol(dtype), msg=what)
