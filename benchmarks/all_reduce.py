@@ -7,6 +7,10 @@ this machine (one process each, NCCL between them)
   two-shot    forced to its two-shot kernel (world sizes 2, 4, 8)
   ours        ``common.distributed.all_reduce`` as the model calls it: the kernel
               ``custom_all_reduce.algorithm_for`` picks (named beside it), NCCL above its thresholds
+  +norm       ours, then ``add_rmsnorm`` over the message as rows of --hidden (two launches: what a
+              layer did before the fused kernel)
+  fused       ``distributed.add_rmsnorm`` of a ``PartialSum``: the fused all-reduce + residual add
+              + norm (kernels/all_reduce_add_rmsnorm.py), for the sizes it takes
   floor       the bytes one GPU must receive, 2 (N - 1) / N x the message, at --nvlink-gbps (what
               a bandwidth-optimal all-reduce moves; latency ignored)
 each eagerly (a loop of calls, launches included: a step that does not replay a graph) and inside
@@ -39,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from llmserve.common import distributed  # noqa: E402
+from llmserve.kernels import add_rmsnorm_forward  # noqa: E402
 from llmserve.common.custom_all_reduce import (  # noqa: E402
     ALIGNMENT, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for, human_bytes,
 )
@@ -98,6 +103,17 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
                "ours": distributed.all_reduce}
     if custom.two_shot_max:
         kernels["two-shot"] = lambda t: custom.all_reduce(t, "two_shot")
+    # The layer's sum, residual add and norm, of the message as rows of --hidden: h stays 0 (a sum of
+    # zeros), the weight 1.
+    h = torch.zeros(max(sizes) // DTYPE.itemsize, dtype=DTYPE, device=device)
+    w = torch.ones(args.hidden, dtype=DTYPE, device=device)
+
+    def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t.view(-1, args.hidden), h[: t.numel()].view(-1, args.hidden)
+
+    kernels["+norm"] = lambda t: add_rmsnorm_forward(rows_of(t)[1], distributed.all_reduce(t).view(-1, args.hidden),
+                                                     w, 1e-6)
+    kernels["fused"] = lambda t: distributed.add_rmsnorm(rows_of(t)[1], distributed.PartialSum(rows_of(t)[0]), w, 1e-6)
     rows = []
     for nbytes in sizes:
         assert nbytes % ALIGNMENT == 0, f"sizes must be multiples of {ALIGNMENT} bytes"
@@ -106,6 +122,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         row = {"bytes": nbytes, "ours_picks": algorithm_for(nbytes, DTYPE, world, auto.one_shot_max, auto.two_shot_max),
                "floor_us": 2 * (world - 1) / world * nbytes / (args.nvlink_gbps * 1e3)}
         for name, fn in kernels.items():
+            if name == "fused" and not auto.takes_add_rmsnorm(t):
+                row["fused_eager_us"] = row["fused_graph_us"] = float("nan")
+                continue
             dist.barrier()
             row[f"{name}_eager_us"] = slowest(eager_us(lambda: fn(t), args.eager_iters), device)
             dist.barrier()
@@ -124,6 +143,7 @@ def main() -> int:
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated")
     p.add_argument("--nvlink-gbps", type=float, default=450.0,
                    help="one direction of one GPU's NVLink, GB/s, for the floor (H100/H200 SXM: 900 both ways)")
+    p.add_argument("--hidden", type=int, default=4096, help="row width of the +norm and fused columns (default: 4096)")
     p.add_argument("--eager-iters", type=int, default=200)
     p.add_argument("--graph-calls", type=int, default=20)
     p.add_argument("--graph-replays", type=int, default=20)
@@ -143,6 +163,7 @@ def main() -> int:
         with open(out) as f:
             rows = json.load(f)
     names = ["nccl", "one-shot", "two-shot", "ours"] if "two-shot_eager_us" in rows[0] else ["nccl", "one-shot", "ours"]
+    names += ["+norm", "fused"]
     headers = ["size", *[f"{n} eager" for n in names], *[f"{n} graph" for n in names], "ours picks", "floor"]
     table = [[human_bytes(r["bytes"]), *[f"{r[f'{n}_eager_us']:.1f}" for n in names],
               *[f"{r[f'{n}_graph_us']:.1f}" for n in names], r["ours_picks"], f"{r['floor_us']:.1f}"] for r in rows]
