@@ -10,7 +10,8 @@ next projection. Apart, that is an all-reduce kernel (copy in, barrier, read, ba
    buffer (peer-to-peer stores over NVLink), in the half of the buffer this call's epoch picks;
 2. **signal**: it stores the epoch into each peer's flag for (this program, this rank), with
    release semantics at system scope, so that a peer that sees the flag also sees the rows;
-3. **wait**: it spins until every peer's flag for this program in its own flags reaches the epoch;
+3. **wait**: it spins until every peer's flag for this program in its own flags reaches the epoch
+   (2 and 3: a thread per peer, all peers at once);
 4. **reduce, add, norm**: it sums the ranks' addends of its rows in rank order (its own from the
    input, the others from its own buffer), and goes on as `add_rmsnorm`: ``h += sum`` (in place,
    rounded to h's dtype), then the norm of h.
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .add_rmsnorm import add_rmsnorm_forward_torch
-from .backend import pdl, row_launch_config
+from .backend import next_pow2, pdl, row_launch_config
 from .triton_math import pdl_wait
 
 # The grid, whatever the rows: see the module's docstring. 32 programs push and sum a batch of 32
@@ -46,7 +47,8 @@ PROGRAMS = 32
 @triton.jit
 def _all_reduce_add_rmsnorm_kernel(Addend, H, W, Y, BufferPtrs, FlagPtrs, Epochs, M, N, stride_a, stride_h,
                                    stride_y, rank_stride, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr, PDL: tl.constexpr):
+                                   WORLD_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                                   SPIN_ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -65,19 +67,38 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, Y, BufferPtrs, FlagPtrs, Epochs
                 if peer != RANK:
                     buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(dtype))
                     tl.store(buffer + half + RANK * rank_stride + row * N + cols, a, mask=mask)
-    # 2. signal: every thread's stores above come before the flag (the barrier orders them, the
-    # release makes them visible first)
+    # 2. signal: every thread's stores above come before the flags (the barrier orders them, the
+    # release makes them visible first). One thread per peer, all peers at once: one after another,
+    # each release waits for the one before to land (about a microsecond a peer over NVLink).
     tl.debug_barrier()
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            flags = tl.load(FlagPtrs + peer).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(flags + pid * WORLD + RANK, epoch, sem="release", scope="sys")
-    # 3. wait for every peer's rows of this program
-    own_flags = tl.load(FlagPtrs + RANK).to(tl.pointer_type(tl.int64))
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            while tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys") < epoch:
-                pass
+    peers = tl.arange(0, WORLD_POW2)
+    others = (peers < WORLD) & (peers != RANK)
+    peer_flags = tl.load(FlagPtrs + peers, mask=others, other=0).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(peer_flags + pid * WORLD + RANK, tl.full([WORLD_POW2], 0, tl.int64) + epoch, mask=others,
+                   sem="release", scope="sys")
+    # 3. wait for every peer's rows of this program: again one thread per peer
+    own_flags = tl.load(FlagPtrs + RANK)
+    if SPIN_ASM:
+        # Each thread spins on its peer's flag with acquiring loads (no read-modify-write); a lane
+        # with no peer waits for -1, which every flag has passed.
+        wanted = tl.where(others, epoch, -1)
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p<1>;
+            .reg .s64 %v<1>;
+            spin:
+            ld.acquire.sys.global.s64 %v0, [$1];
+            setp.lt.s64 %p0, %v0, $2;
+            @%p0 bra spin;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,l", [own_flags + (pid * WORLD + peers) * 8, wanted], dtype=tl.int32, is_pure=False, pack=1)
+    else:   # Triton's interpreter runs no PTX: one peer after another, with acquiring atomics
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                flag = own_flags.to(tl.pointer_type(tl.int64)) + pid * WORLD + peer
+                while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+                    pass
     tl.debug_barrier()
     # 4. sum in rank order, add to the residual, normalise (as _add_rmsnorm_kernel)
     own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
@@ -132,8 +153,8 @@ def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight:
     block_n, num_warps = row_launch_config(n)
     _all_reduce_add_rmsnorm_kernel[(PROGRAMS,)](
         a2, h2, weight, y, buffer_ptrs, flag_ptrs, epochs, h2.shape[0], n, a2.stride(0), h2.stride(0),
-        y.stride(0), rank_stride, eps, RANK=rank, WORLD=buffer_ptrs.numel(), BLOCK_N=block_n,
-        ROUND_FIRST=round_first, num_warps=num_warps, **pdl(h2),
+        y.stride(0), rank_stride, eps, RANK=rank, WORLD=buffer_ptrs.numel(), WORLD_POW2=next_pow2(buffer_ptrs.numel()),
+        BLOCK_N=block_n, ROUND_FIRST=round_first, SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
     )
     return y.view(h.shape)
 
