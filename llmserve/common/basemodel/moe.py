@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.common.basemodel.layer_weights.base_layer_weight import Weight, WeightSpec
-from llmserve.common.distributed import all_reduce
 from llmserve.common.errors import ModelLoadError
 from llmserve.kernels import linear, silu_and_mul_fwd
 from llmserve.kernels.fused_moe import fused_moe
@@ -90,13 +89,14 @@ def build_moe_weights(layout: MoeLayout, w: dict[str, Weight]) -> MoeWeights:
 
 
 def moe_forward(x: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
-    """The layer's MLP output for x ``[n, H]``, summed over the tensor-parallel ranks."""
+    """This rank's share of the layer's MLP output for x ``[n, H]`` (its columns of every expert's
+    gate / up and rows of its down): the caller sums it over the tensor-parallel ranks."""
     weights, ids = select_experts(linear(x, moe.router), moe.top_k, moe.renormalize)
     out = fused_moe(x, moe.w13, moe.w2, weights, ids)
     if moe.shared_gate_up is not None:
         shared = linear(silu_and_mul_fwd(linear(x, moe.shared_gate_up)), moe.shared_down)
         out = out + torch.sigmoid(linear(x, moe.shared_gate)) * shared  # the gate is whole: linear in the parts
-    return all_reduce(out)
+    return out
 
 
 class MoeLayerWeight:
@@ -125,4 +125,4 @@ class MoeLayerInfer:
     def _ffn(self, x: torch.Tensor, infer_state, layer_weight) -> torch.Tensor:
         if layer_weight.moe_ is None:
             return super()._ffn(x, infer_state, layer_weight)  # type: ignore[misc]
-        return moe_forward(x, layer_weight.moe_)
+        return self._sum_over_ranks(moe_forward(x, layer_weight.moe_))  # type: ignore[attr-defined]

@@ -157,10 +157,17 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         the reduction. Without a bias, where ``reduces_in_norm``, the reduction is left to the
         add-norm that takes the output (a ``PartialSum``)."""
         y = self._linear(x, weight, None, infer_state, lora_group)
-        if bias is None and self.reduces_in_norm and tp_size() > 1:
+        if bias is None:
+            return self._sum_over_ranks(y)
+        return all_reduce(y).add_(bias)
+
+    def _sum_over_ranks(self, y: torch.Tensor) -> torch.Tensor | PartialSum:
+        """This rank's share ``y`` of an output that goes into a residual add and a norm, summed
+        over the tp ranks: left to that add-norm where ``reduces_in_norm`` (a ``PartialSum``),
+        else all-reduced here."""
+        if self.reduces_in_norm and tp_size() > 1:
             return PartialSum(y)
-        y = all_reduce(y)
-        return y if bias is None else y.add_(bias)
+        return all_reduce(y)
 
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, infer_state: InferStateInfo | None,
                 lora_group: str) -> torch.Tensor:
