@@ -297,10 +297,14 @@ def kv_bytes_per_token(model: TpPartBaseModel) -> int:
 
 def build_model(cfg: dict, device: torch.device, dtype: torch.dtype, max_batch: int, max_len: int,
                 graphs: bool = False, weights: Iterable[dict] | None = None,
-                quantization: str | None = None, kv_cache_dtype: str = "auto", speculate: int = 0) -> TpPartBaseModel:
+                quantization: str | None = None, kv_cache_dtype: str = "auto", speculate: int = 0,
+                tp_rank: int = 0, world_size: int = 1) -> TpPartBaseModel:
     """Our model of ``cfg``'s shapes holding ``weights`` (default: `random_hf_weights`); with
-    ``speculate`` its verify steps of up to 1 + speculate tokens a request replay graphs too."""
+    ``speculate`` its verify steps of up to 1 + speculate tokens a request replay graphs too;
+    at ``world_size`` > 1, rank ``tp_rank``'s share (torch.distributed joined already)."""
     params = ModelInitParams(
+        tp_rank=tp_rank,
+        world_size=world_size,
         cuda_graph_max_bs=max_batch if graphs else 0,          # the model takes them on a GPU only
         model_path="",
         device=str(device),

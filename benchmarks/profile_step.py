@@ -3,10 +3,14 @@
 
     python benchmarks/profile_step.py --batch 1 --prompt-len 512 [--graphs]
         [--model-size gemma2-9b] [--quantization fp8|fp8-block|int4] [--lora 8] [--verify 4]
+        [--tp 2 [--all-reduce custom|unfused|nccl]]
 
 ``--lora N`` loads N random rank-16 adapters on every projection (lora.py's) and gives request i
 adapter i mod N. ``--verify K`` profiles speculative verify steps of 1 + K tokens a request
 instead (random drafts, every row's logits, the drafts then cut: offline.py's ``--verify``).
+
+``--tp N`` runs N ranks, one GPU each (NCCL, and the custom all-reduce unless ``--all-reduce
+nccl``; ``unfused`` turns its fusion with the add and norm off), and profiles rank 0's share.
 
 If the kernels' summed time is well below the step time, the step is bound by host-side work
 (Python, launches, synchronisations), not by the GPU. The sum counts kernel rows only: the
@@ -19,12 +23,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # --tp's spawned ranks re-import this file
 from offline import BENCH_QUANTIZERS, CONFIGS, build_model, prefill, quantized_linears, random_hf_weights  # also takes this folder off sys.path (see common.py)
 
 
@@ -46,15 +54,51 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["fp8", *BENCH_QUANTIZERS], default=None)
     ap.add_argument("--lora", type=int, default=0, metavar="N", help="N random rank-16 adapters, request i on i mod N")
     ap.add_argument("--verify", type=int, default=0, metavar="K", help="verify steps of 1 + K tokens a request")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each; rank 0 is profiled")
+    ap.add_argument("--all-reduce", choices=["custom", "unfused", "nccl"], default="custom",
+                    help="at --tp > 1: the custom all-reduce fused with the add and norm (default), without the "
+                         "fusion, or NCCL's")
     args = ap.parse_args()
-    device = torch.device("cuda")
+    if args.tp > 1 and args.lora:
+        ap.error("--lora is profiled at --tp 1 only")
+    if args.tp == 1:
+        profile_rank(args, torch.device("cuda"))
+        return
+    from llmserve.common.custom_all_reduce import FUSED_ENV_VAR
+    from llmserve.engine.worker_client import free_tcp_port
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")    # NVLink multicast stays off (custom_all_reduce.py)
+    if args.all_reduce == "unfused":
+        os.environ[FUSED_ENV_VAR] = "0"               # the spawned ranks inherit it
+    mp.start_processes(rank_main, args=(args, free_tcp_port()), nprocs=args.tp, start_method="spawn")
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One tensor-parallel rank: joined as the server's workers join (``init_distributed``)."""
+    from llmserve.common.distributed import all_reduce_description, init_distributed
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, args.tp, is_master=rank == 0)
+    init_distributed(store, rank, args.tp, device, custom_all_reduce=args.all_reduce != "nccl")
+    if rank == 0:
+        print(f"tp={args.tp}, all-reduce: {all_reduce_description()}")
+    profile_rank(args, device, rank)
+    torch.cuda.synchronize()
+    dist.barrier()
+    os._exit(0)   # torch's teardown may not return once symmetric memory was mapped (test_custom_all_reduce)
+
+
+def profile_rank(args: argparse.Namespace, device: torch.device, rank: int = 0) -> None:
+    """Build the model (this rank's share), run a few steps, and (rank 0) print their kernels."""
     cfg = CONFIGS[args.model_size]
     weights = None
     if args.quantization in BENCH_QUANTIZERS:
         weights = quantized_linears(random_hf_weights(cfg, device, torch.bfloat16), BENCH_QUANTIZERS[args.quantization])
     model = build_model(cfg, device, torch.bfloat16, args.batch, args.prompt_len + args.steps + 16 + args.verify,
                         graphs=args.graphs, weights=weights,
-                        quantization="fp8" if args.quantization == "fp8" else None, speculate=args.verify)
+                        quantization="fp8" if args.quantization == "fp8" else None, speculate=args.verify,
+                        tp_rank=rank, world_size=args.tp)
     slots = None
     if args.lora:
         from llmserve.lora.pool import LoraPool
@@ -98,11 +142,14 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    if rank != 0:
+        return
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
     launches = sum(e.count for e in kernels) / args.steps
     what = " ".join(x for x in (args.model_size, args.quantization, f"lora x{args.lora}" if args.lora else "",
-                                f"verify 1+{args.verify}" if args.verify else "") if x)
+                                f"verify 1+{args.verify}" if args.verify else "",
+                                f"tp={args.tp} ({args.all_reduce}), rank 0" if args.tp > 1 else "") if x)
     print(f"{what}, batch {args.batch}{' (CUDA graph)' if args.graphs else ''}: wall {wall_ms:.2f} ms/step, "
           f"GPU kernels {gpu_ms:.2f} ms/step ({launches:.0f} kernels a step)")
     print(f"{'kernel':<80} {'ms/step':>8} {'calls/step':>10}")
