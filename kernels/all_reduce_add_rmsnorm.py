@@ -14,7 +14,8 @@ next projection. Apart, that is an all-reduce kernel (copy in, barrier, read, ba
    (2 and 3: a thread per peer, all peers at once);
 4. **reduce, add, norm**: it sums the ranks' addends of its rows in rank order (its own from the
    input, the others from its own buffer), and goes on as `add_rmsnorm`: ``h += sum`` (in place,
-   rounded to h's dtype), then the norm of h.
+   rounded to h's dtype), then the norm of h; with a delta weight (Gemma 2 and 3, whose sublayer
+   outputs are normalised before they join the residual stream) ``h += norm(sum)``.
 
 Why no closing barrier: a rank's program can reach epoch ``e + 2`` and write into the half its
 peer read at epoch ``e`` only after it saw the peer's program signal epoch ``e + 1``, and that
@@ -45,10 +46,10 @@ PROGRAMS = 32
 
 
 @triton.jit
-def _all_reduce_add_rmsnorm_kernel(Addend, H, W, Y, BufferPtrs, FlagPtrs, Epochs, M, N, stride_a, stride_h,
+def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs, Epochs, M, N, stride_a, stride_h,
                                    stride_y, rank_stride, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
                                    WORLD_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                                   SPIN_ASM: tl.constexpr, PDL: tl.constexpr):
+                                   NORM_DELTA: tl.constexpr, SPIN_ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -104,22 +105,33 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, Y, BufferPtrs, FlagPtrs, Epochs
     own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
     for row in range(pid, M, programs):
         h_row = H + row * stride_h
+        y_row = Y + row * stride_y
+        if NORM_DELTA:   # the sum's own norm first: the sum is kept in Y (the norm's output, later)
+            dsq = tl.zeros([BLOCK_N], tl.float32)
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                total = _sum_in_rank_order(Addend + row * stride_a, own + row * N, rank_stride, cols, mask, RANK,
+                                           WORLD, dtype)
+                tl.store(y_row + cols, total, mask=mask)
+                d = total.to(tl.float32)
+                dsq += d * d
+            d_rstd = tl.math.rsqrt(tl.sum(dsq, 0) / N + eps)
+            tl.debug_barrier()                        # the next pass reads what this one wrote
         sq = tl.zeros([BLOCK_N], tl.float32)
         for off in range(0, N, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
             mask = cols < N
-            for peer in tl.static_range(WORLD):
-                if peer == RANK:
-                    a = tl.load(Addend + row * stride_a + cols, mask=mask, other=0.0)
-                else:   # written by the peer: not through this SM's L1, which may hold an old epoch's
-                    a = tl.load(own + peer * rank_stride + row * N + cols, mask=mask, other=0.0,
-                                cache_modifier=".cv")
-                if peer == 0:
-                    total = a
-                else:
-                    total = (total.to(tl.float32) + a.to(tl.float32)).to(dtype)
+            if NORM_DELTA:   # as _add_rmsnorm_kernel: the normalised sum, rounded to the dtype
+                d = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32) * d_rstd
+                if ROUND_FIRST:
+                    d = d.to(dtype).to(tl.float32)
+                d = (tl.load(DeltaW + cols, mask=mask, other=0.0).to(tl.float32) * d).to(dtype).to(tl.float32)
+            else:
+                d = _sum_in_rank_order(Addend + row * stride_a, own + row * N, rank_stride, cols, mask, RANK, WORLD,
+                                       dtype).to(tl.float32)
             h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
-            s = (h + total.to(tl.float32)).to(dtype)
+            s = (h + d).to(dtype)
             tl.store(h_row + cols, s, mask=mask)
             s = s.to(tl.float32)
             sq += s * s
@@ -133,14 +145,34 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, Y, BufferPtrs, FlagPtrs, Epochs
             x = s * rstd
             if ROUND_FIRST:
                 x = x.to(dtype).to(tl.float32)
-            tl.store(Y + row * stride_y + cols, (w * x).to(Y.dtype.element_ty), mask=mask)
+            tl.store(y_row + cols, (w * x).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_in_rank_order(addend_row, buffer_row, rank_stride, cols, mask, RANK: tl.constexpr, WORLD: tl.constexpr,
+                       dtype: tl.constexpr):
+    """The ranks' addends of one row chunk summed in rank order, rounded to ``dtype`` after each
+    addition: this rank's from its input, the others' from its own buffer (``buffer_row``: the row
+    in rank 0's region of this epoch's half)."""
+    for peer in tl.static_range(WORLD):
+        if peer == RANK:
+            a = tl.load(addend_row + cols, mask=mask, other=0.0)
+        else:   # written by the peer: not through this SM's L1, which may hold an old epoch's
+            a = tl.load(buffer_row + peer * rank_stride + cols, mask=mask, other=0.0, cache_modifier=".cv")
+        if peer == 0:
+            total = a
+        else:
+            total = (total.to(tl.float32) + a.to(tl.float32)).to(dtype)
+    return total
 
 
 def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                                   round_first: bool, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor,
-                                  epochs: torch.Tensor, rank: int, rank_stride: int) -> torch.Tensor:
+                                  epochs: torch.Tensor, rank: int, rank_stride: int,
+                                  delta_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``h += sum over ranks of addend`` in place, then RMSNorm of h (as `add_rmsnorm_forward`);
     returns the norm. Every rank of the group calls it with its own addend ``[M, N]``, at once.
+    With ``delta_weight``, ``h += rmsnorm(sum, delta_weight)`` instead (Gemma 2's post-norms).
 
     ``buffer_ptrs`` / ``flag_ptrs``: int64 ``[world]``, every rank's symmetric buffer (``2 x world x
     rank_stride`` elements of h's dtype) and flags (``PROGRAMS x world`` int64, zero at start) as
@@ -152,18 +184,18 @@ def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight:
     y = torch.empty_like(h2)
     block_n, num_warps = row_launch_config(n)
     _all_reduce_add_rmsnorm_kernel[(PROGRAMS,)](
-        a2, h2, weight, y, buffer_ptrs, flag_ptrs, epochs, h2.shape[0], n, a2.stride(0), h2.stride(0),
+        a2, h2, weight, weight if delta_weight is None else delta_weight, y, buffer_ptrs, flag_ptrs, epochs, h2.shape[0], n, a2.stride(0), h2.stride(0),
         y.stride(0), rank_stride, eps, RANK=rank, WORLD=buffer_ptrs.numel(), WORLD_POW2=next_pow2(buffer_ptrs.numel()),
-        BLOCK_N=block_n, ROUND_FIRST=round_first, SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
+        BLOCK_N=block_n, ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None, SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
     )
     return y.view(h.shape)
 
 
 def all_reduce_add_rmsnorm_torch(addends: list[torch.Tensor], h: torch.Tensor, weight: torch.Tensor, eps: float,
-                                 round_first: bool = True) -> torch.Tensor:
+                                 round_first: bool = True, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin, given every rank's addend in rank order: their sum rounded to the dtype after
-    each addition, then `add_rmsnorm_forward`'s residual add and norm."""
+    each addition, then `add_rmsnorm_forward`'s residual add and norm (and delta norm)."""
     total = addends[0].clone()
     for a in addends[1:]:
         total += a
-    return add_rmsnorm_forward_torch(h, total, weight, eps, round_first)
+    return add_rmsnorm_forward_torch(h, total, weight, eps, round_first, delta_weight)

@@ -27,7 +27,7 @@ NCCL adds in another order, and the two agree to bf16 rounding.
 
 - **fused with the residual add and norm** (`kernels/all_reduce_add_rmsnorm.py`, our own kernel):
   where a layer's row-parallel output goes straight into a residual add and an RMSNorm (every
-  Llama-shaped layer, twice), one launch pushes this rank's addend into its peers' buffers,
+  Llama-shaped layer, twice; Gemma 2 and 3 with the output's own norm before the add), one launch pushes this rank's addend into its peers' buffers,
   waits for theirs once, sums, adds and normalises. It has buffers of its own (two halves of
   ``world x ONE_SHOT_MAX_BYTES``, and flags), and takes messages up to ``ONE_SHOT_MAX_BYTES``;
   ``LLMSERVE_FUSED_ALL_REDUCE=0`` turns it off (the benchmark's A/B).
@@ -175,11 +175,13 @@ class CustomAllReduce:
                 and 0 < addend.numel() * addend.element_size() <= self.one_shot_max)
 
     def all_reduce_add_rmsnorm(self, addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                               round_first: bool) -> torch.Tensor:
-        """``h += the sum of addend over the ranks`` in place, then RMSNorm of h: one launch
-        (`kernels/all_reduce_add_rmsnorm.py`); for an addend ``takes_add_rmsnorm`` takes."""
+                               round_first: bool, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``h += the sum of addend over the ranks`` in place (with ``delta_weight``: the sum's
+        RMSNorm), then RMSNorm of h: one launch (`kernels/all_reduce_add_rmsnorm.py`); for an
+        addend ``takes_add_rmsnorm`` takes."""
         return all_reduce_add_rmsnorm_triton(addend, h, weight, eps, round_first, self._fused_ptrs, self._flag_ptrs,
-                                             self._epochs, self.rank, self.one_shot_max // addend.element_size())
+                                             self._epochs, self.rank, self.one_shot_max // addend.element_size(),
+                                             delta_weight)
 
     def describe(self) -> str:
         two_shot = f", two-shot up to {human_bytes(self.two_shot_max)}" if self.two_shot_max > self.one_shot_max else ""

@@ -77,16 +77,16 @@ class PartialSum:
 
 
 def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | PartialSum, weight: torch.Tensor, eps: float,
-                round_first: bool = True) -> torch.Tensor:
-    """`add_rmsnorm_forward` (``h += delta`` in place, then the norm of h), where ``delta`` may
-    still be a ``PartialSum``: summed over the ranks in the same kernel where the fused all-reduce
-    takes it, else all-reduced first."""
+                round_first: bool = True, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """`add_rmsnorm_forward` (``h += delta`` in place, or ``h += norm(delta)`` with ``delta_weight``,
+    then the norm of h), where ``delta`` may still be a ``PartialSum``: summed over the ranks in
+    the same kernel where the fused all-reduce takes it, else all-reduced first."""
     if isinstance(delta, PartialSum):
         custom = _custom_all_reduce
         if custom is not None and custom.takes_add_rmsnorm(delta.addend):
-            return custom.all_reduce_add_rmsnorm(delta.addend, h, weight, eps, round_first)
+            return custom.all_reduce_add_rmsnorm(delta.addend, h, weight, eps, round_first, delta_weight)
         delta = delta.reduce()
-    return add_rmsnorm_forward(h, delta, weight, eps, round_first)
+    return add_rmsnorm_forward(h, delta, weight, eps, round_first, delta_weight)
 
 
 def all_reduce_description() -> str:

@@ -65,7 +65,7 @@ def test_add_rmsnorm_fuses_what_the_fused_kernel_takes_and_reduces_the_rest_firs
     custom = CustomAllReduce.__new__(CustomAllReduce)   # its choices only: no buffers, no peers
     custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
     custom.fuses_add_rmsnorm = True
-    monkeypatch.setattr(custom, "all_reduce_add_rmsnorm", lambda addend, h, w, eps, round_first: used.append("fused"))
+    monkeypatch.setattr(custom, "all_reduce_add_rmsnorm", lambda addend, h, w, eps, round_first, delta_weight: used.append("fused"))
     monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
     monkeypatch.setattr(distributed, "tp_size", lambda: 2)
     monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op, group: used.append("nccl"))
@@ -186,36 +186,41 @@ FUSED_SHAPES = [(1, 4096), (40, 3072), (3, 8192), (5, 100)]
 
 def _check_fused(custom: CustomAllReduce, gen: torch.Generator, device: torch.device) -> None:
     """all_reduce_add_rmsnorm against NCCL's sum then add_rmsnorm, bit for bit (h and the norm),
-    eagerly and replayed from a CUDA graph with new inputs (so the epochs and buffer halves move on)."""
+    eagerly and replayed from a CUDA graph with new inputs (so the epochs and buffer halves move on);
+    Llama's norms, and in bf16 Gemma 2's too (the sum's own norm before the add)."""
     import torch.distributed as dist
 
     from llmserve.kernels import add_rmsnorm_forward
 
-    shared = torch.Generator(device).manual_seed(1234)   # h and the weight: the same on every rank
-    for dtype in (BF16, torch.float32):
-        for m, n in FUSED_SHAPES:
-            what = f"fused, {m} x {n} of {dtype}"
-            w = torch.randn(n, generator=shared, device=device, dtype=dtype)
-            inputs = [(torch.randn(m, n, generator=gen, device=device, dtype=dtype),
-                       3 * torch.randn(m, n, generator=shared, device=device, dtype=dtype)) for _ in range(3)]
-            wants = []
-            for addend, h0 in inputs:
-                total = addend.clone()
-                dist.all_reduce(total)
-                h = h0.clone()
-                wants.append((h, add_rmsnorm_forward(h, total, w, 1e-6)))
-            assert custom.takes_add_rmsnorm(inputs[0][0]), what
-            h = inputs[0][1].clone()
-            y = custom.all_reduce_add_rmsnorm(inputs[0][0], h, w, 1e-6, True)
-            assert torch.equal(h, wants[0][0]) and torch.equal(y, wants[0][1]), what
-            static_a, static_h = torch.empty_like(inputs[0][0]), torch.empty_like(inputs[0][1])
-            out = []
-            graph = _graph_of(lambda: out.append(custom.all_reduce_add_rmsnorm(static_a, static_h, w, 1e-6, True)))
-            for (addend, h0), (want_h, want_y) in zip(inputs, wants):
-                static_a.copy_(addend)
-                static_h.copy_(h0)
-                graph.replay()
-                assert torch.equal(static_h, want_h) and torch.equal(out[-1], want_y), f"{what}, in a CUDA graph"
+    shared = torch.Generator(device).manual_seed(1234)   # h and the weights: the same on every rank
+    cases = [(dtype, m, n, False) for dtype in (BF16, torch.float32) for m, n in FUSED_SHAPES]
+    cases += [(BF16, m, n, True) for m, n in FUSED_SHAPES]
+    for dtype, m, n, gemma2 in cases:
+        what = f"fused, {m} x {n} of {dtype}{', Gemma 2' if gemma2 else ''}"
+        round_first = not gemma2
+        w = torch.randn(n, generator=shared, device=device, dtype=dtype)
+        delta_w = 1.0 + torch.randn(n, generator=shared, device=device) if gemma2 else None   # fp32, as Gemma's
+        inputs = [(torch.randn(m, n, generator=gen, device=device, dtype=dtype),
+                   3 * torch.randn(m, n, generator=shared, device=device, dtype=dtype)) for _ in range(3)]
+        wants = []
+        for addend, h0 in inputs:
+            total = addend.clone()
+            dist.all_reduce(total)
+            h = h0.clone()
+            wants.append((h, add_rmsnorm_forward(h, total, w, 1e-6, round_first, delta_w)))
+        assert custom.takes_add_rmsnorm(inputs[0][0]), what
+        h = inputs[0][1].clone()
+        y = custom.all_reduce_add_rmsnorm(inputs[0][0], h, w, 1e-6, round_first, delta_w)
+        assert torch.equal(h, wants[0][0]) and torch.equal(y, wants[0][1]), what
+        static_a, static_h = torch.empty_like(inputs[0][0]), torch.empty_like(inputs[0][1])
+        out = []
+        graph = _graph_of(lambda: out.append(custom.all_reduce_add_rmsnorm(static_a, static_h, w, 1e-6, round_first,
+                                                                           delta_w)))
+        for (addend, h0), (want_h, want_y) in zip(inputs, wants):
+            static_a.copy_(addend)
+            static_h.copy_(h0)
+            graph.replay()
+            assert torch.equal(static_h, want_h) and torch.equal(out[-1], want_y), f"{what}, in a CUDA graph"
 
 
 @two_gpus

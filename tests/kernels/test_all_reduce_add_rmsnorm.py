@@ -23,7 +23,7 @@ JOIN_S = 120         # a rank still waiting then is a protocol that hangs
 
 
 def _run_ranks(world: int, addends: list[list[torch.Tensor]], h0: list[torch.Tensor], w: torch.Tensor,
-               round_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               round_first: bool, delta_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's h and norm after each call (``[world, calls, M, N]`` each)."""
     m, n = h0[0].shape
     dtype = h0[0].dtype
@@ -40,7 +40,7 @@ def _run_ranks(world: int, addends: list[list[torch.Tensor]], h0: list[torch.Ten
         for call, (addend, h) in enumerate(zip(addends[rank], h0)):
             h = h.clone()
             ys[rank, call] = all_reduce_add_rmsnorm_triton(addend, h, w, 1e-6, round_first, buffer_ptrs, flag_ptrs,
-                                                           epochs, rank, rank_stride)
+                                                           epochs, rank, rank_stride, delta_w)
             hs[rank, call] = h
 
     ranks = [mp.get_context("fork").Process(target=rank_main, args=(r,)) for r in range(world)]
@@ -60,28 +60,37 @@ def _run_ranks(world: int, addends: list[list[torch.Tensor]], h0: list[torch.Ten
 
 
 @cpu_triton
-@pytest.mark.parametrize("round_first", [True, False], ids=["llama", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("world,m,n", [(2, 1, 64), (2, PROGRAMS + 8, 96), (3, 2, 5000)],
                          ids=["one-row", "more-rows-than-programs", "three-ranks-chunked-rows"])
-def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(world, m, n, dtype, round_first):
+def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(world, m, n, dtype, family):
+    round_first = family == "llama"     # Gemma's norms: the fp32 1 + w, one rounding
     g = rng(world * 1000 + m + n)
     addends = [[randn(g, m, n, dtype=dtype, device="cpu") for _ in range(CALLS)] for _ in range(world)]
     h0 = [randn(g, m, n, dtype=dtype, device="cpu", scale=3.0) for _ in range(CALLS)]
     w = randn(g, n, dtype=dtype, device="cpu")
-    if not round_first:   # Gemma's weight: the fp32 1 + w
+    delta_w = 1.0 + randn(g, n, dtype=dtype, device="cpu").float() if family == "gemma2" else None
+    if not round_first:
         w = 1.0 + w.float()
-    hs, ys = _run_ranks(world, addends, h0, w, round_first)
+    hs, ys = _run_ranks(world, addends, h0, w, round_first, delta_w)
     for call in range(CALLS):
         h_twin = h0[call].clone()
-        want = all_reduce_add_rmsnorm_torch([addends[r][call] for r in range(world)], h_twin, w, 1e-6, round_first)
-        # The same sum on the unfused path: the ranks' addends in rank order, then add_rmsnorm.
+        want = all_reduce_add_rmsnorm_torch([addends[r][call] for r in range(world)], h_twin, w, 1e-6, round_first,
+                                            delta_w)
+        # The same sum on the unfused path: the ranks' addends in rank order, then add_rmsnorm
+        # (Gemma 2: with the sum's own norm).
         total = addends[0][call].clone()
         for r in range(1, world):
             total += addends[r][call]
-        plain = add_rmsnorm_forward_triton(h0[call].clone(), total, w, 1e-6, round_first)
+        h_plain = h0[call].clone()
+        plain = add_rmsnorm_forward_triton(h_plain, total, w, 1e-6, round_first, delta_w)
         for rank in range(world):
             what = f"rank {rank}, call {call}"
-            torch.testing.assert_close(hs[rank, call], h_twin, atol=0, rtol=0, msg=what)
+            # Without the delta norm the residual is one rounded add both ways; with it, as the
+            # add_rmsnorm kernel has it.
+            torch.testing.assert_close(hs[rank, call], h_plain, atol=0, rtol=0, msg=what)
+            torch.testing.assert_close(hs[rank, call], h_twin, **(tol(dtype) if delta_w is not None else
+                                                                   dict(atol=0, rtol=0)), msg=what)
             torch.testing.assert_close(ys[rank, call], plain, atol=0, rtol=0, msg=what)
             torch.testing.assert_close(ys[rank, call], want, **tol(dtype), msg=what)

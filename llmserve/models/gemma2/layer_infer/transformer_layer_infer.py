@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels import add_rmsnorm_forward
+from llmserve.common.distributed import PartialSum, add_rmsnorm
 from llmserve.models.gemma.layer_infer.transformer_layer_infer import GemmaTransformerLayerInfer
 from llmserve.models.llama.infer_struct import LlamaInferStateInfo
 
@@ -12,10 +12,6 @@ class Gemma2TransformerLayerInfer(GemmaTransformerLayerInfer):
     the residual stream (in the launches that add them: see below), scores scaled by
     ``query_pre_attn_scalar ** -0.5`` and soft-capped (``attn_logit_softcapping``). The template gives a sliding window to the layers ``layer_types``
     marks ``sliding_attention`` (Gemma 2: every other one; Gemma 3: five of six)."""
-
-    # An output is normalised after its sum over the ranks, before the residual add: the add-norms
-    # below take reduced outputs.
-    reduces_in_norm = False
 
     def __init__(self, layer_num: int, tp_rank: int, world_size: int, network_config):
         super().__init__(layer_num, tp_rank, world_size, network_config)
@@ -30,12 +26,12 @@ class Gemma2TransformerLayerInfer(GemmaTransformerLayerInfer):
     # the final norm), so ``pending`` is this layer's MLP output before its post-feedforward norm,
     # and a layer's weights hold the previous layer's (``prev_post_ffn_norm_weight_``).
 
-    def _add_att_norm(self, h: torch.Tensor, pending: torch.Tensor, infer_state: LlamaInferStateInfo,
+    def _add_att_norm(self, h: torch.Tensor, pending: torch.Tensor | PartialSum, infer_state: LlamaInferStateInfo,
                       layer_weight) -> torch.Tensor:
-        return add_rmsnorm_forward(h, pending, layer_weight.att_norm_weight_, self.eps_, round_first=False,
-                                   delta_weight=layer_weight.prev_post_ffn_norm_weight_)
+        return add_rmsnorm(h, pending, layer_weight.att_norm_weight_, self.eps_, round_first=False,
+                           delta_weight=layer_weight.prev_post_ffn_norm_weight_)
 
-    def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor, infer_state: LlamaInferStateInfo,
+    def _add_ffn_norm(self, h: torch.Tensor, attn_out: torch.Tensor | PartialSum, infer_state: LlamaInferStateInfo,
                       layer_weight) -> torch.Tensor:
-        return add_rmsnorm_forward(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_, round_first=False,
-                                   delta_weight=layer_weight.post_att_norm_weight_)
+        return add_rmsnorm(h, attn_out, layer_weight.ffn_norm_weight_, self.eps_, round_first=False,
+                           delta_weight=layer_weight.post_att_norm_weight_)
