@@ -19,6 +19,33 @@ from .triton_math import pdl_wait
 
 
 @triton.jit
+def normalised_delta(d, d_rstd, DeltaW, cols, mask, H, ROUND_FIRST: tl.constexpr):
+    """A chunk ``d`` (fp32) of a delta whose row has 1 / rms ``d_rstd``, normalised by weight
+    ``DeltaW`` as `_rmsnorm_kernel` normalises (rounded to the dtype of ``H``'s elements), back in fp32."""
+    dtype = H.dtype.element_ty
+    d = d * d_rstd
+    if ROUND_FIRST:
+        d = d.to(dtype).to(tl.float32)
+    return (tl.load(DeltaW + cols, mask=mask, other=0.0).to(tl.float32) * d).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """The second pass of an add-norm: the row at ``h_row`` (its 1 / rms ``rstd``), normalised and
+    weighted into ``y_row``. Call after a barrier: other threads wrote the row."""
+    dtype = h_row.dtype.element_ty
+    for off in range(0, N, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        x = s * rstd
+        if ROUND_FIRST:  # Llama: HF rounds the normalised value to the dtype before the weight multiply
+            x = x.to(dtype).to(tl.float32)
+        tl.store(y_row + cols, (w * x).to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(H, Delta, W, DeltaW, Y, stride_h, stride_d, stride_y, N, eps, BLOCK_N: tl.constexpr,
                         ROUND_FIRST: tl.constexpr, NORM_DELTA: tl.constexpr, PDL: tl.constexpr):
     # One program per row; rows wider than BLOCK_N are walked in chunks (twice: add, then scale;
@@ -37,25 +64,14 @@ def _add_rmsnorm_kernel(H, Delta, W, DeltaW, Y, stride_h, stride_d, stride_y, N,
         h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
         if NORM_DELTA:  # as _rmsnorm_kernel: the normalised delta, rounded to the dtype
-            d = d * d_rstd
-            if ROUND_FIRST:
-                d = d.to(H.dtype.element_ty).to(tl.float32)
-            d = (tl.load(DeltaW + cols, mask=mask, other=0.0).to(tl.float32) * d).to(H.dtype.element_ty).to(tl.float32)
+            d = normalised_delta(d, d_rstd, DeltaW, cols, mask, H, ROUND_FIRST)
         s = (h + d).to(H.dtype.element_ty)        # the residual stream, rounded as `h += delta` rounds it
         tl.store(h_row + cols, s, mask=mask)
         s = s.to(tl.float32)
         sq += s * s
     rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
     tl.debug_barrier()                            # the second pass reads what the first wrote
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        x = s * rstd
-        if ROUND_FIRST:  # Llama: HF rounds the normalised value to the dtype before the weight multiply
-            x = x.to(H.dtype.element_ty).to(tl.float32)
-        tl.store(y_row + cols, (w * x).to(Y.dtype.element_ty), mask=mask)
+    store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N, ROUND_FIRST)
 
 
 def add_rmsnorm_forward_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .add_rmsnorm import add_rmsnorm_forward_torch
+from .add_rmsnorm import add_rmsnorm_forward_torch, normalised_delta, store_row_norm
 from .backend import next_pow2, pdl, row_launch_config
 from .triton_math import pdl_wait
 
@@ -112,7 +112,7 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
                 total = _sum_in_rank_order(Addend + row * stride_a, own + row * N, rank_stride, cols, mask, RANK,
-                                           WORLD, dtype)
+                                           WORLD)
                 tl.store(y_row + cols, total, mask=mask)
                 d = total.to(tl.float32)
                 dsq += d * d
@@ -123,13 +123,11 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
             cols = off + tl.arange(0, BLOCK_N)
             mask = cols < N
             if NORM_DELTA:   # as _add_rmsnorm_kernel: the normalised sum, rounded to the dtype
-                d = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32) * d_rstd
-                if ROUND_FIRST:
-                    d = d.to(dtype).to(tl.float32)
-                d = (tl.load(DeltaW + cols, mask=mask, other=0.0).to(tl.float32) * d).to(dtype).to(tl.float32)
+                d = normalised_delta(tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32), d_rstd, DeltaW, cols,
+                                     mask, H, ROUND_FIRST)
             else:
-                d = _sum_in_rank_order(Addend + row * stride_a, own + row * N, rank_stride, cols, mask, RANK, WORLD,
-                                       dtype).to(tl.float32)
+                d = _sum_in_rank_order(Addend + row * stride_a, own + row * N, rank_stride, cols, mask, RANK,
+                                       WORLD).to(tl.float32)
             h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
             s = (h + d).to(dtype)
             tl.store(h_row + cols, s, mask=mask)
@@ -137,23 +135,15 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
             sq += s * s
         rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
         tl.debug_barrier()                            # the second pass reads what the first wrote
-        for off in range(0, N, BLOCK_N):
-            cols = off + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            x = s * rstd
-            if ROUND_FIRST:
-                x = x.to(dtype).to(tl.float32)
-            tl.store(y_row + cols, (w * x).to(Y.dtype.element_ty), mask=mask)
+        store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N, ROUND_FIRST)
 
 
 @triton.jit
-def _sum_in_rank_order(addend_row, buffer_row, rank_stride, cols, mask, RANK: tl.constexpr, WORLD: tl.constexpr,
-                       dtype: tl.constexpr):
-    """The ranks' addends of one row chunk summed in rank order, rounded to ``dtype`` after each
+def _sum_in_rank_order(addend_row, buffer_row, rank_stride, cols, mask, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """The ranks' addends of one row chunk summed in rank order, rounded to their dtype after each
     addition: this rank's from its input, the others' from its own buffer (``buffer_row``: the row
     in rank 0's region of this epoch's half)."""
+    dtype = addend_row.dtype.element_ty
     for peer in tl.static_range(WORLD):
         if peer == RANK:
             a = tl.load(addend_row + cols, mask=mask, other=0.0)
