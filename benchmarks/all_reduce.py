@@ -9,8 +9,9 @@ this machine (one process each, NCCL between them)
               ``custom_all_reduce.algorithm_for`` picks (named beside it), NCCL above its thresholds
   +norm       ours, then ``add_rmsnorm`` over the message as rows of --hidden (two launches: what a
               layer did before the fused kernel)
-  fused       ``distributed.add_rmsnorm`` of a ``PartialSum``: the fused all-reduce + residual add
-              + norm (kernels/all_reduce_add_rmsnorm.py), for the sizes it takes
+  fused       the fused all-reduce + residual add + norm (kernels/all_reduce_add_rmsnorm.py) forced
+              at every size; the model takes it up to ``FUSED_MAX_BYTES`` (to be read off this
+              column against +norm)
   floor       the bytes one GPU must receive, 2 (N - 1) / N x the message, at --nvlink-gbps (what
               a bandwidth-optimal all-reduce moves; latency ignored)
 each eagerly (a loop of calls, launches included: a step that does not replay a graph) and inside
@@ -94,10 +95,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     sizes = [int(s) for s in args.sizes.split(",")]
     # A buffer that fits every size, so that either kernel can be timed at every size.
     largest = max(sizes)
-    custom = CustomAllReduce(dist.group.WORLD, device, one_shot_max=largest, two_shot_max=largest)
+    custom = CustomAllReduce(dist.group.WORLD, device, one_shot_max=largest, two_shot_max=largest, fused_max=largest)
     # What the model gets: the default thresholds, over the same buffer.
     auto = copy.copy(custom)
     auto.one_shot_max, auto.two_shot_max = ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES if custom.two_shot_max else 0
+    auto.fuses_add_rmsnorm = False   # only the fused column runs the fused kernel (custom's layout, forced)
     distributed.set_custom_all_reduce(auto)
     kernels = {"nccl": lambda t: dist.all_reduce(t), "one-shot": lambda t: custom.all_reduce(t, "one_shot"),
                "ours": distributed.all_reduce}
@@ -113,7 +115,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
 
     kernels["+norm"] = lambda t: add_rmsnorm_forward(rows_of(t)[1], distributed.all_reduce(t).view(-1, args.hidden),
                                                      w, 1e-6)
-    kernels["fused"] = lambda t: distributed.add_rmsnorm(rows_of(t)[1], distributed.PartialSum(rows_of(t)[0]), w, 1e-6)
+    kernels["fused"] = lambda t: custom.all_reduce_add_rmsnorm(rows_of(t)[0], rows_of(t)[1], w, 1e-6, True)
     rows = []
     for nbytes in sizes:
         assert nbytes % ALIGNMENT == 0, f"sizes must be multiples of {ALIGNMENT} bytes"
@@ -122,9 +124,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         row = {"bytes": nbytes, "ours_picks": algorithm_for(nbytes, DTYPE, world, auto.one_shot_max, auto.two_shot_max),
                "floor_us": 2 * (world - 1) / world * nbytes / (args.nvlink_gbps * 1e3)}
         for name, fn in kernels.items():
-            if name == "fused" and not auto.takes_add_rmsnorm(t):
-                row["fused_eager_us"] = row["fused_graph_us"] = float("nan")
-                continue
             dist.barrier()
             row[f"{name}_eager_us"] = slowest(eager_us(lambda: fn(t), args.eager_iters), device)
             dist.barrier()

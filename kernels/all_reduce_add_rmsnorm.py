@@ -173,10 +173,12 @@ def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight:
     assert a2.shape == h2.shape and a2.dtype == h2.dtype and h2.numel() <= rank_stride, (a2.shape, h2.shape)
     y = torch.empty_like(h2)
     block_n, num_warps = row_launch_config(n)
+    world = buffer_ptrs.numel()
     _all_reduce_add_rmsnorm_kernel[(PROGRAMS,)](
-        a2, h2, weight, weight if delta_weight is None else delta_weight, y, buffer_ptrs, flag_ptrs, epochs, h2.shape[0], n, a2.stride(0), h2.stride(0),
-        y.stride(0), rank_stride, eps, RANK=rank, WORLD=buffer_ptrs.numel(), WORLD_POW2=next_pow2(buffer_ptrs.numel()),
-        BLOCK_N=block_n, ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None, SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
+        a2, h2, weight, weight if delta_weight is None else delta_weight, y, buffer_ptrs, flag_ptrs, epochs,
+        h2.shape[0], n, a2.stride(0), h2.stride(0), y.stride(0), rank_stride, eps, RANK=rank, WORLD=world,
+        WORLD_POW2=next_pow2(world), BLOCK_N=block_n, ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None,
+        SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
     )
     return y.view(h.shape)
 

@@ -29,7 +29,7 @@ NCCL adds in another order, and the two agree to bf16 rounding.
   where a layer's row-parallel output goes straight into a residual add and an RMSNorm (every
   Llama-shaped layer, twice; Gemma 2 and 3 with the output's own norm before the add), one launch pushes this rank's addend into its peers' buffers,
   waits for theirs once, sums, adds and normalises. It has buffers of its own (two halves of
-  ``world x ONE_SHOT_MAX_BYTES``, and flags), and takes messages up to ``ONE_SHOT_MAX_BYTES``;
+  ``world x FUSED_MAX_BYTES``, and flags), and takes messages up to ``FUSED_MAX_BYTES``;
   ``LLMSERVE_FUSED_ALL_REDUCE=0`` turns it off (the benchmark's A/B).
 
 NVLink multicast (the ``multimem_*`` ops, NVLS) is never used, and ``TORCH_SYMM_MEM_DISABLE_MULTICAST``
@@ -57,6 +57,9 @@ Algorithm = Literal["one_shot", "two_shot", "nccl"]
 # 8 MiB. To be tuned from benchmarks/all_reduce.py's table on the H100/H200 hosts.
 ONE_SHOT_MAX_BYTES = 512 << 10
 TWO_SHOT_MAX_BYTES = 8 << 20
+# The largest message the fused all-reduce + add + norm takes (larger ones: all-reduce, then
+# add_rmsnorm): one-shot's, to be tuned from all_reduce.py's fused column.
+FUSED_MAX_BYTES = ONE_SHOT_MAX_BYTES
 TWO_SHOT_WORLD_SIZES = (2, 4, 8)    # the world sizes two_shot_all_reduce_out is compiled for
 DTYPES = (torch.bfloat16, torch.float32)   # what the symm_mem kernels dispatch on
 ALIGNMENT = 16                      # bytes: the kernels' vector width, for start and size alike
@@ -87,13 +90,14 @@ class CustomAllReduce:
     group at once (``setup``: its rendezvous is a collective), before any CUDA graph is captured."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, one_shot_max: int = ONE_SHOT_MAX_BYTES,
-                 two_shot_max: int = TWO_SHOT_MAX_BYTES):
+                 two_shot_max: int = TWO_SHOT_MAX_BYTES, fused_max: int = FUSED_MAX_BYTES):
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"   # before the first allocation: see the module's docstring
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = group.group_name
         self.rank, self.world_size = group.rank(), group.size()
         self.one_shot_max = one_shot_max
+        self.fused_max = fused_max
         self.two_shot_max = two_shot_max if self.world_size in TWO_SHOT_WORLD_SIZES else 0
         # The two ops looked up now, so that a torch without them fails here, not in the first step.
         self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out
@@ -115,7 +119,7 @@ class CustomAllReduce:
     def _setup_fused(self, symm_mem, group: dist.ProcessGroup, device: torch.device) -> None:
         """The fused kernel's buffers: every rank's mapped into every other's, the flags zeroed on
         every rank before any rank can signal into them (the closing all-reduce is a barrier)."""
-        fused = symm_mem.empty(2 * self.world_size * self.one_shot_max, dtype=torch.uint8, device=device)
+        fused = symm_mem.empty(2 * self.world_size * self.fused_max, dtype=torch.uint8, device=device)
         flags = symm_mem.empty(PROGRAMS * self.world_size, dtype=torch.int64, device=device)
         flags.zero_()
         self._fused_ptrs = _peer_pointers(symm_mem.rendezvous(fused, self.group_name), device)
@@ -172,7 +176,7 @@ class CustomAllReduce:
     def takes_add_rmsnorm(self, addend: torch.Tensor) -> bool:
         """Whether ``all_reduce_add_rmsnorm`` takes this addend (else: all-reduce, then add_rmsnorm)."""
         return (self.fuses_add_rmsnorm and addend.dtype in FUSED_DTYPES and addend.is_contiguous()
-                and 0 < addend.numel() * addend.element_size() <= self.one_shot_max)
+                and 0 < addend.numel() * addend.element_size() <= self.fused_max)
 
     def all_reduce_add_rmsnorm(self, addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                                round_first: bool, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,12 +184,13 @@ class CustomAllReduce:
         RMSNorm), then RMSNorm of h: one launch (`kernels/all_reduce_add_rmsnorm.py`); for an
         addend ``takes_add_rmsnorm`` takes."""
         return all_reduce_add_rmsnorm_triton(addend, h, weight, eps, round_first, self._fused_ptrs, self._flag_ptrs,
-                                             self._epochs, self.rank, self.one_shot_max // addend.element_size(),
+                                             self._epochs, self.rank, self.fused_max // addend.element_size(),
                                              delta_weight)
 
     def describe(self) -> str:
         two_shot = f", two-shot up to {human_bytes(self.two_shot_max)}" if self.two_shot_max > self.one_shot_max else ""
-        fused = ", fused with the residual add and norm" if self.fuses_add_rmsnorm else ""
+        fused = (f", fused with the residual add and norm up to {human_bytes(self.fused_max)}"
+                 if self.fuses_add_rmsnorm else "")
         return (f"custom (symmetric memory, bf16/fp32: one-shot up to {human_bytes(self.one_shot_max)}{two_shot}, "
                 f"NCCL above{fused})")
 

@@ -14,7 +14,7 @@ import torch
 
 from llmserve.common import distributed
 from llmserve.common.custom_all_reduce import (
-    ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for,
+    FUSED_MAX_BYTES, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for,
 )
 
 BF16 = torch.bfloat16
@@ -64,8 +64,9 @@ def test_add_rmsnorm_fuses_what_the_fused_kernel_takes_and_reduces_the_rest_firs
     used = []
     custom = CustomAllReduce.__new__(CustomAllReduce)   # its choices only: no buffers, no peers
     custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
-    custom.fuses_add_rmsnorm = True
-    monkeypatch.setattr(custom, "all_reduce_add_rmsnorm", lambda addend, h, w, eps, round_first, delta_weight: used.append("fused"))
+    custom.fused_max, custom.fuses_add_rmsnorm = FUSED_MAX_BYTES, True
+    monkeypatch.setattr(custom, "all_reduce_add_rmsnorm",
+                        lambda addend, h, w, eps, round_first, delta_weight: used.append("fused"))
     monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
     monkeypatch.setattr(distributed, "tp_size", lambda: 2)
     monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op, group: used.append("nccl"))

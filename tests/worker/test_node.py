@@ -1,9 +1,9 @@
-"""Two "nodes" on one machine (gloo on the CPU; NCCL on two GPUs): the head (`llmserve serve --tp 2 --nnodes 2 --node-rank 0`)
-runs rank 0, and a headless node (`--node-rank 1 --headless`) runs rank 1, meeting at the head's
---dist-init-addr; or with `--pp 2` in place of `--tp 2`, a pipeline stage on each node. Greedy
-tokens equal tp=1's; the head's stop ends the headless node; a headless
-node's worker that dies ends the head with that error within 10 s; a node that never comes fails
-the head's start with an error naming it. No process is left behind.
+"""Two "nodes" on one machine (gloo on the CPU; NCCL on two GPUs): the head (`llmserve serve --tp 2
+--nnodes 2 --node-rank 0`) runs rank 0, and a headless node (`--node-rank 1 --headless`) runs
+rank 1, meeting at the head's --dist-init-addr; or with `--pp 2` in place of `--tp 2`, a pipeline
+stage on each node. Greedy tokens equal tp=1's; the head's stop ends the headless node; a
+headless node's worker that dies ends the head with that error within 10 s; a node that never
+comes fails the head's start with an error naming it. No process is left behind.
 
 With two GPUs each "node" sees one of them (``CUDA_VISIBLE_DEVICES``), and NCCL is kept off
 peer-to-peer copies and shared memory, so that its traffic goes over the host's network stack as
@@ -45,7 +45,8 @@ def node_args(addr: str, node_rank: int, shape: tuple[str, ...] = TP2) -> list[s
 def start_headless(addr: str, timeout: float = 300, shape: tuple[str, ...] = TP2) -> subprocess.Popen:
     return subprocess.Popen([*llmserve_command(), "serve", *node_args(addr, 1, shape), "--headless",
                              "--dist-timeout", str(timeout)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **NODE_ENV[1]})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **NODE_ENV[1]})
 
 
 def greedy(url: str, prompt: str) -> list[int]:
@@ -110,7 +111,8 @@ def test_a_missing_node_fails_the_head_and_a_missing_head_the_node(tiny_llama_di
     head_addr, node_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     head = subprocess.Popen([*llmserve_command(), "serve", "--model", tiny_llama_dir, "--port", str(free_port()),
                              *node_args(head_addr, 0), "--dist-timeout", "3"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **NODE_ENV[0]})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **NODE_ENV[0]})
     headless = start_headless(node_addr, timeout=2)
     try:
         _, head_err = head.communicate(timeout=300)
