@@ -11,6 +11,8 @@ instead (random drafts, every row's logits, the drafts then cut: offline.py's ``
 
 ``--tp N`` runs N ranks, one GPU each (NCCL, and the custom all-reduce unless ``--all-reduce
 nccl``; ``unfused`` turns its fusion with the add and norm off), and profiles rank 0's share.
+``--device cpu`` runs the same on the CPU (gloo, fp32, the ops' CPU times): a smoke test of the
+script, e.g. ``--device cpu --model-size tiny --tp 2 --prompt-len 16 --steps 2``.
 
 If the kernels' summed time is well below the step time, the step is bound by host-side work
 (Python, launches, synchronisations), not by the GPU. The sum counts kernel rows only: the
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--lora", type=int, default=0, metavar="N", help="N random rank-16 adapters, request i on i mod N")
     ap.add_argument("--verify", type=int, default=0, metavar="K", help="verify steps of 1 + K tokens a request")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each; rank 0 is profiled")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test (gloo, fp32)")
     ap.add_argument("--all-reduce", choices=["custom", "unfused", "nccl"], default="custom",
                     help="at --tp > 1: the custom all-reduce fused with the add and norm (default), without the "
                          "fusion, or NCCL's")
@@ -62,7 +65,7 @@ def main() -> None:
     if args.tp > 1 and args.lora:
         ap.error("--lora is profiled at --tp 1 only")
     if args.tp == 1:
-        profile_rank(args, torch.device("cuda"))
+        profile_rank(args, torch.device(args.device))
         return
     from llmserve.common.custom_all_reduce import FUSED_ENV_VAR
     from llmserve.engine.worker_client import free_tcp_port
@@ -77,14 +80,14 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     """One tensor-parallel rank: joined as the server's workers join (``init_distributed``)."""
     from llmserve.common.distributed import all_reduce_description, init_distributed
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+    device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, args.tp, is_master=rank == 0)
     init_distributed(store, rank, args.tp, device, custom_all_reduce=args.all_reduce != "nccl")
     if rank == 0:
-        print(f"tp={args.tp}, all-reduce: {all_reduce_description()}")
+        print(f"tp={args.tp}, all-reduce: {all_reduce_description()}", flush=True)
     profile_rank(args, device, rank)
-    torch.cuda.synchronize()
     dist.barrier()
     os._exit(0)   # torch's teardown may not return once symmetric memory was mapped (test_custom_all_reduce)
 
@@ -92,10 +95,11 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 def profile_rank(args: argparse.Namespace, device: torch.device, rank: int = 0) -> None:
     """Build the model (this rank's share), run a few steps, and (rank 0) print their kernels."""
     cfg = CONFIGS[args.model_size]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     weights = None
     if args.quantization in BENCH_QUANTIZERS:
-        weights = quantized_linears(random_hf_weights(cfg, device, torch.bfloat16), BENCH_QUANTIZERS[args.quantization])
-    model = build_model(cfg, device, torch.bfloat16, args.batch, args.prompt_len + args.steps + 16 + args.verify,
+        weights = quantized_linears(random_hf_weights(cfg, device, dtype), BENCH_QUANTIZERS[args.quantization])
+    model = build_model(cfg, device, dtype, args.batch, args.prompt_len + args.steps + 16 + args.verify,
                         graphs=args.graphs, weights=weights,
                         quantization="fp8" if args.quantization == "fp8" else None, speculate=args.verify,
                         tp_rank=rank, world_size=args.tp)
@@ -133,28 +137,37 @@ def profile_rank(args: argparse.Namespace, device: torch.device, rank: int = 0) 
         tokens = model.forward(tokens, rows, lens, [1] * args.batch, b_lora_slot=slots).argmax(-1)
         lens = [n + 1 for n in lens]
 
+    on_gpu = device.type == "cuda"
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_gpu) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
-        torch.cuda.synchronize()
+        sync()
         wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
     if rank != 0:
         return
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
+    # On the CPU (a smoke test) the ops' own CPU times stand in for the kernels.
+    kernels = [e for e in prof.key_averages() if e.device_type == (DeviceType.CUDA if on_gpu else DeviceType.CPU)]
+    time_us = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    gpu_ms = sum(time_us(e) for e in kernels) / 1e3 / args.steps
     launches = sum(e.count for e in kernels) / args.steps
+    ranks = f"tp={args.tp} ({args.all_reduce if on_gpu else 'gloo'}), rank 0" if args.tp > 1 else ""
     what = " ".join(x for x in (args.model_size, args.quantization, f"lora x{args.lora}" if args.lora else "",
-                                f"verify 1+{args.verify}" if args.verify else "",
-                                f"tp={args.tp} ({args.all_reduce}), rank 0" if args.tp > 1 else "") if x)
+                                f"verify 1+{args.verify}" if args.verify else "", ranks) if x)
+    unit = "kernels" if on_gpu else "ops"
     print(f"{what}, batch {args.batch}{' (CUDA graph)' if args.graphs else ''}: wall {wall_ms:.2f} ms/step, "
-          f"GPU kernels {gpu_ms:.2f} ms/step ({launches:.0f} kernels a step)")
+          f"{'GPU' if on_gpu else 'CPU'} {unit} {gpu_ms:.2f} ms/step ({launches:.0f} {unit} a step)", flush=True)
     print(f"{'kernel':<80} {'ms/step':>8} {'calls/step':>10}")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]:
-        print(f"{e.key[:80]:<80} {e.self_device_time_total / 1e3 / args.steps:8.3f} {e.count / args.steps:10.0f}")
+    for e in sorted(kernels, key=lambda e: -time_us(e))[:18]:
+        print(f"{e.key[:80]:<80} {time_us(e) / 1e3 / args.steps:8.3f} {e.count / args.steps:10.0f}", flush=True)
 
 
 if __name__ == "__main__":
