@@ -110,12 +110,15 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     h = torch.zeros(max(sizes) // DTYPE.itemsize, dtype=DTYPE, device=device)
     w = torch.ones(args.hidden, dtype=DTYPE, device=device)
 
-    def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return t.view(-1, args.hidden), h[: t.numel()].view(-1, args.hidden)
+    def unfused(t: torch.Tensor) -> torch.Tensor:
+        rows = h[: t.numel()].view(-1, args.hidden)
+        return add_rmsnorm_forward(rows, distributed.all_reduce(t).view(-1, args.hidden), w, 1e-6)
 
-    kernels["+norm"] = lambda t: add_rmsnorm_forward(rows_of(t)[1], distributed.all_reduce(t).view(-1, args.hidden),
-                                                     w, 1e-6)
-    kernels["fused"] = lambda t: custom.all_reduce_add_rmsnorm(rows_of(t)[0], rows_of(t)[1], w, 1e-6, True)
+    def fused(t: torch.Tensor) -> torch.Tensor:
+        rows = h[: t.numel()].view(-1, args.hidden)
+        return custom.all_reduce_add_rmsnorm(t.view(-1, args.hidden), rows, w, 1e-6, True)
+
+    kernels["+norm"], kernels["fused"] = unfused, fused
     rows = []
     for nbytes in sizes:
         assert nbytes % ALIGNMENT == 0, f"sizes must be multiples of {ALIGNMENT} bytes"

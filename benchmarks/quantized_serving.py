@@ -23,6 +23,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
@@ -33,13 +34,17 @@ remove_script_dir_from_sys_path()
 
 import torch  # noqa: E402
 
+from llmserve.common.basemodel.model_shape import head_dim, num_kv_heads  # noqa: E402
+from llmserve.common import mem_manager  # noqa: E402
+
 # name -> llmserve serve's flags for it
 FORMATS = {
     "bf16": [],
     "fp8": ["--quantization", "fp8"],
     "fp8+kv": ["--quantization", "fp8", "--kv-cache-dtype", "fp8"],
 }
-KV_BYTES = {"fp8": 1, "float32": 4}   # an element of the KV cache, by /info's kv_cache_dtype (else 2: bf16 / fp16)
+# An element of the KV cache, by the start of /info's kv_cache_dtype ("fp8_e4m3 (its scales)"; else 2 bytes)
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "float32": torch.float32}
 
 
 @dataclass
@@ -55,12 +60,10 @@ class FormatResult:
 
 
 def kv_bytes_per_token(model: str, kv_dtype: str) -> int:
-    """K and V of every layer for one token, from the checkpoint's config.json."""
-    config = json.loads(Path(model, "config.json").read_text())
-    heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    element = next((b for key, b in KV_BYTES.items() if key in kv_dtype), 2)
-    return 2 * config["num_hidden_layers"] * heads * head_dim * element
+    """K and V of every layer for one token (as the server sizes its pool), from the checkpoint's config.json."""
+    config = SimpleNamespace(**json.loads(Path(model, "config.json").read_text()))
+    dtype = next((t for key, t in KV_DTYPES.items() if kv_dtype.startswith(key)), torch.bfloat16)
+    return mem_manager.kv_bytes_per_token(config.num_hidden_layers, num_kv_heads(config), head_dim(config), dtype)
 
 
 def run_format(args: argparse.Namespace, name: str, bandwidth: float, port: int) -> FormatResult:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .backend import launcher, pdl, row_launch_config, use_triton
-from .rmsnorm import rmsnorm_forward_torch, row_rstd
+from .rmsnorm import rmsnorm_forward_torch, row_rstd, store_row_norm
 from .triton_math import pdl_wait
 
 
@@ -30,19 +30,13 @@ def normalised_delta(d, d_rstd, DeltaW, cols, mask, H, ROUND_FIRST: tl.constexpr
 
 
 @triton.jit
-def store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """The second pass of an add-norm: the row at ``h_row`` (its 1 / rms ``rstd``), normalised and
-    weighted into ``y_row``. Call after a barrier: other threads wrote the row."""
-    dtype = h_row.dtype.element_ty
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        x = s * rstd
-        if ROUND_FIRST:  # Llama: HF rounds the normalised value to the dtype before the weight multiply
-            x = x.to(dtype).to(tl.float32)
-        tl.store(y_row + cols, (w * x).to(y_row.dtype.element_ty), mask=mask)
+def add_to_row(h_row, d, cols, mask):
+    """``h += d`` on a chunk of the residual row at ``h_row`` (``d`` fp32), rounded to h's dtype as
+    `h += delta` rounds it; returns the new values squared (fp32), for the norm that follows."""
+    s = (tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32) + d).to(h_row.dtype.element_ty)
+    tl.store(h_row + cols, s, mask=mask)
+    s = s.to(tl.float32)
+    return s * s
 
 
 @triton.jit
@@ -61,14 +55,10 @@ def _add_rmsnorm_kernel(H, Delta, W, DeltaW, Y, stride_h, stride_d, stride_y, N,
     for off in range(0, N, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < N
-        h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
         if NORM_DELTA:  # as _rmsnorm_kernel: the normalised delta, rounded to the dtype
             d = normalised_delta(d, d_rstd, DeltaW, cols, mask, H, ROUND_FIRST)
-        s = (h + d).to(H.dtype.element_ty)        # the residual stream, rounded as `h += delta` rounds it
-        tl.store(h_row + cols, s, mask=mask)
-        s = s.to(tl.float32)
-        sq += s * s
+        sq += add_to_row(h_row, d, cols, mask)
     rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
     tl.debug_barrier()                            # the second pass reads what the first wrote
     store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N, ROUND_FIRST)

@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .add_rmsnorm import add_rmsnorm_forward_torch, normalised_delta, store_row_norm
+from .add_rmsnorm import add_rmsnorm_forward_torch, add_to_row, normalised_delta
 from .backend import next_pow2, pdl, row_launch_config
+from .rmsnorm import store_row_norm
 from .triton_math import pdl_wait
 
 # The grid, whatever the rows: see the module's docstring. 32 programs push and sum a batch of 32
@@ -128,11 +129,7 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
             else:
                 d = _sum_in_rank_order(Addend + row * stride_a, own + row * N, rank_stride, cols, mask, RANK,
                                        WORLD).to(tl.float32)
-            h = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
-            s = (h + d).to(dtype)
-            tl.store(h_row + cols, s, mask=mask)
-            s = s.to(tl.float32)
-            sq += s * s
+            sq += add_to_row(h_row, d, cols, mask)
         rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
         tl.debug_barrier()                            # the second pass reads what the first wrote
         store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N, ROUND_FIRST)

@@ -24,6 +24,22 @@ def row_rstd(x_row, N, eps, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """The row at ``h_row`` (its 1 / rms ``rstd``), normalised and weighted into ``y_row``: the
+    norm's last pass (after an add-norm's first, behind a barrier: other threads wrote the row)."""
+    dtype = h_row.dtype.element_ty
+    for off in range(0, N, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        s = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        x = s * rstd
+        if ROUND_FIRST:  # Llama: HF rounds the normalised value to the dtype before the weight multiply
+            x = x.to(dtype).to(tl.float32)
+        tl.store(y_row + cols, (w * x).to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                     ROUND_FIRST: tl.constexpr):
     # One program per row; rows wider than BLOCK_N are walked in chunks.
@@ -31,16 +47,7 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y
-    rstd = row_rstd(x_row, N, eps, BLOCK_N)
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        h = x * rstd
-        if ROUND_FIRST:  # Llama: HF rounds the normalised value to x's dtype before the weight multiply
-            h = h.to(X.dtype.element_ty).to(tl.float32)
-        tl.store(y_row + cols, (w * h).to(Y.dtype.element_ty), mask=mask)
+    store_row_norm(x_row, W, y_row, N, row_rstd(x_row, N, eps, BLOCK_N), BLOCK_N, ROUND_FIRST)
 
 
 def rmsnorm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
