@@ -10,7 +10,10 @@ where it is faster, else cuBLAS). `--sweep` also times every tile choice of the 
 count (gemv at one row, skinny_gemm above) and the best per shape: the tables behind the choices
 in the kernel files.
 
-    python benchmarks/decode_linear.py [--rows 1,8,32,64] [--sweep]
+`--tp 2` times one rank's share of each weight under tensor parallelism instead: qkv, gate_up and the
+LM head split by output features, o and down by input features.
+
+    python benchmarks/decode_linear.py [--rows 1,8,32,64] [--sweep] [--tp 1,2,4]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import math
 
 import torch
 
-from common import graph_us, markdown_table, remove_script_dir_from_sys_path
+from common import graph_us, markdown_table, measure_copy_bandwidth, remove_script_dir_from_sys_path
 
 remove_script_dir_from_sys_path()
 
@@ -32,6 +35,8 @@ from llmserve.kernels import skinny_gemm as skinny_module  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
+# The dimension of each weight that tensor parallelism splits: 0 output features, 1 input features.
+TP_SPLIT = {"qkv": 0, "o": 1, "gate_up": 0, "down": 1, "lm_head": 0}
 # Each kernel's tile choices for --sweep: gemv's (BLOCK_N, largest BLOCK_K, num_warps) and
 # skinny_gemm's (BLOCK_N, BLOCK_K, num_warps, num_stages).
 SWEEP = {
@@ -70,11 +75,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,32,64", help="comma-separated row counts (decode batch sizes)")
     p.add_argument("--sweep", action="store_true", help="also time every tile choice of the kernel")
+    p.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes: time one rank's share")
     args = p.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
-    for M in (int(r) for r in args.rows.split(",")):
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
+          f"copy bandwidth {measure_copy_bandwidth('cuda') / 1e12:.2f} TB/s")
+    for tp, M in itertools.product((int(t) for t in args.tp.split(",")), (int(r) for r in args.rows.split(","))):
         rows, step = [], {"cuBLAS": 0.0, "ours": 0.0, "best": 0.0}
-        for name, (N, K) in SHAPES.items():
+        for name, shape in SHAPES.items():
+            N, K = (shape[0] // tp, shape[1]) if TP_SPLIT[name] == 0 else (shape[0], shape[1] // tp)
             cublas, ours, swept, err = time_shape(M, N, K, args.sweep)
             best = min(swept, key=swept.get) if swept else None
             gb = N * K * 2 / 1e3
@@ -86,7 +94,7 @@ def main() -> None:
             step["ours"] += PER_STEP[name] * used
             step["best"] += PER_STEP[name] * min([used] + ([swept[best]] if best else []))
             torch.cuda.empty_cache()
-        print(f"\n{M} row(s)")
+        print(f"\n{M} row(s)" + (f", one rank of tp={tp}" if tp > 1 else ""))
         print(markdown_table(["weight", "N", "K", "cuBLAS µs", "TB/s", "linear µs", "TB/s", "best swept tile µs", "max err"], rows))
         print(f"per 8B step: cuBLAS {step['cuBLAS'] / 1e3:.3f} ms, linear {step['ours'] / 1e3:.3f} ms"
               + (f", best per shape {step['best'] / 1e3:.3f} ms" if args.sweep else ""))
