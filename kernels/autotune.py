@@ -14,14 +14,28 @@ When tuning happens: the first call of a key, which must not be inside a CUDA-gr
 quantized weight (`llmserve.quantization.weights.warm_up`), so serving never tunes; `bench`
 refuses with a clear error inside a capture.
 
-`bench` times ``REPS`` calls, each after overwriting a buffer twice the L2 cache (a decode step
-reads every weight from HBM, so a tile must not be judged on weights L2 still holds), a few
-milliseconds a config, where Triton's default spends ~0.15 s. What costs at start-up is compiling
-each config once (Triton then keeps it on disk for later starts).
+How a choice is timed: the kernels judged here run for 3-60 us, less than it takes Python to
+launch one, so timing single calls between CUDA events measures the host (on an H200, a 5 us
+GEMV timed so read 60-180 us and the picks were arbitrary: `fastest` chose tiles that cost an 8B
+step at tp=2 0.27 ms more than the best). Both timers below replay CUDA graphs, which run their
+kernels back to back as a decode step's graph does:
+
+* `fastest_streaming` (a one-row GEMV, whose cost is reading its weight): a graph of calls that
+  cycle over copies of the weight, enough copies (`STREAM_L2_MULTIPLE` x the L2 cache) that each
+  call reads its weight from HBM, as in a step. Its picks matched the best tile of a graph over
+  1.5 GB of copies (`benchmarks/decode_linear.py`'s timing) on all twelve of Llama-3-8B's
+  GEMV shapes at tp=1, 2 and 4.
+* `bench` (anything else, and `triton.autotune`'s ``do_bench``): a graph of ``REPS`` calls, each
+  after a read of a buffer twice the L2 cache (a decode step reads every weight from HBM, so a
+  tile must not be judged on weights L2 still holds), less a graph of the reads alone.
+
+A few milliseconds a choice, where Triton's default spends ~0.15 s. What costs at start-up is
+compiling each config once (Triton then keeps it on disk for later starts).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,7 +47,8 @@ from .backend import launcher, next_pow2, pdl
 # Row counts that share a tuning: a decode step's batch and a prompt's tokens vary step to step,
 # and tiles that win at 40 rows win at 50. Above the last bucket one tuning serves all.
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
-WARMUP, REPS = 2, 10
+WARMUP, REPS, REPLAYS = 2, 10, 5
+STREAM_L2_MULTIPLE = 3
 
 _flush: dict[torch.device, torch.Tensor] = {}
 
@@ -43,36 +58,92 @@ def rows_bucket(rows: int) -> int:
     return min(max(ROW_BUCKETS[0], next_pow2(rows)), ROW_BUCKETS[-1])
 
 
+def _l2_bytes(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
+
+
 def _flush_buffer() -> torch.Tensor:
     device = torch.device("cuda", torch.cuda.current_device())
     if device not in _flush:
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
         # A plain tensor even when the first bench runs under inference mode: a later one outside
         # it (a forward under no_grad) writes it too, which an inference tensor refuses.
         with torch.inference_mode(False):
-            _flush[device] = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+            _flush[device] = torch.ones(2 * _l2_bytes(device) // 4, dtype=torch.int32, device=device)
     return _flush[device]
 
 
-def bench(kernel_call: Callable[[], Any], quantiles: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
-    """Milliseconds of ``kernel_call`` at ``quantiles`` over `REPS` calls, each with a cold L2
-    (`triton.autotune`'s ``do_bench`` hook)."""
+def _replays_ms(calls: Callable[[], Any]) -> list[float]:
+    """Milliseconds of each of `REPLAYS` replays of a CUDA graph of ``calls()``, run once first
+    (compiles, first-call work) outside the graph."""
+    calls()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000)        # ~0.1 ms: the replay is launched before the GPU reaches start
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph                             # its memory pool goes with it
+    return times
+
+
+def _refuse_in_capture() -> None:
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a kernel would be autotuned inside a CUDA-graph capture: run the shape once "
                            "before capturing (see kernels/autotune.py)")
+
+
+def bench(kernel_call: Callable[[], Any], quantiles: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
+    """Milliseconds of one ``kernel_call`` after the L2 cache is flushed, at ``quantiles`` of
+    `REPLAYS` graph replays (`triton.autotune`'s ``do_bench`` hook): a graph of `REPS` calls each
+    after a read of twice the L2, less a graph of the reads alone."""
+    _refuse_in_capture()
     flush = _flush_buffer()
     for _ in range(WARMUP):
         kernel_call()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
-    for start, end in zip(starts, ends):
-        flush.zero_()
-        start.record()
-        kernel_call()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
+
+    def flushed_calls(call: bool) -> Callable[[], None]:
+        def calls() -> None:
+            for _ in range(REPS):
+                flush.max()
+                if call:
+                    kernel_call()
+        return calls
+
+    with_calls = sorted(_replays_ms(flushed_calls(True)))
+    reads = sorted(_replays_ms(flushed_calls(False)))
+    per_call = [max(0.0, w - r) / REPS for w, r in zip(with_calls, reads)]
+    return [per_call[min(len(per_call) - 1, int(q * len(per_call)))] for q in quantiles]
+
+
+def stream_ms(run: Callable[[torch.Tensor], Any], weight: torch.Tensor) -> float:
+    """Median milliseconds of one ``run(w)``, a kernel whose cost is reading ``w``, from a graph of
+    calls that cycle over ``weight`` and copies of it: `STREAM_L2_MULTIPLE` x the L2 cache's bytes
+    in all, so that every call reads its weight from HBM, back to back, as a decode step does. The
+    copies' values are not set: the time of a read does not depend on them."""
+    _refuse_in_capture()
+    weight_bytes = weight.numel() * weight.element_size()
+    copies = max(1, math.ceil(STREAM_L2_MULTIPLE * _l2_bytes(weight.device) / weight_bytes))
+    weights = [weight]
+    try:
+        while len(weights) < copies:
+            weights.append(torch.empty_like(weight))
+    except torch.cuda.OutOfMemoryError:   # fewer copies: small weights may then be read from L2
+        copies = len(weights)
+    calls = max(4, 2 * copies)
+
+    def cycle() -> None:
+        for i in range(calls):
+            run(weights[i % copies])
+
+    times = sorted(_replays_ms(cycle))
+    return times[len(times) // 2] / calls
 
 
 # `fastest`'s choices, by the caller's key, and the median milliseconds each choice took when it
@@ -88,10 +159,20 @@ def fastest(key: Any, choices: Sequence[T], run: Callable[[T], Any]) -> T:
     timed by `bench` on the first call of ``key`` and remembered. Inside a CUDA-graph capture an
     unmeasured key gets the first choice, untimed and not remembered (the graphs run each shape
     eagerly before capturing it, so serving's keys are measured by then)."""
+    return _fastest_by(key, choices, lambda c: bench(lambda: run(c))[0])
+
+
+def fastest_streaming(key: Any, choices: Sequence[T], run: Callable[[T, torch.Tensor], Any], weight: torch.Tensor) -> T:
+    """`fastest` for a kernel whose cost is reading ``weight``: ``run(choice, w)`` timed by
+    `stream_ms` over copies of it."""
+    return _fastest_by(key, choices, lambda c: stream_ms(lambda w: run(c, w), weight))
+
+
+def _fastest_by(key: Any, choices: Sequence[T], time_ms: Callable[[T], float]) -> T:
     if key not in _fastest:
         if torch.cuda.is_current_stream_capturing():
             return choices[0]
-        times = [bench(lambda c=c: run(c))[0] for c in choices]
+        times = [time_ms(c) for c in choices]
         _fastest[key] = choices[times.index(min(times))]
         _timed[key] = times
     return _fastest[key]

@@ -159,7 +159,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
     if tiles is None:
         key = ("gemv", x.device, N, K, x.dtype, bias is not None, lora is not None)
-        tiles = fastest_tiles(key, x, K, GEMV_CANDIDATES, lambda t: gemv_triton(x, weight, bias, lora=lora, tiles=t))
+        tiles = fastest_tiles(key, x, weight, GEMV_CANDIDATES,
+                              lambda t, w: gemv_triton(x, w, bias, lora=lora, tiles=t))
     block_n, block_k, num_warps = gemv_tile(K, tiles)
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     lora_args, lora_constexprs = _lora_args(lora, weight)
@@ -181,22 +182,29 @@ ACTIVATIONS = {"silu": silu_and_mul_fwd_torch, "gelu_tanh": gelu_and_mul_fwd_tor
 # one shape at a time over 1.5 GB of weight copies, CUDA graphs) the best differed by shape:
 # Gemma 2's o (3584 x 4096) 9.0 us at TILES, 7.4 at 4 x 1024; Phi-3's gate_up (2 x 8192 x 3072)
 # 26.0 us at ACT_AND_MUL_TILES, 25.0 at 8 x 1024; Gemma 2's gate_up (2 x 14336 x 3584) 51.5 at
-# its default, 50.4 at 16 x 512.
-GEMV_CANDIDATES = (TILES, (4, 1024, 4), (4, 512, 4), (8, 1024, 4), (16, 512, 4))
-ACT_AND_MUL_CANDIDATES = (ACT_AND_MUL_TILES, (4, 512, 4), (8, 1024, 4), (16, 512, 4))
+# its default, 50.4 at 16 x 512. Llama-3-8B's weights at tp=1, 2 and 4 (2026-11-28, the same
+# timing, 11 tiles each) added the rest: down (4096 x 14336 / tp) was fastest at 2 x 512 at every
+# tp (28.6 us against TILES' 30.1 at tp=1; 15.0 against 18.2 at tp=2), o at tp=1 at 4 x 2048 with
+# 8 warps, qkv at tp=4 (1536 x 4096) at 2 x 2048 with 8 warps (4.0 against 4.2), and gate_up's
+# fused half at 2 x 1024 at every tp (28.8 us against 29.2 at tp=2, 15.6 against 15.9 at tp=4).
+GEMV_CANDIDATES = (TILES, (4, 1024, 4), (4, 512, 4), (8, 1024, 4), (16, 512, 4), (2, 512, 4), (4, 2048, 8),
+                   (2, 2048, 8))
+ACT_AND_MUL_CANDIDATES = (ACT_AND_MUL_TILES, (4, 512, 4), (8, 1024, 4), (16, 512, 4), (2, 1024, 4))
 
 
-def fastest_tiles(key: tuple, x: torch.Tensor, K: int, candidates: tuple[tuple[int, int, int], ...],
-                  run: Callable[[tuple[int, int, int]], object]) -> tuple[int, int, int]:
-    """Of ``candidates``, the tiles that ``run`` (one GEMV with them) is fastest with on this GPU,
-    timed once per ``key`` (`autotune.fastest`), candidates that come to the same tile at this K
-    (`gemv_tile`) timed once; the first candidate in Triton's interpreter."""
+def fastest_tiles(key: tuple, x: torch.Tensor, weight: torch.Tensor, candidates: tuple[tuple[int, int, int], ...],
+                  run: Callable[[tuple[int, int, int], torch.Tensor], object]) -> tuple[int, int, int]:
+    """Of ``candidates``, the tiles that ``run`` (one GEMV with them over a weight like ``weight``)
+    is fastest with on this GPU, timed once per ``key`` as a decode step reads the weight
+    (`autotune.fastest_streaming`), candidates that come to the same tile at this K (`gemv_tile`)
+    timed once; the first candidate in Triton's interpreter."""
     if not x.is_cuda:
         return candidates[0]
+    K = weight.shape[-1]
     distinct: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     for tiles in candidates:
         distinct.setdefault(gemv_tile(K, tiles), tiles)
-    return autotune.fastest(key, list(distinct.values()), run)
+    return autotune.fastest_streaming(key, list(distinct.values()), run, weight)
 
 
 def gemv_tile(K: int, tiles: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -243,8 +251,8 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
         y = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     if tiles is None and expert_ids is None:
         key = ("gemv_act_and_mul", x.device, I, K, x.dtype, act, lora is not None)
-        tiles = fastest_tiles(key, x, K, ACT_AND_MUL_CANDIDATES,
-                              lambda t: gemv_act_and_mul_triton(x, weight, act, lora=lora, tiles=t))
+        tiles = fastest_tiles(key, x, weight, ACT_AND_MUL_CANDIDATES,
+                              lambda t, w: gemv_act_and_mul_triton(x, w, act, lora=lora, tiles=t))
     block_n, block_k, num_warps = gemv_tile(K, tiles or ACT_AND_MUL_TILES)
     lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_act_and_mul_kernel, x)[(rows, triton.cdiv(I, block_n))](

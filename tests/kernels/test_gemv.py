@@ -102,26 +102,30 @@ def test_every_candidate_tile_matches_the_linear_layer(device, K):
 
 
 def test_the_fastest_tiles_are_timed_once_a_shape(monkeypatch):
-    """On a GPU each key times its candidates once (those that come to the same tile at this K
-    once), and keeps the fastest; the interpreter runs the first untimed."""
+    """On a GPU each key times its candidates once, as a step reads the weight (`stream_ms`),
+    those that come to the same tile at this K once, and keeps the fastest; the interpreter runs
+    the first untimed."""
     timed = []
-    speed = dict(zip(GEMV_CANDIDATES, [3.0, 1.0, 4.0, 2.0, 2.5]))
-    monkeypatch.setattr(autotune, "bench", lambda call: [speed[call()]])
+    speed = dict(zip(GEMV_CANDIDATES, [3.0, 1.0, 4.0, 2.0, 2.5, 1.5, 3.5, 5.0]))
+    weights = []
+    monkeypatch.setattr(autotune, "stream_ms", lambda run, weight: weights.append(weight) or speed[run(weight)])
     monkeypatch.setattr(autotune, "_fastest", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU torch has none)
 
-    def run(tiles):
+    def run(tiles, weight):
         timed.append(tiles)
         return tiles
 
     on_gpu = type("Row", (), {"is_cuda": True})()
-    assert fastest_tiles("o", on_gpu, 4096, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
-    assert fastest_tiles("o", on_gpu, 4096, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
+    o, qkv = torch.empty(8, 4096), torch.empty(8, 3584)
+    assert fastest_tiles("o", on_gpu, o, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
+    assert fastest_tiles("o", on_gpu, o, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
     assert timed == list(GEMV_CANDIDATES)                   # every tile differs at 4096; timed once
+    assert all(w is o for w in weights)                     # over the layer's own weight
     timed.clear()
-    # at 3584 (7 x 512) the first, fourth and fifth are all 16 x 512: three tiles to time
+    # at 3584 (7 x 512) the first, fourth and fifth are all 16 x 512: six tiles to time
     assert [gemv_tile(3584, t) for t in GEMV_CANDIDATES] == [(16, 512, 4), (8, 512, 4), (4, 512, 4), (16, 512, 4),
-                                                              (16, 512, 4)]
-    assert fastest_tiles("qkv", on_gpu, 3584, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
-    assert timed == list(GEMV_CANDIDATES[:3])
-    assert fastest_tiles("cpu", torch.zeros(1), 4096, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[0]
+                                                              (16, 512, 4), (2, 512, 4), (16, 512, 8), (8, 512, 8)]
+    assert fastest_tiles("qkv", on_gpu, qkv, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
+    assert timed == [GEMV_CANDIDATES[i] for i in (0, 1, 2, 5, 6, 7)]
+    assert fastest_tiles("cpu", torch.zeros(1), o, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[0]
