@@ -5,8 +5,8 @@ A decode step's linear layers are bound by reading their weights, and how fast a
 depends on the card (H100 or H200), the weight's format and the shape: too few programs leave SMs
 idle, too many bytes a thread spill registers. So the quantized linears (`dequant_linear`) try a
 handful of tiles on the first call for each key (the weight's shape, the format, a bucket of the
-row count: `rows_bucket`) and keep the fastest for the life of the process; the bf16 one-row
-GEMVs (`gemv`) and the choice between `skinny_gemm` and cuBLAS do the same through `fastest`.
+row count: `rows_bucket`) and keep the fastest for the life of the process; the choice between
+`skinny_gemm` and cuBLAS does the same through `faster`.
 
 When tuning happens: the first call of a key, which must not be inside a CUDA-graph capture
 (timing synchronizes). The decode graphs run each batch bucket once eagerly before capturing it
@@ -14,28 +14,23 @@ When tuning happens: the first call of a key, which must not be inside a CUDA-gr
 quantized weight (`llmserve.quantization.weights.warm_up`), so serving never tunes; `bench`
 refuses with a clear error inside a capture.
 
-How a choice is timed: the kernels judged here run for 3-60 us, less than it takes Python to
-launch one, so timing single calls between CUDA events measures the host (on an H200, a 5 us
-GEMV timed so read 60-180 us and the picks were arbitrary: `fastest` chose tiles that cost an 8B
-step at tp=2 0.27 ms more than the best). Both timers below replay CUDA graphs, which run their
-kernels back to back as a decode step's graph does:
+How a choice is timed (`bench`): the kernels judged here run for 3-60 us, less than it takes
+Python to launch one, so timing single calls between CUDA events measures the host. On an H200
+that timer read 60-180 us for a 5 us GEMV and its picks were arbitrary: of two FP8 8B steps at
+batch 1 one took 4.71 ms and the other 2.83, against 2.79 and 2.79 with this one (one call,
+alternated; 4-bit 3.18 and 3.44 against 3.09 and 3.09). `bench` replays CUDA graphs instead: a graph of
+``REPS`` calls, each after a read of a buffer twice the L2 cache (a decode step reads every
+weight from HBM, so a tile must not be judged on weights L2 still holds), less a graph of the
+reads alone. A few milliseconds a choice, where Triton's default spends ~0.15 s. What costs at
+start-up is compiling each config once (Triton then keeps it on disk for later starts).
 
-* `fastest_streaming` (a one-row GEMV, whose cost is reading its weight): a graph of calls that
-  cycle over copies of the weight, enough copies (`STREAM_L2_MULTIPLE` x the L2 cache) that each
-  call reads its weight from HBM, as in a step. Its picks matched the best tile of a graph over
-  1.5 GB of copies (`benchmarks/decode_linear.py`'s timing) on all twelve of Llama-3-8B's
-  GEMV shapes at tp=1, 2 and 4.
-* `bench` (anything else, and `triton.autotune`'s ``do_bench``): a graph of ``REPS`` calls, each
-  after a read of a buffer twice the L2 cache (a decode step reads every weight from HBM, so a
-  tile must not be judged on weights L2 still holds), less a graph of the reads alone.
-
-A few milliseconds a choice, where Triton's default spends ~0.15 s. What costs at start-up is
-compiling each config once (Triton then keeps it on disk for later starts).
+A kernel timed alone is not timed as a step runs it, between other kernels, under PDL: the bf16
+one-row GEMVs' tiles picked this way made the 8B step slower, so they are not tuned (see
+kernels/gemv.py's `TILES`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -48,7 +43,6 @@ from .backend import launcher, next_pow2, pdl
 # and tiles that win at 40 rows win at 50. Above the last bucket one tuning serves all.
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
 WARMUP, REPS, REPLAYS = 2, 10, 5
-STREAM_L2_MULTIPLE = 3
 
 _flush: dict[torch.device, torch.Tensor] = {}
 
@@ -122,30 +116,6 @@ def bench(kernel_call: Callable[[], Any], quantiles: Sequence[float] = (0.5, 0.2
     return [per_call[min(len(per_call) - 1, int(q * len(per_call)))] for q in quantiles]
 
 
-def stream_ms(run: Callable[[torch.Tensor], Any], weight: torch.Tensor) -> float:
-    """Median milliseconds of one ``run(w)``, a kernel whose cost is reading ``w``, from a graph of
-    calls that cycle over ``weight`` and copies of it: `STREAM_L2_MULTIPLE` x the L2 cache's bytes
-    in all, so that every call reads its weight from HBM, back to back, as a decode step does. The
-    copies' values are not set: the time of a read does not depend on them."""
-    _refuse_in_capture()
-    weight_bytes = weight.numel() * weight.element_size()
-    copies = max(1, math.ceil(STREAM_L2_MULTIPLE * _l2_bytes(weight.device) / weight_bytes))
-    weights = [weight]
-    try:
-        while len(weights) < copies:
-            weights.append(torch.empty_like(weight))
-    except torch.cuda.OutOfMemoryError:   # fewer copies: small weights may then be read from L2
-        copies = len(weights)
-    calls = max(4, 2 * copies)
-
-    def cycle() -> None:
-        for i in range(calls):
-            run(weights[i % copies])
-
-    times = sorted(_replays_ms(cycle))
-    return times[len(times) // 2] / calls
-
-
 # `fastest`'s choices, by the caller's key, and the median milliseconds each choice took when it
 # was made (`decisions`). Worker processes run one step at a time on one thread: no lock.
 _fastest: dict[Any, Any] = {}
@@ -159,20 +129,10 @@ def fastest(key: Any, choices: Sequence[T], run: Callable[[T], Any]) -> T:
     timed by `bench` on the first call of ``key`` and remembered. Inside a CUDA-graph capture an
     unmeasured key gets the first choice, untimed and not remembered (the graphs run each shape
     eagerly before capturing it, so serving's keys are measured by then)."""
-    return _fastest_by(key, choices, lambda c: bench(lambda: run(c))[0])
-
-
-def fastest_streaming(key: Any, choices: Sequence[T], run: Callable[[T, torch.Tensor], Any], weight: torch.Tensor) -> T:
-    """`fastest` for a kernel whose cost is reading ``weight``: ``run(choice, w)`` timed by
-    `stream_ms` over copies of it."""
-    return _fastest_by(key, choices, lambda c: stream_ms(lambda w: run(c, w), weight))
-
-
-def _fastest_by(key: Any, choices: Sequence[T], time_ms: Callable[[T], float]) -> T:
     if key not in _fastest:
         if torch.cuda.is_current_stream_capturing():
             return choices[0]
-        times = [time_ms(c) for c in choices]
+        times = [bench(lambda c=c: run(c))[0] for c in choices]
         _fastest[key] = choices[times.index(min(times))]
         _timed[key] = times
     return _fastest[key]

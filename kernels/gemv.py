@@ -28,14 +28,11 @@ is `fused_moe`'s gate_up for a few tokens: output row p reads its expert's weigh
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import autotune
 from .backend import half_precision_on_triton, launcher, next_pow2, pdl, use_triton, vector_width
 from .gelu_and_mul import gelu_and_mul_fwd_torch
 from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
@@ -46,6 +43,17 @@ from .triton_math import gelu_tanh, pdl_wait, row_chunk, silu
 # Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up
 # (swept with the full-tile accumulator, before the 16-byte-group sums).
 TILES = (4, 2048, 4)
+#
+# One tile for every weight shape and card, not tuned per shape. The one-row GEMVs used
+# to time a few tiles per shape at start-up and keep the fastest, as the quantized linears do.
+# Timed alone, the small tiles win: over copies of each weight in a CUDA graph (how
+# `benchmarks/decode_linear.py` times them), Llama-3-8B's down read 28.6 us at 2 x 512 against
+# 30.1 at TILES, and at tp=2 the GEMVs of a step summed to 1.85 ms against 2.05. Inside the step
+# they lose: each GEMV there follows a short kernel, under PDL reads its first tile while that
+# kernel runs, and a bigger tile reads more of its weight then. On an H200 (2026-11-28, offline.py,
+# 8B, batch 1, CUDA graphs, calls alternated) the step took 4.34-4.51 ms with the tiles picked
+# alone, 4.20 / 4.20 with TILES everywhere, and 4.17-4.22 with the start-up tuning as it was, whose
+# event timer measured Python's launch (60-180 us for a 5 us GEMV) and so picked at random.
 
 
 @triton.jit
@@ -152,16 +160,12 @@ def _lora_args(lora: RowLora | None, t: torch.Tensor) -> tuple[tuple, dict]:
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 *, lora: RowLora | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) forces a tile (the
-    benchmark's sweep), else the fastest of `GEMV_CANDIDATES` for this shape on this card. ``lora``:
+    benchmark's sweep), else `TILES` (not tuned per shape: see there). ``lora``:
     the row's adapter product for weight's output columns, added in the epilogue (what `lora_add`
     would add after it, without its launches)."""
     N, K = weight.shape
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
-    if tiles is None:
-        key = ("gemv", x.device, N, K, x.dtype, bias is not None, lora is not None)
-        tiles = fastest_tiles(key, x, weight, GEMV_CANDIDATES,
-                              lambda t, w: gemv_triton(x, w, bias, lora=lora, tiles=t))
-    block_n, block_k, num_warps = gemv_tile(K, tiles)
+    block_n, block_k, num_warps = gemv_tile(K, tiles or TILES)
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
@@ -176,36 +180,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # TILES' widest chunk (the same bytes in flight a program, the same registers).
 ACT_AND_MUL_TILES = (4, 1024, 4)
 ACTIVATIONS = {"silu": silu_and_mul_fwd_torch, "gelu_tanh": gelu_and_mul_fwd_torch}  # the twins'
-
-# The tiles a GEMV tries on the card for each weight shape (`fastest_tiles`), the default first
-# (what the interpreter runs, and a capture that meets an untimed shape). On an H200 (2026-11-28,
-# one shape at a time over 1.5 GB of weight copies, CUDA graphs) the best differed by shape:
-# Gemma 2's o (3584 x 4096) 9.0 us at TILES, 7.4 at 4 x 1024; Phi-3's gate_up (2 x 8192 x 3072)
-# 26.0 us at ACT_AND_MUL_TILES, 25.0 at 8 x 1024; Gemma 2's gate_up (2 x 14336 x 3584) 51.5 at
-# its default, 50.4 at 16 x 512. Llama-3-8B's weights at tp=1, 2 and 4 (2026-11-28, the same
-# timing, 11 tiles each) added the rest: down (4096 x 14336 / tp) was fastest at 2 x 512 at every
-# tp (28.6 us against TILES' 30.1 at tp=1; 15.0 against 18.2 at tp=2), o at tp=1 at 4 x 2048 with
-# 8 warps, qkv at tp=4 (1536 x 4096) at 2 x 2048 with 8 warps (4.0 against 4.2), and gate_up's
-# fused half at 2 x 1024 at every tp (28.8 us against 29.2 at tp=2, 15.6 against 15.9 at tp=4).
-GEMV_CANDIDATES = (TILES, (4, 1024, 4), (4, 512, 4), (8, 1024, 4), (16, 512, 4), (2, 512, 4), (4, 2048, 8),
-                   (2, 2048, 8))
-ACT_AND_MUL_CANDIDATES = (ACT_AND_MUL_TILES, (4, 512, 4), (8, 1024, 4), (16, 512, 4), (2, 1024, 4))
-
-
-def fastest_tiles(key: tuple, x: torch.Tensor, weight: torch.Tensor, candidates: tuple[tuple[int, int, int], ...],
-                  run: Callable[[tuple[int, int, int], torch.Tensor], object]) -> tuple[int, int, int]:
-    """Of ``candidates``, the tiles that ``run`` (one GEMV with them over a weight like ``weight``)
-    is fastest with on this GPU, timed once per ``key`` as a decode step reads the weight
-    (`autotune.fastest_streaming`), candidates that come to the same tile at this K (`gemv_tile`)
-    timed once; the first candidate in Triton's interpreter."""
-    if not x.is_cuda:
-        return candidates[0]
-    K = weight.shape[-1]
-    distinct: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-    for tiles in candidates:
-        distinct.setdefault(gemv_tile(K, tiles), tiles)
-    return autotune.fastest_streaming(key, list(distinct.values()), run, weight)
-
 
 def gemv_tile(K: int, tiles: tuple[int, int, int]) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of ``tiles`` for a K: `gemv_block_k`'s chunk, and where that
@@ -236,8 +210,7 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
     ``[E, 2I, K]`` and the output ``[P, I]``: row p through expert ``expert_ids[p]`` from x's row
     ``p // rows_per_x`` (x ``[n, K]``, unit-stride rows). ``lora`` (one row, no experts): the
     adapter product of gate and up (a group of two projections), added before the activation.
-    `tiles` as `gemv_triton`'s (the candidates `ACT_AND_MUL_CANDIDATES`; with experts,
-    `ACT_AND_MUL_TILES` unless given)."""
+    `tiles` as `gemv_triton`'s (`ACT_AND_MUL_TILES` unless given)."""
     assert act in ACTIVATIONS, act
     assert lora is None or (expert_ids is None and len(lora.splits) == 2), "LoRA on one row's gate and up"
     I, K = weight.shape[-2] // 2, weight.shape[-1]
@@ -249,10 +222,6 @@ def gemv_act_and_mul_triton(x: torch.Tensor, weight: torch.Tensor, act: str, *,
     else:
         rows, ids, stride_we = expert_ids.numel(), expert_ids, weight.stride(0)
         y = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-    if tiles is None and expert_ids is None:
-        key = ("gemv_act_and_mul", x.device, I, K, x.dtype, act, lora is not None)
-        tiles = fastest_tiles(key, x, weight, ACT_AND_MUL_CANDIDATES,
-                              lambda t, w: gemv_act_and_mul_triton(x, w, act, lora=lora, tiles=t))
     block_n, block_k, num_warps = gemv_tile(K, tiles or ACT_AND_MUL_TILES)
     lora_args, lora_constexprs = _lora_args(lora, weight)
     launcher(_gemv_act_and_mul_kernel, x)[(rows, triton.cdiv(I, block_n))](

@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICES, linear_reference, randn, rng
 
-from llmserve.kernels import autotune, backend, quantized_linear
+from llmserve.kernels import backend, quantized_linear
 from llmserve.kernels.gemv import (
-    ACT_AND_MUL_CANDIDATES, ACTIVATIONS, GEMV_CANDIDATES, fastest_tiles, gemv_act_and_mul_triton, gemv_tile, gemv_triton,
-    takes_gemv,
+    ACT_AND_MUL_TILES, ACTIVATIONS, TILES, gemv_act_and_mul_triton, gemv_triton, takes_gemv,
 )
 
 # (N, K): K a multiple of the 2048-wide chunk, a power of two below it, ragged K, N not a multiple of
@@ -86,46 +85,16 @@ def test_act_and_mul_is_the_linear_layer_then_the_activation(device, dtype, I, K
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("K", [4096, 3584])
-def test_every_candidate_tile_matches_the_linear_layer(device, K):
-    """Each tile the card may pick (`GEMV_CANDIDATES`, `ACT_AND_MUL_CANDIDATES`) at a power-of-two K
-    and at one of 7 x 512 (Gemma 2's hidden size: chunks narrower than the widest, more rows)."""
+def test_every_swept_tile_matches_the_linear_layer(device, K):
+    """Tiles `decode_linear.py --sweep` times, the defaults first, at a power-of-two K and at one of
+    7 x 512 (Gemma 2's hidden size: chunks narrower than the widest, more rows)."""
     g = rng(K)
     x = randn(g, 1, K, dtype=torch.bfloat16, device=device)
     w = randn(g, 40, K, dtype=torch.bfloat16, device=device, scale=K ** -0.5)
     want = linear_reference(x, w, None)
-    for tiles in GEMV_CANDIDATES:
+    for tiles in (TILES, (4, 1024, 4), (2, 512, 4), (8, 1024, 4), (16, 512, 4), (2, 2048, 8)):
         torch.testing.assert_close(gemv_triton(x, w, tiles=tiles), want, atol=1e-2, rtol=1.6e-2, msg=str(tiles))
     gate_up = F.linear(x.float(), w.float()).to(torch.bfloat16)
-    for tiles in ACT_AND_MUL_CANDIDATES:
+    for tiles in (ACT_AND_MUL_TILES, (4, 512, 4), (2, 1024, 4), (16, 512, 4)):
         got = gemv_act_and_mul_triton(x, w, "silu", tiles=tiles)
         torch.testing.assert_close(got, ACTIVATIONS["silu"](gate_up), atol=1e-2, rtol=1.6e-2, msg=str(tiles))
-
-
-def test_the_fastest_tiles_are_timed_once_a_shape(monkeypatch):
-    """On a GPU each key times its candidates once, as a step reads the weight (`stream_ms`),
-    those that come to the same tile at this K once, and keeps the fastest; the interpreter runs
-    the first untimed."""
-    timed = []
-    speed = dict(zip(GEMV_CANDIDATES, [3.0, 1.0, 4.0, 2.0, 2.5, 1.5, 3.5, 5.0]))
-    weights = []
-    monkeypatch.setattr(autotune, "stream_ms", lambda run, weight: weights.append(weight) or speed[run(weight)])
-    monkeypatch.setattr(autotune, "_fastest", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU torch has none)
-
-    def run(tiles, weight):
-        timed.append(tiles)
-        return tiles
-
-    on_gpu = type("Row", (), {"is_cuda": True})()
-    o, qkv = torch.empty(8, 4096), torch.empty(8, 3584)
-    assert fastest_tiles("o", on_gpu, o, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
-    assert fastest_tiles("o", on_gpu, o, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
-    assert timed == list(GEMV_CANDIDATES)                   # every tile differs at 4096; timed once
-    assert all(w is o for w in weights)                     # over the layer's own weight
-    timed.clear()
-    # at 3584 (7 x 512) the first, fourth and fifth are all 16 x 512: six tiles to time
-    assert [gemv_tile(3584, t) for t in GEMV_CANDIDATES] == [(16, 512, 4), (8, 512, 4), (4, 512, 4), (16, 512, 4),
-                                                              (16, 512, 4), (2, 512, 4), (16, 512, 8), (8, 512, 8)]
-    assert fastest_tiles("qkv", on_gpu, qkv, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[1]
-    assert timed == [GEMV_CANDIDATES[i] for i in (0, 1, 2, 5, 6, 7)]
-    assert fastest_tiles("cpu", torch.zeros(1), o, GEMV_CANDIDATES, run) == GEMV_CANDIDATES[0]
