@@ -12,6 +12,7 @@ this machine (one process each, NCCL between them)
   fused       the fused all-reduce + residual add + norm (kernels/all_reduce_add_rmsnorm.py) forced
               at every size; the model takes it up to ``FUSED_MAX_BYTES`` (to be read off this
               column against +norm)
+  one-way     the same kernel's flagless protocol (``LLMSERVE_FUSED_ALL_REDUCE=one-way``), forced
   floor       the bytes one GPU must receive, 2 (N - 1) / N x the message, at --nvlink-gbps (what
               a bandwidth-optimal all-reduce moves; latency ignored)
 each eagerly (a loop of calls, launches included: a step that does not replay a graph) and inside
@@ -46,7 +47,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from llmserve.common import distributed  # noqa: E402
 from llmserve.kernels import add_rmsnorm_forward  # noqa: E402
 from llmserve.common.custom_all_reduce import (  # noqa: E402
-    ALIGNMENT, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for, human_bytes,
+    ALIGNMENT, FUSED_ENV_VAR, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for, human_bytes,
 )
 
 DEFAULT_SIZES = ",".join(str(8 << 10 << i) for i in range(14))   # 8 KiB .. 64 MiB
@@ -118,7 +119,18 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         rows = h[: t.numel()].view(-1, args.hidden)
         return custom.all_reduce_add_rmsnorm(t.view(-1, args.hidden), rows, w, 1e-6, True)
 
-    kernels["+norm"], kernels["fused"] = unfused, fused
+    os.environ[FUSED_ENV_VAR] = "one-way"   # a second instance, over buffers of its own
+    try:
+        one_way = CustomAllReduce(dist.group.WORLD, device, one_shot_max=largest, two_shot_max=largest,
+                                  fused_max=largest)
+    finally:
+        del os.environ[FUSED_ENV_VAR]
+
+    def fused_one_way(t: torch.Tensor) -> torch.Tensor:
+        rows = h[: t.numel()].view(-1, args.hidden)
+        return one_way.all_reduce_add_rmsnorm(t.view(-1, args.hidden), rows, w, 1e-6, True)
+
+    kernels["+norm"], kernels["fused"], kernels["one-way"] = unfused, fused, fused_one_way
     rows = []
     for nbytes in sizes:
         assert nbytes % ALIGNMENT == 0, f"sizes must be multiples of {ALIGNMENT} bytes"
@@ -165,7 +177,7 @@ def main() -> int:
         with open(out) as f:
             rows = json.load(f)
     names = ["nccl", "one-shot", "two-shot", "ours"] if "two-shot_eager_us" in rows[0] else ["nccl", "one-shot", "ours"]
-    names += ["+norm", "fused"]
+    names += ["+norm", "fused", "one-way"]
     headers = ["size", *[f"{n} eager" for n in names], *[f"{n} graph" for n in names], "ours picks", "floor"]
     table = [[human_bytes(r["bytes"]), *[f"{r[f'{n}_eager_us']:.1f}" for n in names],
               *[f"{r[f'{n}_graph_us']:.1f}" for n in names], r["ours_picks"], f"{r['floor_us']:.1f}"] for r in rows]

@@ -12,8 +12,9 @@ What is measured, for each --tp value
 At tp > 1 each runs once per --all-reduce mode: ``custom`` (the default at pp = 1: small all-reduces
 over peer-to-peer buffers, common/custom_all_reduce.py, each layer's two fused with the residual add
 and norm after them), ``unfused`` (the same without the fusion: ``LLMSERVE_FUSED_ALL_REDUCE=0``,
-an all-reduce launch and an add_rmsnorm launch) and ``nccl`` (``--disable-custom-all-reduce``; the
-only one at pp > 1). With --pp (pipeline stages, a list like --tp) each tp runs at each pp:
+an all-reduce launch and an add_rmsnorm launch), ``one-way`` (the fused kernel's flagless protocol:
+``LLMSERVE_FUSED_ALL_REDUCE=one-way``) and ``nccl`` (``--disable-custom-all-reduce``; the only one
+at pp > 1). With --pp (pipeline stages, a list like --tp) each tp runs at each pp:
 the stages run one after another, so pp=2's step is pp=1's plus the hand-offs, not less.
 Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
 <= 0.62x at C=32, tp=4 <= 0.36x; C=128 throughput at tp=2 >= 1.7x).
@@ -140,18 +141,18 @@ def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int
     return summary["output_throughput"]
 
 
-MODES = ("custom", "unfused", "nccl")
+MODES = ("custom", "unfused", "one-way", "nccl")
 
 
 @contextlib.contextmanager
 def all_reduce_mode(mode: str):
-    """``unfused``: the custom all-reduce's fused kernel off, for the engines and servers started
-    inside (their worker processes inherit the environment)."""
+    """``unfused``: the custom all-reduce's fused kernel off, ``one-way``: its flagless protocol, for
+    the engines and servers started inside (their worker processes inherit the environment)."""
     from llmserve.common.custom_all_reduce import FUSED_ENV_VAR
 
     before = os.environ.get(FUSED_ENV_VAR)
-    if mode == "unfused":
-        os.environ[FUSED_ENV_VAR] = "0"
+    if mode in ("unfused", "one-way"):
+        os.environ[FUSED_ENV_VAR] = "0" if mode == "unfused" else "one-way"
     try:
         yield
     finally:
@@ -178,7 +179,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--all-reduce", default="custom,nccl",
                    help="at tp > 1, run once per mode: custom (the default: peer-to-peer kernels for small "
                         "messages, fused with the residual add and norm), unfused (custom without the fusion), "
-                        "nccl (default: custom,nccl)")
+                        "one-way (the fused kernel's flagless protocol), nccl (default: custom,nccl)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="decode graphs up to this batch (default: the engine's); smaller starts faster")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",

@@ -25,6 +25,16 @@ the grid is a fixed ``PROGRAMS`` whatever the rows (row i is always program ``i 
 and every program signals and waits in every call, rows or not: each program's epoch then
 advances once a call on every rank (``Epochs`` holds it, in this rank's memory).
 
+**One-way** (``flag_ptrs=None``; `CustomAllReduce` behind ``LLMSERVE_FUSED_ALL_REDUCE=one-way``,
+until it is measured on the GPUs): no flags. The buffers start "empty", every byte all ones (a NaN
+bit pattern in every float dtype, which a push never writes: it turns any NaN into the canonical
+one), and a program waits (3.) by reading its peers' rows of its own buffer until no element is
+empty; after summing (4.) it empties them again (5.). A signal is a store whose landing the sender
+must wait for before the flag may follow; here the data is the signal, so a call costs one trip
+over NVLink, not two (the scheme of TensorRT-LLM's "Lamport" all-reduce). The same two halves:
+a peer writes a half again two calls later, after this rank's next call has pushed to it, which
+comes after this call emptied its rows.
+
 Sum order: rank 0's addend, then rank 1's, and so on, rounded to the dtype after each addition,
 on every rank alike; so every rank's h gets the same bits, and they equal the custom one-shot
 all-reduce's sum followed by `add_rmsnorm` (the torch twin below says it in torch).
@@ -50,7 +60,8 @@ PROGRAMS = 32
 def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs, Epochs, M, N, stride_a, stride_h,
                                    stride_y, rank_stride, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
                                    WORLD_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                                   NORM_DELTA: tl.constexpr, SPIN_ASM: tl.constexpr, PDL: tl.constexpr):
+                                   NORM_DELTA: tl.constexpr, ONE_WAY: tl.constexpr, BITS: tl.constexpr,
+                                   SPIN_ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -65,45 +76,26 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
             cols = off + tl.arange(0, BLOCK_N)
             mask = cols < N
             a = tl.load(Addend + row * stride_a + cols, mask=mask)
+            if ONE_WAY:   # no NaN of the "empty" bits (all ones): every NaN as the canonical one
+                a = tl.where(a != a, float("nan"), a)
             for peer in tl.static_range(WORLD):
                 if peer != RANK:
                     buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(dtype))
                     tl.store(buffer + half + RANK * rank_stride + row * N + cols, a, mask=mask)
-    # 2. signal: every thread's stores above come before the flags (the barrier orders them, the
-    # release makes them visible first). One thread per peer, all peers at once: one after another,
-    # each release waits for the one before to land (about a microsecond a peer over NVLink).
-    tl.debug_barrier()
-    peers = tl.arange(0, WORLD_POW2)
-    others = (peers < WORLD) & (peers != RANK)
-    peer_flags = tl.load(FlagPtrs + peers, mask=others, other=0).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(peer_flags + pid * WORLD + RANK, tl.full([WORLD_POW2], 0, tl.int64) + epoch, mask=others,
-                   sem="release", scope="sys")
-    # 3. wait for every peer's rows of this program: again one thread per peer
-    own_flags = tl.load(FlagPtrs + RANK)
-    if SPIN_ASM:
-        # Each thread spins on its peer's flag with acquiring loads (no read-modify-write); a lane
-        # with no peer waits for -1, which every flag has passed.
-        wanted = tl.where(others, epoch, -1)
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred %p<1>;
-            .reg .s64 %v<1>;
-            spin:
-            ld.acquire.sys.global.s64 %v0, [$1];
-            setp.lt.s64 %p0, %v0, $2;
-            @%p0 bra spin;
-            mov.u32 $0, 0;
-            }""",
-            "=r,l,l", [own_flags + (pid * WORLD + peers) * 8, wanted], dtype=tl.int32, is_pure=False, pack=1)
-    else:   # Triton's interpreter runs no PTX: one peer after another, with acquiring atomics
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                flag = own_flags.to(tl.pointer_type(tl.int64)) + pid * WORLD + peer
-                while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
-                    pass
+    own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
+    if ONE_WAY:
+        # 3. wait until every peer's rows of this program have landed in this rank's buffer
+        for row in range(pid, M, programs):
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        _wait_until_written(own + peer * rank_stride + row * N + cols, mask, BITS)
+    else:
+        _signal_and_wait(FlagPtrs, epoch, pid, RANK, WORLD, WORLD_POW2, SPIN_ASM)
     tl.debug_barrier()
     # 4. sum in rank order, add to the residual, normalise (as _add_rmsnorm_kernel)
-    own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
     for row in range(pid, M, programs):
         h_row = H + row * stride_h
         y_row = Y + row * stride_y
@@ -133,6 +125,81 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
         rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
         tl.debug_barrier()                            # the second pass reads what the first wrote
         store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N, ROUND_FIRST)
+    if ONE_WAY:
+        # 5. empty the peers' rows just read, for the call after next (every thread's reads first)
+        tl.debug_barrier()
+        for row in range(pid, M, programs):
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        _empty(own + peer * rank_stride + row * N + cols, mask, BITS)
+
+
+@triton.jit
+def _bits_pointer(ptr, BITS: tl.constexpr):
+    """``ptr`` as a pointer to integers of its elements' width (16 or 32 bits)."""
+    if BITS == 16:
+        return ptr.to(tl.pointer_type(tl.int16))
+    else:
+        return ptr.to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _wait_until_written(ptr, mask, BITS: tl.constexpr):
+    """Spin until no element of the chunk at ``ptr`` holds the "empty" bits (all ones): volatile
+    loads, past this SM's L1, until a peer's stores have landed in every one."""
+    bits = _bits_pointer(ptr, BITS)
+    empty = tl.load(bits, mask=mask, other=0, volatile=True) == -1
+    while tl.max(empty.to(tl.int32), 0) > 0:
+        empty = tl.load(bits, mask=mask, other=0, volatile=True) == -1
+
+
+@triton.jit
+def _empty(ptr, mask, BITS: tl.constexpr):
+    """Store the "empty" bits (all ones) into the chunk at ``ptr``."""
+    bits = _bits_pointer(ptr, BITS)
+    tl.store(bits, tl.full(ptr.shape, -1, bits.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _signal_and_wait(FlagPtrs, epoch, pid, RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_POW2: tl.constexpr,
+                     SPIN_ASM: tl.constexpr):
+    """2. and 3. of the module's docstring: signal every peer's flag for (this program, this rank),
+    then wait for every peer's flag for this program in this rank's flags to reach ``epoch``."""
+    # Every thread's stores before come before the flags (the barrier orders them, the release
+    # makes them visible first). One thread per peer, all peers at once: one after another, each
+    # release waits for the one before to land (about a microsecond a peer over NVLink).
+    tl.debug_barrier()
+    peers = tl.arange(0, WORLD_POW2)
+    others = (peers < WORLD) & (peers != RANK)
+    peer_flags = tl.load(FlagPtrs + peers, mask=others, other=0).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(peer_flags + pid * WORLD + RANK, tl.full([WORLD_POW2], 0, tl.int64) + epoch, mask=others,
+                   sem="release", scope="sys")
+    # 3. wait for every peer's rows of this program: again one thread per peer
+    own_flags = tl.load(FlagPtrs + RANK)
+    if SPIN_ASM:
+        # Each thread spins on its peer's flag with acquiring loads (no read-modify-write); a lane
+        # with no peer waits for -1, which every flag has passed.
+        wanted = tl.where(others, epoch, -1)
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p<1>;
+            .reg .s64 %v<1>;
+            spin:
+            ld.acquire.sys.global.s64 %v0, [$1];
+            setp.lt.s64 %p0, %v0, $2;
+            @%p0 bra spin;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,l", [own_flags + (pid * WORLD + peers) * 8, wanted], dtype=tl.int32, is_pure=False, pack=1)
+    else:   # Triton's interpreter runs no PTX: one peer after another, with acquiring atomics
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                flag = own_flags.to(tl.pointer_type(tl.int64)) + pid * WORLD + peer
+                while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+                    pass
 
 
 @triton.jit
@@ -154,7 +221,7 @@ def _sum_in_rank_order(addend_row, buffer_row, rank_stride, cols, mask, RANK: tl
 
 
 def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                                  round_first: bool, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor,
+                                  round_first: bool, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor | None,
                                   epochs: torch.Tensor, rank: int, rank_stride: int,
                                   delta_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``h += sum over ranks of addend`` in place, then RMSNorm of h (as `add_rmsnorm_forward`);
@@ -163,8 +230,9 @@ def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight:
 
     ``buffer_ptrs`` / ``flag_ptrs``: int64 ``[world]``, every rank's symmetric buffer (``2 x world x
     rank_stride`` elements of h's dtype) and flags (``PROGRAMS x world`` int64, zero at start) as
-    mapped in this process; ``epochs``: int64 ``[PROGRAMS]``, this rank's own, zero at start.
-    ``M x N`` must fit ``rank_stride``."""
+    mapped in this process; ``flag_ptrs=None``: the one-way protocol, whose buffers start with
+    every byte 0xFF and have no flags. ``epochs``: int64 ``[PROGRAMS]``, this rank's own, zero at
+    start. ``M x N`` must fit ``rank_stride``."""
     n = h.shape[-1]
     h2, a2 = h.view(-1, n), addend.view(-1, n)
     assert a2.shape == h2.shape and a2.dtype == h2.dtype and h2.numel() <= rank_stride, (a2.shape, h2.shape)
@@ -172,10 +240,11 @@ def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight:
     block_n, num_warps = row_launch_config(n)
     world = buffer_ptrs.numel()
     _all_reduce_add_rmsnorm_kernel[(PROGRAMS,)](
-        a2, h2, weight, weight if delta_weight is None else delta_weight, y, buffer_ptrs, flag_ptrs, epochs,
-        h2.shape[0], n, a2.stride(0), h2.stride(0), y.stride(0), rank_stride, eps, RANK=rank, WORLD=world,
-        WORLD_POW2=next_pow2(world), BLOCK_N=block_n, ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None,
-        SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
+        a2, h2, weight, weight if delta_weight is None else delta_weight, y, buffer_ptrs,
+        buffer_ptrs if flag_ptrs is None else flag_ptrs, epochs, h2.shape[0], n, a2.stride(0), h2.stride(0),
+        y.stride(0), rank_stride, eps, RANK=rank, WORLD=world, WORLD_POW2=next_pow2(world), BLOCK_N=block_n,
+        ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None, ONE_WAY=flag_ptrs is None,
+        BITS=8 * h2.element_size(), SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
     )
     return y.view(h.shape)
 

@@ -30,7 +30,9 @@ NCCL adds in another order, and the two agree to bf16 rounding.
   Llama-shaped layer, twice; Gemma 2 and 3 with the output's own norm before the add), one launch pushes this rank's addend into its peers' buffers,
   waits for theirs once, sums, adds and normalises. It has buffers of its own (two halves of
   ``world x FUSED_MAX_BYTES``, and flags), and takes messages up to ``FUSED_MAX_BYTES``;
-  ``LLMSERVE_FUSED_ALL_REDUCE=0`` turns it off (the benchmark's A/B).
+  ``LLMSERVE_FUSED_ALL_REDUCE=0`` turns it off (the benchmark's A/B), ``=one-way`` runs its
+  flagless protocol (the data is the signal: the kernel's docstring), opt-in until the GPUs
+  have measured it.
 
 NVLink multicast (the ``multimem_*`` ops, NVLS) is never used, and ``TORCH_SYMM_MEM_DISABLE_MULTICAST``
 is set before the buffer is allocated, so that torch does not create a multicast object either:
@@ -64,7 +66,8 @@ TWO_SHOT_WORLD_SIZES = (2, 4, 8)    # the world sizes two_shot_all_reduce_out is
 DTYPES = (torch.bfloat16, torch.float32)   # what the symm_mem kernels dispatch on
 ALIGNMENT = 16                      # bytes: the kernels' vector width, for start and size alike
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)   # what the fused kernel takes
-FUSED_ENV_VAR = "LLMSERVE_FUSED_ALL_REDUCE"   # "0": all-reduce, then add_rmsnorm (two launches)
+# "0": all-reduce, then add_rmsnorm (two launches); "one-way": the fused kernel without flags
+FUSED_ENV_VAR = "LLMSERVE_FUSED_ALL_REDUCE"
 
 
 def algorithm_for(nbytes: int, dtype: torch.dtype, world_size: int, one_shot_max: int = ONE_SHOT_MAX_BYTES,
@@ -112,19 +115,26 @@ class CustomAllReduce:
         self.buffer = symm_mem.empty(max(one_shot_max, self.two_shot_max), dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
         self._views = {dtype: self.buffer.view(dtype) for dtype in DTYPES}
-        self.fuses_add_rmsnorm = os.environ.get(FUSED_ENV_VAR, "1").strip() != "0"
+        fused = os.environ.get(FUSED_ENV_VAR, "1").strip()
+        self.fuses_add_rmsnorm = fused != "0"
+        self.one_way = fused == "one-way"
         if self.fuses_add_rmsnorm:
             self._setup_fused(symm_mem, group, device)
 
     def _setup_fused(self, symm_mem, group: dist.ProcessGroup, device: torch.device) -> None:
-        """The fused kernel's buffers: every rank's mapped into every other's, the flags zeroed on
-        every rank before any rank can signal into them (the closing all-reduce is a barrier)."""
+        """The fused kernel's buffers: every rank's mapped into every other's, the flags zeroed (one
+        way: the buffer emptied) on every rank before any rank can write into them (the closing
+        all-reduce is a barrier)."""
         fused = symm_mem.empty(2 * self.world_size * self.fused_max, dtype=torch.uint8, device=device)
-        flags = symm_mem.empty(PROGRAMS * self.world_size, dtype=torch.int64, device=device)
-        flags.zero_()
         self._fused_ptrs = _peer_pointers(symm_mem.rendezvous(fused, self.group_name), device)
-        self._flag_ptrs = _peer_pointers(symm_mem.rendezvous(flags, self.group_name), device)
-        self._fused_buffers = (fused, flags)   # kept alive: the pointers above are all the kernel holds
+        if self.one_way:                        # every byte 0xFF: "empty"; no flags
+            fused.fill_(0xFF)
+            self._flag_ptrs, self._fused_buffers = None, (fused,)
+        else:
+            flags = symm_mem.empty(PROGRAMS * self.world_size, dtype=torch.int64, device=device)
+            flags.zero_()
+            self._flag_ptrs = _peer_pointers(symm_mem.rendezvous(flags, self.group_name), device)
+            self._fused_buffers = (fused, flags)   # kept alive: the pointers above are all the kernel holds
         self._epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         dist.all_reduce(torch.zeros(1, device=device), group=group)
@@ -190,7 +200,7 @@ class CustomAllReduce:
     def describe(self) -> str:
         two_shot = f", two-shot up to {human_bytes(self.two_shot_max)}" if self.two_shot_max > self.one_shot_max else ""
         fused = (f", fused with the residual add and norm up to {human_bytes(self.fused_max)}"
-                 if self.fuses_add_rmsnorm else "")
+                 + (" (one-way)" if self.one_way else "") if self.fuses_add_rmsnorm else "")
         return (f"custom (symmetric memory, bf16/fp32: one-shot up to {human_bytes(self.one_shot_max)}{two_shot}, "
                 f"NCCL above{fused})")
 

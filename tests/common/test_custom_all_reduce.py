@@ -14,7 +14,7 @@ import torch
 
 from llmserve.common import distributed
 from llmserve.common.custom_all_reduce import (
-    FUSED_MAX_BYTES, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for,
+    FUSED_ENV_VAR, FUSED_MAX_BYTES, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, CustomAllReduce, algorithm_for,
 )
 
 BF16 = torch.bfloat16
@@ -64,7 +64,7 @@ def test_add_rmsnorm_fuses_what_the_fused_kernel_takes_and_reduces_the_rest_firs
     used = []
     custom = CustomAllReduce.__new__(CustomAllReduce)   # its choices only: no buffers, no peers
     custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
-    custom.fused_max, custom.fuses_add_rmsnorm = FUSED_MAX_BYTES, True
+    custom.fused_max, custom.fuses_add_rmsnorm, custom.one_way = FUSED_MAX_BYTES, True, False
     monkeypatch.setattr(custom, "all_reduce_add_rmsnorm",
                         lambda addend, h, w, eps, round_first, delta_weight: used.append("fused"))
     monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
@@ -176,6 +176,13 @@ def _check_rank(rank: int, world: int, port: int) -> None:
             dist.all_reduce(x)
             assert torch.equal(s, x), f"{s.numel() * 2} bytes through distributed.all_reduce in a graph"
         _check_fused(custom, gen, device)
+        os.environ[FUSED_ENV_VAR] = "one-way"   # the flagless protocol, over buffers of its own
+        try:
+            one_way = CustomAllReduce(dist.group.WORLD, device)
+        finally:
+            del os.environ[FUSED_ENV_VAR]
+        assert one_way.one_way and "(one-way)" in one_way.describe()
+        _check_fused(one_way, gen, device)
     finally:
         distributed.set_custom_all_reduce(None)
 

@@ -22,16 +22,25 @@ CALLS = 3            # > 2: a buffer half is written again after a call that use
 JOIN_S = 120         # a rank still waiting then is a protocol that hangs
 
 
+def _empty_bits(dtype: torch.dtype) -> torch.dtype:
+    return torch.int16 if torch.finfo(dtype).bits == 16 else torch.int32
+
+
 def _run_ranks(world: int, addends: list[list[torch.Tensor]], h0: list[torch.Tensor], w: torch.Tensor,
-               round_first: bool, delta_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               round_first: bool, delta_w: torch.Tensor | None,
+               protocol: str = "flags") -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's h and norm after each call (``[world, calls, M, N]`` each)."""
     m, n = h0[0].shape
     dtype = h0[0].dtype
     rank_stride = m * n + 7     # not a multiple of a row: the kernel must not assume one
-    buffers = [torch.full((2 * world * rank_stride,), float("nan"), dtype=dtype).share_memory_() for _ in range(world)]
+    size = 2 * world * rank_stride
+    if protocol == "one-way":   # every byte 0xFF: "empty"
+        buffers = [torch.full((size,), -1, dtype=_empty_bits(dtype)).view(dtype).share_memory_() for _ in range(world)]
+    else:
+        buffers = [torch.full((size,), float("nan"), dtype=dtype).share_memory_() for _ in range(world)]
     flags = [torch.zeros(PROGRAMS * world, dtype=torch.int64).share_memory_() for _ in range(world)]
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    flag_ptrs = None if protocol == "one-way" else torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
     hs = torch.zeros(world, len(h0), m, n, dtype=dtype).share_memory_()
     ys = torch.zeros_like(hs).share_memory_()
 
@@ -52,19 +61,24 @@ def _run_ranks(world: int, addends: list[list[torch.Tensor]], h0: list[torch.Ten
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in ranks] == [0] * world, "a rank failed or hung (its traceback is above)"
-    for rank, f in enumerate(flags):   # every program heard every peer once a call; none signals itself
-        expected = torch.full((PROGRAMS, world), CALLS, dtype=torch.int64)
-        expected[:, rank] = 0
-        assert torch.equal(f.view(PROGRAMS, world), expected), rank
+    if protocol == "one-way":   # every rank emptied what its peers wrote, once read
+        for rank, b in enumerate(buffers):
+            assert bool((b.view(_empty_bits(dtype)) == -1).all()), rank
+    else:
+        for rank, f in enumerate(flags):   # every program heard every peer once a call; none signals itself
+            expected = torch.full((PROGRAMS, world), len(h0), dtype=torch.int64)
+            expected[:, rank] = 0
+            assert torch.equal(f.view(PROGRAMS, world), expected), rank
     return hs, ys
 
 
 @cpu_triton
+@pytest.mark.parametrize("protocol", ["flags", "one-way"])
 @pytest.mark.parametrize("family", ["llama", "gemma", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("world,m,n", [(2, 1, 64), (2, PROGRAMS + 8, 96), (3, 2, 5000)],
                          ids=["one-row", "more-rows-than-programs", "three-ranks-chunked-rows"])
-def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(world, m, n, dtype, family):
+def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(world, m, n, dtype, family, protocol):
     round_first = family == "llama"     # Gemma's norms: the fp32 1 + w, one rounding
     g = rng(world * 1000 + m + n)
     addends = [[randn(g, m, n, dtype=dtype, device="cpu") for _ in range(CALLS)] for _ in range(world)]
@@ -73,7 +87,7 @@ def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(wor
     delta_w = 1.0 + randn(g, n, dtype=dtype, device="cpu").float() if family == "gemma2" else None
     if not round_first:
         w = 1.0 + w.float()
-    hs, ys = _run_ranks(world, addends, h0, w, round_first, delta_w)
+    hs, ys = _run_ranks(world, addends, h0, w, round_first, delta_w, protocol)
     for call in range(CALLS):
         h_twin = h0[call].clone()
         want = all_reduce_add_rmsnorm_torch([addends[r][call] for r in range(world)], h_twin, w, 1e-6, round_first,
@@ -94,3 +108,19 @@ def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(wor
                                                                    dict(atol=0, rtol=0)), msg=what)
             torch.testing.assert_close(ys[rank, call], plain, atol=0, rtol=0, msg=what)
             torch.testing.assert_close(ys[rank, call], want, **tol(dtype), msg=what)
+
+
+@cpu_triton
+def test_one_way_takes_a_nan_with_the_empty_bits():
+    """An addend element whose bits are all ones (a NaN, the one-way buffers' "empty") arrives as
+    a NaN, and the call ends: the push sends every NaN as the canonical one."""
+    g = rng(7)
+    m, n, dtype = 2, 64, torch.float16
+    addends = [[randn(g, m, n, dtype=dtype, device="cpu") for _ in range(CALLS)] for _ in range(2)]
+    addends[1][0].view(torch.int16)[1, 5] = -1
+    h0 = [randn(g, m, n, dtype=dtype, device="cpu", scale=3.0) for _ in range(CALLS)]
+    w = randn(g, n, dtype=dtype, device="cpu")
+    hs, ys = _run_ranks(2, addends, h0, w, True, None, "one-way")
+    for rank in range(2):
+        assert bool(hs[rank, 0, 1, 5].isnan()) and bool(ys[rank, 0, 1].isnan().all())
+        assert not bool(hs[rank, 0, 0].isnan().any()) and not bool(hs[rank, 1:].isnan().any())
