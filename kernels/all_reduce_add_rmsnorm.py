@@ -151,9 +151,9 @@ def _wait_until_written(ptr, mask, BITS: tl.constexpr):
     """Spin until no element of the chunk at ``ptr`` holds the "empty" bits (all ones): volatile
     loads, past this SM's L1, until a peer's stores have landed in every one."""
     bits = _bits_pointer(ptr, BITS)
-    empty = tl.load(bits, mask=mask, other=0, volatile=True) == -1
-    while tl.max(empty.to(tl.int32), 0) > 0:
-        empty = tl.load(bits, mask=mask, other=0, volatile=True) == -1
+    pending = 1
+    while pending > 0:   # a scalar carried round the loop (a block of them fails Triton 3.7's layout pass)
+        pending = tl.max((tl.load(bits, mask=mask, other=0, volatile=True) == -1).to(tl.int32), 0)
 
 
 @triton.jit
