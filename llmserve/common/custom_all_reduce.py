@@ -29,7 +29,8 @@ NCCL adds in another order, and the two agree to bf16 rounding.
   where a layer's row-parallel output goes straight into a residual add and an RMSNorm (every
   Llama-shaped layer, twice; Gemma 2 and 3 with the output's own norm before the add), one launch pushes this rank's addend into its peers' buffers,
   waits for theirs once, sums, adds and normalises. It has buffers of its own (two halves of
-  ``world x FUSED_MAX_BYTES``, and flags), and takes messages up to ``FUSED_MAX_BYTES``;
+  ``world x`` its largest message, and flags), and takes messages up to `fused_max_bytes` (1 MiB at
+  two GPUs, 512 KiB at more);
   ``LLMSERVE_FUSED_ALL_REDUCE=0`` turns it off (the benchmark's A/B), ``=one-way`` runs its
   flagless protocol (the data is the signal: the kernel's docstring), opt-in until the GPUs
   have measured it.
@@ -60,8 +61,17 @@ Algorithm = Literal["one_shot", "two_shot", "nccl"]
 ONE_SHOT_MAX_BYTES = 512 << 10
 TWO_SHOT_MAX_BYTES = 8 << 20
 # The largest message the fused all-reduce + add + norm takes (larger ones: all-reduce, then
-# add_rmsnorm): one-shot's, to be tuned from all_reduce.py's fused column.
+# add_rmsnorm), from all_reduce.py's fused column against +norm (2 and 4 H200s, 2026-11-28, us in a
+# CUDA graph): at 2 GPUs the fused kernel wins up to 1 MiB (13.0 against 18.4 there: a decode batch
+# of 128 rows of 4096) and ties at 2 MiB; at 4 it wins up to 512 KiB (13.5 / 15.8) and loses at
+# 1 MiB (22.5 / 19.9). More GPUs: 4's, unmeasured.
 FUSED_MAX_BYTES = ONE_SHOT_MAX_BYTES
+FUSED_MAX_BYTES_BY_WORLD = {2: 1 << 20}
+
+
+def fused_max_bytes(world_size: int) -> int:
+    """The largest message the fused kernel takes at this world size."""
+    return FUSED_MAX_BYTES_BY_WORLD.get(world_size, FUSED_MAX_BYTES)
 TWO_SHOT_WORLD_SIZES = (2, 4, 8)    # the world sizes two_shot_all_reduce_out is compiled for
 DTYPES = (torch.bfloat16, torch.float32)   # what the symm_mem kernels dispatch on
 ALIGNMENT = 16                      # bytes: the kernels' vector width, for start and size alike
@@ -93,14 +103,14 @@ class CustomAllReduce:
     group at once (``setup``: its rendezvous is a collective), before any CUDA graph is captured."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, one_shot_max: int = ONE_SHOT_MAX_BYTES,
-                 two_shot_max: int = TWO_SHOT_MAX_BYTES, fused_max: int = FUSED_MAX_BYTES):
+                 two_shot_max: int = TWO_SHOT_MAX_BYTES, fused_max: int | None = None):
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"   # before the first allocation: see the module's docstring
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = group.group_name
         self.rank, self.world_size = group.rank(), group.size()
         self.one_shot_max = one_shot_max
-        self.fused_max = fused_max
+        self.fused_max = fused_max if fused_max is not None else fused_max_bytes(self.world_size)
         self.two_shot_max = two_shot_max if self.world_size in TWO_SHOT_WORLD_SIZES else 0
         # The two ops looked up now, so that a torch without them fails here, not in the first step.
         self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out

@@ -188,8 +188,9 @@ def _check_rank(rank: int, world: int, port: int) -> None:
 
 
 # Rows x hidden: a decode row of Llama-3-8B, 40 rows (more rows than the fused
-# kernel's programs: some take two), rows wider than one 4096 block (70B's), an odd small size.
-FUSED_SHAPES = [(1, 4096), (40, 3072), (3, 8192), (5, 100)]
+# kernel's programs: some take two), rows wider than one 4096 block (70B's), an odd small size,
+# and a batch of 128 rows of 4096 (1 MiB in bf16: the largest message at two GPUs).
+FUSED_SHAPES = [(1, 4096), (40, 3072), (3, 8192), (5, 100), (128, 4096)]
 
 
 def _check_fused(custom: CustomAllReduce, gen: torch.Generator, device: torch.device) -> None:
@@ -203,6 +204,7 @@ def _check_fused(custom: CustomAllReduce, gen: torch.Generator, device: torch.de
     shared = torch.Generator(device).manual_seed(1234)   # h and the weights: the same on every rank
     cases = [(dtype, m, n, False) for dtype in (BF16, torch.float32) for m, n in FUSED_SHAPES]
     cases += [(BF16, m, n, True) for m, n in FUSED_SHAPES]
+    cases = [case for case in cases if case[1] * case[2] * case[0].itemsize <= custom.fused_max]
     for dtype, m, n, gemma2 in cases:
         what = f"fused, {m} x {n} of {dtype}{', Gemma 2' if gemma2 else ''}"
         round_first = not gemma2
