@@ -179,3 +179,37 @@ def with_fp8_cache(inputs: dict, k_scale: float, v_scale: float) -> tuple[dict, 
         fp8[name] = (pool.float() / scale).clamp(-448, 448).to(KV_FP8)
         dequantized[name] = (fp8[name].float() * scale).to(pool.dtype)
     return fp8, dequantized
+
+
+# Compiles kernels for a Hopper GPU without one (Triton's own compiler and its ptxas), in a process
+# of its own: here TRITON_INTERPRET makes every @triton.jit function an interpreted one.
+_HOPPER_COMPILE = """
+import inspect, json, os, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, variants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+kernel = getattr(__import__(module, fromlist=[name]), name)
+params = list(inspect.signature(kernel.fn).parameters)
+for types, constexprs, num_warps in variants:
+    signature = {p: types.get(p, "constexpr" if p in constexprs else "i32") for p in params}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    assert compiled.asm["cubin"], (types, constexprs)
+"""
+
+
+def compile_for_hopper(module: str, kernel: str, variants: list[tuple[dict[str, str], dict, int]]) -> None:
+    """Compile ``module.kernel`` for sm_90 once per variant: (argument types by name, as Triton
+    writes them, e.g. ``"*bf16"`` or ``"fp32"``, unnamed ones ``i32``; constexprs; num_warps).
+    Fails with the compiler's message where one does not compile: a kernel the interpreter runs
+    may still not compile (a GPU-only branch, a pass that rejects the IR)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE, module, kernel, json.dumps(variants)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

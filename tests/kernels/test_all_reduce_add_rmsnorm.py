@@ -11,7 +11,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
-from kernel_test_utils import cpu_triton, randn, rng, tol
+from kernel_test_utils import compile_for_hopper, cpu_triton, randn, rng, tol
 
 from llmserve.kernels.add_rmsnorm import add_rmsnorm_forward_triton
 from llmserve.kernels.all_reduce_add_rmsnorm import (
@@ -124,3 +124,19 @@ def test_one_way_takes_a_nan_with_the_empty_bits():
     for rank in range(2):
         assert bool(hs[rank, 0, 1, 5].isnan()) and bool(ys[rank, 0, 1].isnan().all())
         assert not bool(hs[rank, 0, 0].isnan().any()) and not bool(hs[rank, 1:].isnan().any())
+
+
+def test_every_protocol_compiles_for_hopper():
+    """The interpreter runs neither the PTX spin nor Triton's GPU passes: compile for sm_90 here
+    (a block carried round the one-way wait loop once failed a layout pass there)."""
+    def variant(dtype: str, world: int, one_way: bool, norm_delta: bool) -> tuple[dict, dict, int]:
+        types = {name: f"*{dtype}" for name in ("Addend", "H", "W", "DeltaW", "Y")}
+        types.update(BufferPtrs="*i64", FlagPtrs="*i64", Epochs="*i64", eps="fp32")
+        return types, dict(RANK=1, WORLD=world, WORLD_POW2=world, BLOCK_N=4096, ROUND_FIRST=not norm_delta,
+                           NORM_DELTA=norm_delta, ONE_WAY=one_way, BITS=32 if dtype == "fp32" else 16,
+                           SPIN_ASM=True, PDL=True), 8
+
+    compile_for_hopper("llmserve.kernels.all_reduce_add_rmsnorm", "_all_reduce_add_rmsnorm_kernel", [
+        variant("bf16", 2, False, False), variant("bf16", 2, True, False), variant("bf16", 4, True, True),
+        variant("fp32", 4, True, False), variant("fp16", 2, False, True),
+    ])
