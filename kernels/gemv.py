@@ -42,7 +42,6 @@ from .triton_math import gelu_tanh, pdl_wait, row_chunk, silu
 # (BLOCK_N, largest BLOCK_K, num_warps), from the H100 sweep (`benchmarks/decode_linear.py --sweep`,
 # Llama-3-8B's five weights in bf16): the best of 16 choices on four of them, within 1% on gate_up
 # (swept with the full-tile accumulator, before the 16-byte-group sums).
-TILES = (4, 2048, 4)
 #
 # One tile for every weight shape and card, not tuned per shape. The one-row GEMVs used
 # to time a few tiles per shape at start-up and keep the fastest, as the quantized linears do.
@@ -54,6 +53,7 @@ TILES = (4, 2048, 4)
 # 8B, batch 1, CUDA graphs, calls alternated) the step took 4.34-4.51 ms with the tiles picked
 # alone, 4.20 / 4.20 with TILES everywhere, and 4.17-4.22 with the start-up tuning as it was, whose
 # event timer measured Python's launch (60-180 us for a 5 us GEMV) and so picked at random.
+TILES = (4, 2048, 4)
 
 
 @triton.jit
