@@ -2,12 +2,15 @@
 
 The query of request i sits at position b_seq_len[i] - 1 and attends to positions
 0..b_seq_len[i] - 1, whose KV-pool slots are req_to_token[b_req_idx[i], pos].
-The Triton path chains decode_attention_stage1 (per-split partials) and
-decode_attention_stage2 (merge of the splits). A float8 cache (``--kv-cache-dtype fp8``) holds
+The Triton path runs decode_attention_stage1 (per-split partials), whose last program of each
+request and kv head merges the splits (`merge_counters`), or chains decode_attention_stage2 (merge
+of the splits) after it. A float8 cache (``--kv-cache-dtype fp8``) holds
 K / k_scale and V / v_scale: stage 1 dequantizes in registers, the twin the rows it gathers.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,32 @@ DECODE_MAX_SPLITS = 32
 # 512 keys alone: 11.3 us in 2 splits, 6.3 us in 8), and more only added partials to write and
 # merge (batch 128 x 512 keys: 102 us in 1 split, 116 us in 8).
 DECODE_TARGET_PROGRAMS = 512
+
+
+# Stage 2 merged inside stage 1 (`decode_attention_stage1`'s MERGE: one launch a layer fewer):
+# its counters, one zeroed int32 buffer per device, kept for the life of the process (CUDA graphs
+# hold its address), each counter left zero by the call that used it. A worker runs one step at a
+# time on one stream, so calls never share a counter at once. ``LLMSERVE_DECODE_MERGE=0``: two
+# launches (the benchmarks' A/B).
+MERGE_COUNTERS = 1 << 16
+MERGE_ENV_VAR = "LLMSERVE_DECODE_MERGE"
+_MERGE = os.environ.get(MERGE_ENV_VAR, "1").strip() != "0"
+_merge_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's merge counters, or None (merge in stage 2) where they are off, hold fewer than
+    ``needed``, or would first be allocated inside a CUDA-graph capture (which would keep them in
+    the graph's memory pool)."""
+    if not _MERGE or needed > MERGE_COUNTERS:
+        return None
+    counters = _merge_counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        with torch.inference_mode(False):
+            counters = _merge_counters[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def decode_num_splits(batch_size: int, kv_heads: int) -> int:
@@ -63,11 +92,13 @@ def decode_attention_fwd_triton(
     # Scratch is fp32 whatever the model dtype: partials are merged before rounding.
     mid_o = torch.empty((bs, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, Hq, num_splits), dtype=torch.float32, device=q.device)
+    counters = merge_counters(q.device, bs * k_cache.shape[1])
     decode_attention_stage1_triton(
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse, qk_scale, alibi_slopes,
-        block_n=block_n, **masks,
+        block_n=block_n, o=o if counters is not None else None, counters=counters, **masks,
     )
-    decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_n=block_n, sliding_window=sliding_window)
+    if counters is None:
+        decode_attention_stage2_triton(mid_o, mid_lse, o, b_seq_len, block_n=block_n, sliding_window=sliding_window)
 
 
 def decode_attention_fwd_torch(

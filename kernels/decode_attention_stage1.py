@@ -13,6 +13,14 @@ folded into the score scale and V's into the split's output, so no scaled copy o
 The grid (batch, kv heads, num_splits) holds no length, so a CUDA graph replays it at any length;
 num_splits is the caller's choice (`decode_attention.decode_num_splits`), a runtime argument so
 that every choice shares one compiled kernel.
+
+With ``counters`` (MERGE) the stage-2 merge happens here, without a launch of its own: each program
+counts its split done on its (request, kv head)'s counter, and the program that finishes last
+merges the written splits of its group's heads into o, as stage 2 does, then zeroes the counter
+for the next call. The count's release and acquire (gpu scope) order the partials before the
+merger's reads, which bypass L1 (a line of an earlier call's partials may still sit there). A
+launch boundary costs a batch-1 step about 1.3-1.8 us on an H200 (benchmarks/README.md, "What a
+launch costs"), once a layer.
 """
 
 from __future__ import annotations
@@ -59,9 +67,10 @@ def _decode_attention_stage1_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s, stride_mo_d,
     stride_ml_b, stride_ml_h, stride_ml_s,
     GROUP, D, num_splits,
+    O, Counters, stride_o_b, stride_o_h, stride_o_d,   # MERGE only
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FINAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FINAL: tl.constexpr, MERGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -128,6 +137,40 @@ def _decode_attention_stage1_kernel(
     if not FINAL:  # FINAL: one split, MidO is the output itself, and there is nothing to merge
         ml_ptrs = MidLse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split * stride_ml_s
         tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=g_mask)
+    if MERGE:
+        written = tl.cdiv(seq_len - kv_start, split_len)     # the splits that exist (stage 2's count)
+        counter = Counters + b * tl.num_programs(1) + kv_h
+        tl.debug_barrier()                                   # every thread's partials before the count
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == written - 1:
+            tl.debug_barrier()                               # every thread's reads after it
+            tl.store(counter, 0)
+            _merge_splits(MidO + b.to(tl.int64) * stride_mo_b, MidLse + b.to(tl.int64) * stride_ml_b,
+                          O + b.to(tl.int64) * stride_o_b, heads, g_mask, offs_d, d_mask, written,
+                          stride_mo_h, stride_mo_s, stride_mo_d, stride_ml_h, stride_ml_s, stride_o_h, stride_o_d,
+                          BLOCK_H, BLOCK_D)
+
+
+@triton.jit
+def _merge_splits(mid_o, mid_lse, o, heads, g_mask, offs_d, d_mask, written, stride_mo_h, stride_mo_s, stride_mo_d,
+                  stride_ml_h, stride_ml_s, stride_o_h, stride_o_d, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Stage 2's online merge (base 2) of one request's ``written`` splits for the group's heads,
+    element for element the same arithmetic, so the same bits; partials read past L1."""
+    mask = g_mask[:, None] & d_mask[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(0, written):
+        lse = tl.load(mid_lse + heads * stride_ml_h + s * stride_ml_s, mask=g_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(mid_o + heads[:, None] * stride_mo_h + s * stride_mo_s + offs_d[None, :] * stride_mo_d,
+                       mask=mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        total = total * alpha + w
+        m = m_new
+    o_ptrs = o + heads[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
+    tl.store(o_ptrs, (acc / total[:, None]).to(o.dtype.element_ty), mask=mask)
 
 
 def decode_attention_stage1_triton(
@@ -135,7 +178,7 @@ def decode_attention_stage1_triton(
     req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_seq_len: torch.Tensor,
     mid_o: torch.Tensor, mid_lse: torch.Tensor | None, qk_scale: float,
     alibi_slopes: torch.Tensor | None, *, block_n: int, sliding_window: int = 0, logit_softcap: float = 0.0,
-    v_scale: float = 1.0,
+    v_scale: float = 1.0, o: torch.Tensor | None = None, counters: torch.Tensor | None = None,
 ) -> None:
     """Fill mid_o [bs, Hq, splits, D] and mid_lse [bs, Hq, splits] (fp32, log2 domain) for each
     split (at most mid_o.shape[2] a request, each a multiple of block_n keys).
@@ -146,6 +189,9 @@ def decode_attention_stage1_triton(
 
     qk_scale is sm_scale * log2(e) (times K's scale for a float8 cache, whose V scale is v_scale); alibi_slopes are natural-log slopes [Hq] or None;
     sliding_window (0: none) and logit_softcap (0: none) as `decode_attention_fwd`.
+
+    With ``o`` [bs, Hq, D] and ``counters`` (int32, at least bs x Hkv, zero; left zero) the splits
+    are also merged into o, as `decode_attention_stage2_triton` would (the module's MERGE).
     """
     bs, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -157,6 +203,9 @@ def decode_attention_stage1_triton(
     final = mid_lse is None
     assert not final or num_splits == 1, "only one split can be written as the output"
     lse = mid_o if final else mid_lse  # never written when final
+    merge = counters is not None
+    assert not merge or (not final and o is not None and counters.numel() >= bs * Hkv), "merging needs o and counters"
+    out = o if merge else q            # never read or written without MERGE
     launcher(_decode_attention_stage1_kernel, q)[(bs, Hkv, num_splits)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, slopes, mid_o, lse,
         qk_scale, v_scale, sliding_window, logit_softcap * LOG2E,
@@ -167,8 +216,9 @@ def decode_attention_stage1_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
         group, D, num_splits,
+        out, counters if merge else b_seq_len, out.stride(0), out.stride(1), out.stride(2),
         HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=logit_softcap > 0,
-        DOT_PRECISION=dot_precision(q.dtype), FINAL=final,
+        DOT_PRECISION=dot_precision(q.dtype), FINAL=final, MERGE=merge,
         BLOCK_N=block_n, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D,
         num_warps=4, num_stages=2,
         **pdl(q),

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_test_utils import (
-    DEVICE_DTYPES, DEVICES, FP8_SCALES, alibi_slopes, cpu_triton, i32, make_paged_kv, randn, rng, run_poisoned, tol,
-    with_fp8_cache,
+    DEVICE_DTYPES, DEVICES, FP8_SCALES, alibi_slopes, compile_for_hopper, cpu_triton, i32, make_paged_kv, randn, rng,
+    run_poisoned, tol, with_fp8_cache,
 )
 
+from llmserve.kernels import decode_attention
 from llmserve.kernels.backend import sdpa_attention
 from llmserve.kernels.decode_attention import (
     _batched_sdpa_decode, decode_attention_fwd_torch, decode_attention_fwd_triton, decode_num_splits,
@@ -129,6 +130,36 @@ def test_one_split_writes_what_the_merge_would(device, dtype):
     merged = torch.empty_like(q)
     decode_attention_stage2_triton(mid_o, mid_lse, merged, inputs["b_seq_len"], block_n=16)
     assert torch.equal(got, merged)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("seq_lens,window,splits", [
+    pytest.param([70, 5, 129, 1], 0, (4, 16), id="ragged"),
+    pytest.param([300, 17], 50, (8, 16), id="window"),
+    pytest.param([33], 0, (32, 16), id="fewer-splits-written-than-launched"),
+])
+def test_stage1_merges_as_stage2_would(device, dtype, seq_lens, window, splits, monkeypatch):
+    """The merge inside stage 1 (the last program of a request and kv head merges) writes stage 2's
+    bits, call after call, and leaves every counter it used at zero."""
+    inputs = make_inputs(21, 8, 2, 64, seq_lens, True, dtype, device)
+    kw = dict(sliding_window=window, **split_args(splits))
+    merged = [run_poisoned(decode_attention_fwd_triton, inputs, **kw) for _ in range(2)]
+    counters = decode_attention._merge_counters[torch.device(device)]
+    assert not counters.any()
+    monkeypatch.setattr(decode_attention, "_MERGE", False)
+    two_launches = run_poisoned(decode_attention_fwd_triton, inputs, **kw)
+    assert torch.equal(merged[0], two_launches) and torch.equal(merged[1], two_launches)
+
+
+def test_stage1_compiles_for_hopper_with_the_merge():
+    """The merge's count (an atomic at gpu scope) and its L1-bypassing reads, compiled for sm_90."""
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", BReqIdx="*i32", BSeqLen="*i32", Slopes="*bf16",
+                 MidO="*fp32", MidLse="*fp32", qk_scale="fp32", v_scale="fp32", cap="fp32", O="*bf16", Counters="*i32")
+    constexprs = dict(HAS_ALIBI=False, HAS_SOFTCAP=False, DOT_PRECISION="tf32", FINAL=False, MERGE=True, BLOCK_N=64,
+                      BLOCK_H=16, BLOCK_D=128, PDL=True)
+    compile_for_hopper("llmserve.kernels.decode_attention_stage1", "_decode_attention_stage1_kernel", [
+        (types, dict(constexprs, HAS_WINDOW=False), 4), (types, dict(constexprs, HAS_WINDOW=True, HAS_SOFTCAP=True), 4),
+    ])
 
 
 def test_split_counts():
