@@ -14,7 +14,7 @@ The grid (batch, kv heads, num_splits) holds no length, so a CUDA graph replays 
 num_splits is the caller's choice (`decode_attention.decode_num_splits`), a runtime argument so
 that every choice shares one compiled kernel.
 
-With ``counters`` (MERGE) the stage-2 merge happens here, without a launch of its own: each program
+With ``counters`` (MERGE; `decode_attention.merge_counters`) the stage-2 merge happens here, without a launch of its own: each program
 counts its split done on its (request, kv head)'s counter, and the program that finishes last
 merges the written splits of its group's heads into o, as stage 2 does, then zeroes the counter
 for the next call. The count's release and acquire (gpu scope) order the partials before the

@@ -143,6 +143,7 @@ def test_stage1_merges_as_stage2_would(device, dtype, seq_lens, window, splits, 
     bits, call after call, and leaves every counter it used at zero."""
     inputs = make_inputs(21, 8, 2, 64, seq_lens, True, dtype, device)
     kw = dict(sliding_window=window, **split_args(splits))
+    monkeypatch.setattr(decode_attention, "_MERGE", True)
     merged = [run_poisoned(decode_attention_fwd_triton, inputs, **kw) for _ in range(2)]
     counters = decode_attention._merge_counters[torch.device(device)]
     assert not counters.any()
