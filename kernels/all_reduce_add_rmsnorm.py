@@ -83,15 +83,8 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
                     buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(dtype))
                     tl.store(buffer + half + RANK * rank_stride + row * N + cols, a, mask=mask)
     own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
-    if ONE_WAY:
-        # 3. wait until every peer's rows of this program have landed in this rank's buffer
-        for row in range(pid, M, programs):
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                mask = cols < N
-                for peer in tl.static_range(WORLD):
-                    if peer != RANK:
-                        _wait_until_written(own + peer * rank_stride + row * N + cols, mask, BITS)
+    if ONE_WAY:   # 3. wait until every peer's rows of this program have landed in this rank's buffer
+        _peers_rows(own, pid, programs, M, N, rank_stride, RANK, WORLD, BLOCK_N, BITS, EMPTY=False)
     else:
         _signal_and_wait(FlagPtrs, epoch, pid, RANK, WORLD, WORLD_POW2, SPIN_ASM)
     tl.debug_barrier()
@@ -125,16 +118,27 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
         rstd = tl.math.rsqrt(tl.sum(sq, 0) / N + eps)
         tl.debug_barrier()                            # the second pass reads what the first wrote
         store_row_norm(h_row, W, y_row, N, rstd, BLOCK_N, ROUND_FIRST)
-    if ONE_WAY:
-        # 5. empty the peers' rows just read, for the call after next (every thread's reads first)
+    if ONE_WAY:   # 5. empty the peers' rows just read, for the call after next (every thread's reads first)
         tl.debug_barrier()
-        for row in range(pid, M, programs):
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                mask = cols < N
-                for peer in tl.static_range(WORLD):
-                    if peer != RANK:
-                        _empty(own + peer * rank_stride + row * N + cols, mask, BITS)
+        _peers_rows(own, pid, programs, M, N, rank_stride, RANK, WORLD, BLOCK_N, BITS, EMPTY=True)
+
+
+@triton.jit
+def _peers_rows(own, pid, programs, M, N, rank_stride, RANK: tl.constexpr, WORLD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BITS: tl.constexpr, EMPTY: tl.constexpr):
+    """Over every peer's rows of this program in this rank's buffer half ``own``, chunk by chunk:
+    wait until each has landed (`_wait_until_written`), or with EMPTY empty it (`_empty`)."""
+    for row in range(pid, M, programs):
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            for peer in tl.static_range(WORLD):
+                if peer != RANK:
+                    chunk = own + peer * rank_stride + row * N + cols
+                    if EMPTY:
+                        _empty(chunk, mask, BITS)
+                    else:
+                        _wait_until_written(chunk, mask, BITS)
 
 
 @triton.jit
