@@ -9,12 +9,17 @@ and /info says how many generations each replica ran. Each number against dp=1's
 issue's goal: dp=2's random-prompt throughput >= 1.8x dp=1's, and the shared-prefix hit rate
 kept (>= 0.98x dp=1's: each replica computes the prefix once).
 
+``--replica-share`` also runs one replica (dp=1) under each larger dp's share of the load, C / N
+concurrent requests of the random load: N x that is what N independent replicas would serve, so
+the table tells the replicas' own loss (a batch of C / N uses a GPU less well than one of C)
+from what running them behind one server loses (routing, the HTTP side, the host).
+
 Run (2 GPUs):  python benchmarks/make_random_model.py --out /tmp/llama3-8b-random
                python benchmarks/dp_scaling.py --model /tmp/llama3-8b-random --dp 1,2 --json benchmarks/results/dp_scaling.json
 No checkpoint:  python benchmarks/make_random_model.py --config-only --out /tmp/llama3-8b-dummy
                python benchmarks/dp_scaling.py --model /tmp/llama3-8b-dummy --load-format dummy --dp 1,2 --api-server-count 4
 Smoke (CPU):   python benchmarks/make_random_model.py --shape tiny --device cpu --out /tmp/tiny
-               python benchmarks/dp_scaling.py --model /tmp/tiny --dp 1,2 --concurrency 4 --input-len 16 --output-len 8 --shared-prefix-len 64
+               python benchmarks/dp_scaling.py --model /tmp/tiny --dp 1,2 --concurrency 4 --input-len 16 --output-len 8 --shared-prefix-len 64 --replica-share
 """
 
 from __future__ import annotations
@@ -32,10 +37,7 @@ GOALS = {"random tok/s": 1.8, "shared-prefix hit rate": 0.98}     # dp=2 against
 
 def measure(args: argparse.Namespace, dp: int) -> dict[str, float | list[int]]:
     c = args.concurrency
-    flags = ["--dp", str(dp), "--tp", str(args.tp), "--max-concurrent-requests", str(4 * c),
-             "--api-server-count", str(args.api_server_count), "--load-format", args.load_format]
-    flags += ["--dtype", args.dtype] if args.dtype else []
-    with llmserve_server(args.model, 18100 + dp, flags) as url:
+    with llmserve_server(args.model, 18100 + dp, server_flags(args, dp, c)) as url:
         lengths = (args.model, c, 4 * c, args.input_len, args.output_len)
         random = serving_load(url, *lengths)
         shared = serving_load(url, *lengths, "--workload", "shared-prefix", "--shared-prefix-len",
@@ -45,6 +47,22 @@ def measure(args: argparse.Namespace, dp: int) -> dict[str, float | list[int]]:
                "shared-prefix hit rate": shared["prefix_cache"]["hit_rate"], "requests per replica": routed}
     print(f"dp={dp}: {numbers}", file=sys.stderr)
     return numbers
+
+
+def replica_share(args: argparse.Namespace, dp: int) -> float:
+    """One replica's random-load output tok/s under 1 / dp of the load (C / dp concurrent requests,
+    4 x that many requests), times dp: what dp independent replicas would serve."""
+    c = max(1, args.concurrency // dp)
+    with llmserve_server(args.model, 18200 + dp, server_flags(args, 1, c)) as url:
+        tok_s = serving_load(url, args.model, c, 4 * c, args.input_len, args.output_len)["output_throughput"]
+    print(f"one replica at C={c}: {tok_s:.0f} tok/s", file=sys.stderr)
+    return dp * tok_s
+
+
+def server_flags(args: argparse.Namespace, dp: int, concurrency: int) -> list[str]:
+    flags = ["--dp", str(dp), "--tp", str(args.tp), "--max-concurrent-requests", str(4 * concurrency),
+             "--api-server-count", str(args.api_server_count), "--load-format", args.load_format]
+    return flags + (["--dtype", args.dtype] if args.dtype else [])
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights drawn at load from --model's config.json (make_random_model.py "
                         "--config-only), as llmserve serve --load-format dummy (default: auto)")
+    p.add_argument("--replica-share", action="store_true",
+                   help="also run one replica under each larger dp's share of the load (C / dp): dp x its "
+                        "throughput is what that many independent replicas would serve")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -70,6 +91,7 @@ def main() -> int:
     args = parse_args()
     dps = [int(d) for d in args.dp.split(",")]
     results = {dp: measure(args, dp) for dp in dps}
+    shares = {dp: replica_share(args, dp) for dp in dps[1:]} if args.replica_share else {}
     base = results[dps[0]]
     rows = []
     for dp, numbers in results.items():
@@ -81,6 +103,10 @@ def main() -> int:
             goal = GOALS.get(metric) if dp == 2 else None
             verdict = "" if goal is None else f">= {goal}: " + ("met" if ratio >= goal else "MISSED")
             rows.append([dp, metric, f"{value:.3f}", f"{ratio:.3f}", verdict])
+        if dp in shares:
+            ideal = shares[dp]
+            rows.append([dp, f"{dp} independent replicas at C={max(1, args.concurrency // dp)}, tok/s", f"{ideal:.3f}",
+                         f"{ideal / base['random tok/s']:.3f}", f"dp={dp} serves {numbers['random tok/s'] / ideal:.3f}x it"])
     print(f"\n### Data-parallel scaling, tp={args.tp}, C={args.concurrency}, in {args.input_len} / out "
           f"{args.output_len}, shared prefix {args.shared_prefix_len}, {args.api_server_count} HTTP process(es)\n")
     print(markdown_table(["dp", "metric", "value", f"/ dp={dps[0]}", "goal"], rows))
@@ -89,7 +115,8 @@ def main() -> int:
                                "api_server_count": args.api_server_count,
                                "concurrency": args.concurrency, "input_len": args.input_len,
                                "output_len": args.output_len, "shared_prefix_len": args.shared_prefix_len,
-                               "results": {str(dp): numbers for dp, numbers in results.items()}})
+                               "results": {str(dp): numbers for dp, numbers in results.items()},
+                               "independent_replicas_tok_s": {str(dp): tok_s for dp, tok_s in shares.items()}})
     return 0
 
 
