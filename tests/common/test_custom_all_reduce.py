@@ -9,6 +9,8 @@ with NCCL. The fused kernel's protocol on the CPU: tests/kernels/test_all_reduce
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
