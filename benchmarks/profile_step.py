@@ -3,7 +3,7 @@
 
     python benchmarks/profile_step.py --batch 1 --prompt-len 512 [--graphs]
         [--model-size gemma2-9b] [--quantization fp8|fp8-block|int4] [--lora 8] [--verify 4]
-        [--tp 2 [--all-reduce custom|unfused|one-way|nccl]]
+        [--tp 2 [--all-reduce custom|unfused|one-way|one-way-push|nccl]]
 
 ``--lora N`` loads N random rank-16 adapters on every projection (lora.py's) and gives request i
 adapter i mod N. ``--verify K`` profiles speculative verify steps of 1 + K tokens a request
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--verify", type=int, default=0, metavar="K", help="verify steps of 1 + K tokens a request")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each; rank 0 is profiled")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test (gloo, fp32)")
-    ap.add_argument("--all-reduce", choices=["custom", "unfused", "one-way", "nccl"], default="custom",
+    ap.add_argument("--all-reduce", choices=["custom", "unfused", "one-way", "one-way-push", "nccl"], default="custom",
                     help="at --tp > 1: the custom all-reduce fused with the add and norm (default), without the "
                          "fusion, the fused kernel's flagless protocol, or NCCL's")
     args = ap.parse_args()
@@ -71,8 +71,8 @@ def main() -> None:
     from llmserve.engine.worker_client import free_tcp_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")    # NVLink multicast stays off (custom_all_reduce.py)
-    if args.all_reduce in ("unfused", "one-way"):   # the spawned ranks inherit it
-        os.environ[FUSED_ENV_VAR] = "0" if args.all_reduce == "unfused" else "one-way"
+    if args.all_reduce in ("unfused", "one-way", "one-way-push"):   # the spawned ranks inherit it
+        os.environ[FUSED_ENV_VAR] = "0" if args.all_reduce == "unfused" else args.all_reduce
     mp.start_processes(rank_main, args=(args, free_tcp_port()), nprocs=args.tp, start_method="spawn")
 
 

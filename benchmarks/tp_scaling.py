@@ -13,7 +13,8 @@ At tp > 1 each runs once per --all-reduce mode: ``custom`` (the default at pp = 
 over peer-to-peer buffers, common/custom_all_reduce.py, each layer's two fused with the residual add
 and norm after them), ``unfused`` (the same without the fusion: ``LLMSERVE_FUSED_ALL_REDUCE=0``,
 an all-reduce launch and an add_rmsnorm launch), ``one-way`` (the fused kernel's flagless protocol:
-``LLMSERVE_FUSED_ALL_REDUCE=one-way``) and ``nccl`` (``--disable-custom-all-reduce``; the only one
+``LLMSERVE_FUSED_ALL_REDUCE=one-way``), ``one-way-push`` (that, with batch-1 o and down GEMVs
+pushing their rows themselves) and ``nccl`` (``--disable-custom-all-reduce``; the only one
 at pp > 1). With --pp (pipeline stages, a list like --tp) each tp runs at each pp:
 the stages run one after another, so pp=2's step is pp=1's plus the hand-offs, not less.
 Each row also gives the ratio to tp=1's number and the issue's goal (tp=2 step <= 0.6x at C=1,
@@ -141,7 +142,7 @@ def serving(args: argparse.Namespace, tp: int, all_reduce: str, concurrency: int
     return summary["output_throughput"]
 
 
-MODES = ("custom", "unfused", "one-way", "nccl")
+MODES = ("custom", "unfused", "one-way", "one-way-push", "nccl")
 
 
 @contextlib.contextmanager
@@ -151,8 +152,8 @@ def all_reduce_mode(mode: str):
     from llmserve.common.custom_all_reduce import FUSED_ENV_VAR
 
     before = os.environ.get(FUSED_ENV_VAR)
-    if mode in ("unfused", "one-way"):
-        os.environ[FUSED_ENV_VAR] = "0" if mode == "unfused" else "one-way"
+    if mode in ("unfused", "one-way", "one-way-push"):
+        os.environ[FUSED_ENV_VAR] = "0" if mode == "unfused" else mode
     try:
         yield
     finally:
@@ -179,7 +180,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--all-reduce", default="custom,nccl",
                    help="at tp > 1, run once per mode: custom (the default: peer-to-peer kernels for small "
                         "messages, fused with the residual add and norm), unfused (custom without the fusion), "
-                        "one-way (the fused kernel's flagless protocol), nccl (default: custom,nccl)")
+                        "one-way (the fused kernel's flagless protocol), one-way-push (that, batch-1 GEMVs "
+                        "pushing their rows), nccl (default: custom,nccl)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="decode graphs up to this batch (default: the engine's); smaller starts faster")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",

@@ -35,12 +35,22 @@ over NVLink, not two (the scheme of TensorRT-LLM's "Lamport" all-reduce). The sa
 a peer writes a half again two calls later, after this rank's next call has pushed to it, which
 comes after this call emptied its rows.
 
+**Pushed by the producer** (one-way only; `PushTarget`, ``pushed=True``): a one-row GEMV (the o or
+down projection of a batch-1 decode step) stores its output into the peers' buffers itself, in
+its epilogue (`push_row`), where this kernel's step 1 would; the kernel then only waits, sums,
+adds, normalises and empties. The push leaves the critical path: each GEMV program sends its few
+features as it ends, while the others still read their weights. The half is the one this
+kernel's next call will use: row 0 is program 0's, whose epoch the GEMV reads (this kernel's last
+call wrote it, and the GEMV runs after that call ended).
+
 Sum order: rank 0's addend, then rank 1's, and so on, rounded to the dtype after each addition,
 on every rank alike; so every rank's h gets the same bits, and they equal the custom one-shot
 all-reduce's sum followed by `add_rmsnorm` (the torch twin below says it in torch).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -60,8 +70,8 @@ PROGRAMS = 32
 def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs, Epochs, M, N, stride_a, stride_h,
                                    stride_y, rank_stride, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
                                    WORLD_POW2: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                                   NORM_DELTA: tl.constexpr, ONE_WAY: tl.constexpr, BITS: tl.constexpr,
-                                   SPIN_ASM: tl.constexpr, PDL: tl.constexpr):
+                                   NORM_DELTA: tl.constexpr, ONE_WAY: tl.constexpr, PUSHED: tl.constexpr,
+                                   BITS: tl.constexpr, SPIN_ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -70,18 +80,19 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
     tl.store(Epochs + pid, epoch)
     half = (epoch % 2) * WORLD * rank_stride           # this epoch's half of every buffer
 
-    # 1. push this rank's rows into its region of every peer's buffer
-    for row in range(pid, M, programs):
-        for off in range(0, N, BLOCK_N):
-            cols = off + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            a = tl.load(Addend + row * stride_a + cols, mask=mask)
-            if ONE_WAY:   # no NaN of the "empty" bits (all ones): every NaN as the canonical one
-                a = tl.where(a != a, float("nan"), a)
-            for peer in tl.static_range(WORLD):
-                if peer != RANK:
-                    buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(dtype))
-                    tl.store(buffer + half + RANK * rank_stride + row * N + cols, a, mask=mask)
+    # 1. push this rank's rows into its region of every peer's buffer (PUSHED: the producer did)
+    if not PUSHED:
+        for row in range(pid, M, programs):
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                a = tl.load(Addend + row * stride_a + cols, mask=mask)
+                if ONE_WAY:   # no NaN of the "empty" bits (all ones): every NaN as the canonical one
+                    a = tl.where(a != a, float("nan"), a)
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(dtype))
+                        tl.store(buffer + half + RANK * rank_stride + row * N + cols, a, mask=mask)
     own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
     if ONE_WAY:   # 3. wait until every peer's rows of this program have landed in this rank's buffer
         _peers_rows(own, pid, programs, M, N, rank_stride, RANK, WORLD, BLOCK_N, BITS, EMPTY=False)
@@ -139,6 +150,36 @@ def _peers_rows(own, pid, programs, M, N, rank_stride, RANK: tl.constexpr, WORLD
                         _empty(chunk, mask, BITS)
                     else:
                         _wait_until_written(chunk, mask, BITS)
+
+
+@triton.jit
+def push_row(y, cols, mask, BufferPtrs, Epochs, rank_stride, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Store columns ``cols`` of row 0 of this rank's addend (``y``, in the buffers' dtype) into
+    every peer's buffer, where the fused kernel's next one-way call (``pushed=True``) reads them:
+    what its step 1 would store (NaNs as the canonical one). A one-row producer's epilogue."""
+    epoch = tl.load(Epochs) + 1                        # program 0's next epoch: row 0 is its
+    half = (epoch % 2) * WORLD * rank_stride
+    y = tl.where(y != y, float("nan"), y)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(y.dtype))
+            tl.store(buffer + half + RANK * rank_stride + cols, y, mask=mask)
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where a one-row producer stores its output for the fused kernel (`push_row`): the one-way
+    buffers (``buffer_ptrs``), this rank's epochs, its rank and the region size in elements."""
+    buffer_ptrs: torch.Tensor
+    epochs: torch.Tensor
+    rank: int
+    rank_stride: int
+
+    def kernel_args(self) -> tuple:
+        return self.buffer_ptrs, self.epochs, self.rank_stride
+
+    def constexprs(self) -> dict:
+        return {"RANK": self.rank, "WORLD": self.buffer_ptrs.numel()}
 
 
 @triton.jit
@@ -227,7 +268,7 @@ def _sum_in_rank_order(addend_row, buffer_row, rank_stride, cols, mask, RANK: tl
 def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                                   round_first: bool, buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor | None,
                                   epochs: torch.Tensor, rank: int, rank_stride: int,
-                                  delta_weight: torch.Tensor | None = None) -> torch.Tensor:
+                                  delta_weight: torch.Tensor | None = None, pushed: bool = False) -> torch.Tensor:
     """``h += sum over ranks of addend`` in place, then RMSNorm of h (as `add_rmsnorm_forward`);
     returns the norm. Every rank of the group calls it with its own addend ``[M, N]``, at once.
     With ``delta_weight``, ``h += rmsnorm(sum, delta_weight)`` instead (Gemma 2's post-norms).
@@ -236,10 +277,12 @@ def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight:
     rank_stride`` elements of h's dtype) and flags (``PROGRAMS x world`` int64, zero at start) as
     mapped in this process; ``flag_ptrs=None``: the one-way protocol, whose buffers start with
     every byte 0xFF and have no flags. ``epochs``: int64 ``[PROGRAMS]``, this rank's own, zero at
-    start. ``M x N`` must fit ``rank_stride``."""
+    start. ``M x N`` must fit ``rank_stride``. ``pushed`` (one-way, one row): every rank's producer
+    has already stored its addend into its peers' buffers (`push_row`)."""
     n = h.shape[-1]
     h2, a2 = h.view(-1, n), addend.view(-1, n)
     assert a2.shape == h2.shape and a2.dtype == h2.dtype and h2.numel() <= rank_stride, (a2.shape, h2.shape)
+    assert not pushed or (flag_ptrs is None and h2.shape[0] == 1), "a producer pushes one row, one-way"
     y = torch.empty_like(h2)
     block_n, num_warps = row_launch_config(n)
     world = buffer_ptrs.numel()
@@ -247,7 +290,7 @@ def all_reduce_add_rmsnorm_triton(addend: torch.Tensor, h: torch.Tensor, weight:
         a2, h2, weight, weight if delta_weight is None else delta_weight, y, buffer_ptrs,
         buffer_ptrs if flag_ptrs is None else flag_ptrs, epochs, h2.shape[0], n, a2.stride(0), h2.stride(0),
         y.stride(0), rank_stride, eps, RANK=rank, WORLD=world, WORLD_POW2=next_pow2(world), BLOCK_N=block_n,
-        ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None, ONE_WAY=flag_ptrs is None,
+        ROUND_FIRST=round_first, NORM_DELTA=delta_weight is not None, ONE_WAY=flag_ptrs is None, PUSHED=pushed,
         BITS=8 * h2.element_size(), SPIN_ASM=h2.is_cuda, num_warps=num_warps, **pdl(h2),
     )
     return y.view(h.shape)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .all_reduce_add_rmsnorm import PushTarget, push_row
 from .backend import half_precision_on_triton, launcher, next_pow2, pdl, use_triton, vector_width
 from .gelu_and_mul import gelu_and_mul_fwd_torch
 from .lora import RowLora, no_row_lora, row_lora_delta, row_lora_loads
@@ -60,8 +61,10 @@ TILES = (4, 2048, 4)
 def _gemv_kernel(
     X, W, Bias, Y, N, K, stride_w_n,
     LoraS, LoraB, Scaling, SegStart, NUM_SLOTS, SPLIT1, SPLIT2, R_SUB, stride_bs, stride_bn,
+    PushBuffers, PushEpochs, push_rank_stride,   # PUSH only: the fused all-reduce's one-way buffers
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PUSH: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -88,6 +91,8 @@ def _gemv_kernel(
     if HAS_LORA:    # as lora_add: the linear layer's output rounds, then the product adds to it
         y = y.to(Y.dtype.element_ty).to(tl.float32) + row_lora_delta(lora_s, lora_b, lora_scaling)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
+    if PUSH:        # a row-parallel projection's addend, sent on to the fused all-reduce's peers
+        push_row(y.to(Y.dtype.element_ty), offs_n, n_mask, PushBuffers, PushEpochs, push_rank_stride, RANK, WORLD)
 
 
 @triton.jit
@@ -158,20 +163,25 @@ def _lora_args(lora: RowLora | None, t: torch.Tensor) -> tuple[tuple, dict]:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                *, lora: RowLora | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                *, lora: RowLora | None = None, tiles: tuple[int, int, int] | None = None,
+                push: PushTarget | None = None) -> torch.Tensor:
     """Triton version of `gemv`; `tiles` (BLOCK_N, largest BLOCK_K, num_warps) forces a tile (the
     benchmark's sweep), else `TILES` (not tuned per shape: see there). ``lora``:
     the row's adapter product for weight's output columns, added in the epilogue (what `lora_add`
-    would add after it, without its launches)."""
+    would add after it, without its launches). ``push``: the output is also stored into the fused
+    all-reduce's peers' buffers (`all_reduce_add_rmsnorm.push_row`), for its next call with
+    ``pushed=True``."""
     N, K = weight.shape
     assert x.numel() == K and x.is_contiguous() and weight.stride(1) == 1, "gemv takes one contiguous row"
     block_n, block_k, num_warps = gemv_tile(K, tiles or TILES)
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     lora_args, lora_constexprs = _lora_args(lora, weight)
+    push_args, push_constexprs = (push.kernel_args(), push.constexprs()) if push is not None else ((x, x, 0), {})
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args,
+        x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args, *push_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n,
-        BLOCK_K=block_k, VEC=vector_width(x, block_k), num_warps=num_warps, num_stages=1, **lora_constexprs, **pdl(x),
+        BLOCK_K=block_k, VEC=vector_width(x, block_k), PUSH=push is not None, **{"RANK": 0, "WORLD": 1, **push_constexprs},
+        num_warps=num_warps, num_stages=1, **lora_constexprs, **pdl(x),
     )
     return y
 

@@ -32,8 +32,9 @@ NCCL adds in another order, and the two agree to bf16 rounding.
   ``world x`` its largest message, and flags), and takes messages up to `fused_max_bytes` (1 MiB at
   two GPUs, 512 KiB at more);
   ``LLMSERVE_FUSED_ALL_REDUCE=0`` turns it off (the benchmark's A/B), ``=one-way`` runs its
-  flagless protocol (the data is the signal: the kernel's docstring), opt-in until the GPUs
-  have measured it.
+  flagless protocol (the data is the signal: the kernel's docstring), ``=one-way-push`` that and a
+  batch-1 decode step's o and down GEMVs pushing their rows themselves (`push_target`), both
+  opt-in until the GPUs have measured them.
 
 NVLink multicast (the ``multimem_*`` ops, NVLS) is never used, and ``TORCH_SYMM_MEM_DISABLE_MULTICAST``
 is set before the buffer is allocated, so that torch does not create a multicast object either:
@@ -49,7 +50,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from llmserve.kernels.all_reduce_add_rmsnorm import PROGRAMS, all_reduce_add_rmsnorm_triton
+from llmserve.kernels.all_reduce_add_rmsnorm import PROGRAMS, PushTarget, all_reduce_add_rmsnorm_triton
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ class CustomAllReduce:
         self._views = {dtype: self.buffer.view(dtype) for dtype in DTYPES}
         fused = os.environ.get(FUSED_ENV_VAR, "1").strip()
         self.fuses_add_rmsnorm = fused != "0"
-        self.one_way = fused == "one-way"
+        self.one_way = fused in ("one-way", "one-way-push")
+        self.pushes = fused == "one-way-push"   # batch-1 o / down GEMVs push their rows (push_target)
         if self.fuses_add_rmsnorm:
             self._setup_fused(symm_mem, group, device)
 
@@ -199,18 +201,27 @@ class CustomAllReduce:
                 and 0 < addend.numel() * addend.element_size() <= self.fused_max)
 
     def all_reduce_add_rmsnorm(self, addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                               round_first: bool, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
+                               round_first: bool, delta_weight: torch.Tensor | None = None,
+                               pushed: bool = False) -> torch.Tensor:
         """``h += the sum of addend over the ranks`` in place (with ``delta_weight``: the sum's
         RMSNorm), then RMSNorm of h: one launch (`kernels/all_reduce_add_rmsnorm.py`); for an
-        addend ``takes_add_rmsnorm`` takes."""
+        addend ``takes_add_rmsnorm`` takes. ``pushed``: its producer pushed it (`push_target`)."""
         return all_reduce_add_rmsnorm_triton(addend, h, weight, eps, round_first, self._fused_ptrs, self._flag_ptrs,
                                              self._epochs, self.rank, self.fused_max // addend.element_size(),
-                                             delta_weight)
+                                             delta_weight, pushed)
+
+    def push_target(self, dtype: torch.dtype, n: int) -> PushTarget | None:
+        """Where a one-row producer of an addend of ``n`` values of ``dtype`` stores it for the
+        fused kernel's next call (``LLMSERVE_FUSED_ALL_REDUCE=one-way-push``), or None."""
+        if not self.pushes or dtype not in FUSED_DTYPES or not 0 < n * dtype.itemsize <= self.fused_max:
+            return None
+        return PushTarget(self._fused_ptrs, self._epochs, self.rank, self.fused_max // dtype.itemsize)
 
     def describe(self) -> str:
         two_shot = f", two-shot up to {human_bytes(self.two_shot_max)}" if self.two_shot_max > self.one_shot_max else ""
         fused = (f", fused with the residual add and norm up to {human_bytes(self.fused_max)}"
-                 + (" (one-way)" if self.one_way else "") if self.fuses_add_rmsnorm else "")
+                 + (" (one-way" + (", batch-1 GEMVs pushing" if self.pushes else "") + ")" if self.one_way else "")
+                 if self.fuses_add_rmsnorm else "")
         return (f"custom (symmetric memory, bf16/fp32: one-shot up to {human_bytes(self.one_shot_max)}{two_shot}, "
                 f"NCCL above{fused})")
 

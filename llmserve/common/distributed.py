@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from llmserve.common.custom_all_reduce import CustomAllReduce
 from llmserve.kernels import add_rmsnorm_forward
+from llmserve.kernels.gemv import gemv_triton, takes_gemv
 
 # This process's custom all-reduce (GPUs of one node, see custom_all_reduce.py), or None: NCCL's
 # or gloo's. Set once by init_distributed, before the model's first forward; read by every
@@ -66,14 +67,37 @@ class PartialSum:
     Any other consumer gets a reduced tensor (``reduce``), and fails loudly on this type."""
 
     addend: torch.Tensor
+    # The addend's producer already stored it into the peers' buffers of the fused kernel's one-way
+    # protocol (`row_parallel_gemv`): only that kernel may sum it, or the peers' buffers would be
+    # left holding it.
+    pushed: bool = False
 
     def __getitem__(self, rows) -> PartialSum:
         """Some rows of the sum (the post layer's logit rows): the sum of those rows' addends."""
+        if self.pushed:
+            raise RuntimeError("a pushed row-parallel output is summed whole, by the fused all-reduce")
         return PartialSum(self.addend[rows])
 
     def reduce(self) -> torch.Tensor:
         """The sum itself (in place over the addend)."""
+        if self.pushed:
+            raise RuntimeError("a pushed row-parallel output is summed whole, by the fused all-reduce")
         return all_reduce(self.addend)
+
+
+def row_parallel_gemv(x: torch.Tensor, weight: torch.Tensor) -> PartialSum | None:
+    """A decode step's one-row, row-parallel projection whose output goes into the fused
+    all-reduce + add + norm (`add_rmsnorm`): run by a GEMV that also pushes the row into the
+    peers' buffers (`CustomAllReduce.push_target`), so that the fused kernel only waits, sums and
+    normalises. None where that does not apply (no one-way push, not a one-row GEMV): the caller
+    runs its plain projection. Its caller guarantees that the whole output reaches `add_rmsnorm`."""
+    custom = _custom_all_reduce
+    if custom is None or not x.is_cuda or not takes_gemv(x, weight):
+        return None
+    target = custom.push_target(x.dtype, weight.shape[0])
+    if target is None:
+        return None
+    return PartialSum(gemv_triton(x, weight, push=target), pushed=True)
 
 
 def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | PartialSum, weight: torch.Tensor, eps: float,
@@ -84,7 +108,8 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | PartialSum, weight: torch
     if isinstance(delta, PartialSum):
         custom = _custom_all_reduce
         if custom is not None and custom.takes_add_rmsnorm(delta.addend):
-            return custom.all_reduce_add_rmsnorm(delta.addend, h, weight, eps, round_first, delta_weight)
+            return custom.all_reduce_add_rmsnorm(delta.addend, h, weight, eps, round_first, delta_weight,
+                                                 pushed=delta.pushed)
         delta = delta.reduce()
     return add_rmsnorm_forward(h, delta, weight, eps, round_first, delta_weight)
 

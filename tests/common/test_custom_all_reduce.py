@@ -67,8 +67,8 @@ def test_add_rmsnorm_fuses_what_the_fused_kernel_takes_and_reduces_the_rest_firs
     custom = CustomAllReduce.__new__(CustomAllReduce)   # its choices only: no buffers, no peers
     custom.world_size, custom.one_shot_max, custom.two_shot_max = 2, ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
     custom.fused_max, custom.fuses_add_rmsnorm, custom.one_way = FUSED_MAX_BYTES, True, False
-    monkeypatch.setattr(custom, "all_reduce_add_rmsnorm",
-                        lambda addend, h, w, eps, round_first, delta_weight: used.append("fused"))
+    monkeypatch.setattr(custom, "all_reduce_add_rmsnorm", lambda addend, h, w, eps, round_first, delta_weight,
+                        pushed: used.append("fused, pushed" if pushed else "fused"))
     monkeypatch.setattr(custom, "all_reduce", lambda t, algorithm: used.append(algorithm))
     monkeypatch.setattr(distributed, "tp_size", lambda: 2)
     monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op, group: used.append("nccl"))
@@ -80,10 +80,28 @@ def test_add_rmsnorm_fuses_what_the_fused_kernel_takes_and_reduces_the_rest_firs
                 h = torch.zeros(rows, 4096, dtype=dtype)
                 distributed.add_rmsnorm(h, distributed.PartialSum(torch.zeros_like(h)), torch.ones(4096, dtype=dtype),
                                         1e-6)
+        custom.fuses_add_rmsnorm = True
+        pushed = distributed.PartialSum(torch.zeros(1, 4096, dtype=BF16), pushed=True)
+        distributed.add_rmsnorm(torch.zeros(1, 4096, dtype=BF16), pushed, torch.ones(4096, dtype=BF16), 1e-6)
+        for only_the_fused_kernel_may_sum_it in (pushed.reduce, lambda: pushed[[0]]):
+            with pytest.raises(RuntimeError, match="summed whole"):
+                only_the_fused_kernel_may_sum_it()
     finally:
         distributed.set_custom_all_reduce(None)
     # the fused kernel takes fp16 too, and what fits one-shot's buffer; larger sums reduce first
-    assert used == ["fused", "fused", "two_shot", "nccl"] + ["one_shot", "nccl", "two_shot", "nccl"]
+    assert used == ["fused", "fused", "two_shot", "nccl"] + ["one_shot", "nccl", "two_shot", "nccl"] + ["fused, pushed"]
+
+
+def test_a_push_target_only_with_one_way_push_and_for_what_the_fused_kernel_takes():
+    custom = CustomAllReduce.__new__(CustomAllReduce)   # its choices only: no buffers, no peers
+    custom.rank, custom.fused_max, custom.pushes = 1, 1 << 20, True
+    custom._fused_ptrs, custom._epochs = torch.zeros(2, dtype=torch.int64), torch.zeros(32, dtype=torch.int64)
+    target = custom.push_target(BF16, 4096)
+    assert target is not None and (target.rank, target.rank_stride) == (1, (1 << 20) // 2)
+    assert target.constexprs() == {"RANK": 1, "WORLD": 2}
+    assert custom.push_target(torch.float32, (1 << 18) + 4) is None  # larger than the fused kernel takes
+    custom.pushes = False
+    assert custom.push_target(BF16, 4096) is None                     # one-way without the push
 
 
 # -- two GPUs ---------------------------------------------------------------------------------
@@ -272,7 +290,7 @@ def test_tp2_decodes_the_tokens_of_nccl_and_of_tp1(tiny_llama_dir):
     prompts = [[5, 17, 300, 2, 9], [44] * 3, list(range(100, 131))]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def tokens(tp: int, dtype: str, **options) -> tuple[list[list[int]], str]:
+    def tokens(tp: int, dtype: str, prompts: list[list[int]] = prompts, **options) -> tuple[list[list[int]], str]:
         with LLM(tiny_llama_dir, tp=tp, dtype=dtype, **options) as llm:
             assert llm.engine.info.cuda_graph_max_bs > 0   # decode steps replay graphs
             return [out.token_ids for out in llm.generate(prompts, params)], llm.engine.info.all_reduce
@@ -282,5 +300,15 @@ def test_tp2_decodes_the_tokens_of_nccl_and_of_tp1(tiny_llama_dir):
     nccl, used = tokens(2, "bfloat16", custom_all_reduce=False)
     assert used == "NCCL", used
     assert custom == nccl   # the same sums, bit for bit, so the same logits
+    # the one-way protocol, and its batch-1 GEMVs pushing their rows (one prompt: one-row steps)
+    for protocol in ("one-way", "one-way-push"):
+        os.environ[FUSED_ENV_VAR] = protocol   # the workers inherit it
+        try:
+            one_way, used = tokens(2, "bfloat16", custom_all_reduce=True)
+            alone, _ = tokens(2, "bfloat16", custom_all_reduce=True, prompts=prompts[:1])
+        finally:
+            del os.environ[FUSED_ENV_VAR]
+        assert "(one-way" in used and ("pushing" in used) == (protocol == "one-way-push"), used
+        assert one_way == nccl and alone == nccl[:1], protocol
     # fp32: tp=1 and tp=2 differ only in how the matmuls' sums are split
     assert tokens(2, "float32")[0] == tokens(1, "float32")[0]

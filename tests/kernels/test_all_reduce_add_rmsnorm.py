@@ -15,8 +15,9 @@ from kernel_test_utils import compile_for_hopper, cpu_triton, randn, rng, tol
 
 from llmserve.kernels.add_rmsnorm import add_rmsnorm_forward_triton
 from llmserve.kernels.all_reduce_add_rmsnorm import (
-    PROGRAMS, all_reduce_add_rmsnorm_torch, all_reduce_add_rmsnorm_triton,
+    PROGRAMS, PushTarget, all_reduce_add_rmsnorm_torch, all_reduce_add_rmsnorm_triton,
 )
+from llmserve.kernels.gemv import gemv_triton
 
 CALLS = 3            # > 2: a buffer half is written again after a call that used the other
 JOIN_S = 120         # a rank still waiting then is a protocol that hangs
@@ -111,6 +112,60 @@ def test_every_rank_gets_the_twins_residual_and_the_add_rmsnorm_kernels_norm(wor
 
 
 @cpu_triton
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gemv_that_pushes_its_row_gives_what_the_kernels_push_gives(world):
+    """One-way, batch-1 calls whose addend a GEMV pushed in its epilogue (``pushed=True``), between
+    calls of two rows that the kernel pushes itself: every rank gets the rank-order sum of the
+    GEMVs' outputs, added and normalised as `add_rmsnorm`, and the buffers end empty."""
+    g = rng(11 + world)
+    n, k, dtype = 96, 64, torch.float16
+    weights = [randn(g, n, k, dtype=dtype, device="cpu", scale=k ** -0.5) for _ in range(world)]
+    rows = [1, 2, 1, 1]                          # pushed, pushed by the kernel, pushed, pushed
+    xs = [[randn(g, m, k, dtype=dtype, device="cpu") for m in rows] for _ in range(world)]
+    h0 = [randn(g, m, n, dtype=dtype, device="cpu", scale=3.0) for m in rows]
+    w = randn(g, n, dtype=dtype, device="cpu")
+    rank_stride = 2 * n + 5
+    empty = torch.int16
+    buffers = [torch.full((2 * world * rank_stride,), -1, dtype=empty).view(dtype).share_memory_() for _ in range(world)]
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    hs = [torch.zeros(world, m, n, dtype=dtype).share_memory_() for m in rows]
+    ys = [torch.zeros(world, m, n, dtype=dtype).share_memory_() for m in rows]
+
+    def rank_main(rank: int) -> None:
+        epochs = torch.zeros(PROGRAMS, dtype=torch.int64)
+        push = PushTarget(buffer_ptrs, epochs, rank, rank_stride)
+        for call, (x, h) in enumerate(zip(xs[rank], h0)):
+            h = h.clone()
+            one_row = x.shape[0] == 1
+            addend = (gemv_triton(x, weights[rank], push=push) if one_row
+                      else torch.cat([gemv_triton(r[None], weights[rank]) for r in x]))
+            ys[call][rank] = all_reduce_add_rmsnorm_triton(addend, h, w, 1e-6, True, buffer_ptrs, None, epochs, rank,
+                                                           rank_stride, pushed=one_row)
+            hs[call][rank] = h
+
+    ranks = [mp.get_context("fork").Process(target=rank_main, args=(r,)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(JOIN_S)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0] * world, "a rank failed or hung (its traceback is above)"
+    for rank, b in enumerate(buffers):
+        assert bool((b.view(empty) == -1).all()), rank
+    for call, (m, h_start) in enumerate(zip(rows, h0)):
+        total = torch.cat([gemv_triton(r[None], weights[0]) for r in xs[0][call]])
+        for r in range(1, world):
+            total += torch.cat([gemv_triton(row[None], weights[r]) for row in xs[r][call]])
+        h_plain = h_start.clone()
+        plain = add_rmsnorm_forward_triton(h_plain, total, w, 1e-6, True)
+        for rank in range(world):
+            torch.testing.assert_close(hs[call][rank], h_plain, atol=0, rtol=0, msg=f"rank {rank}, call {call}")
+            torch.testing.assert_close(ys[call][rank], plain, atol=0, rtol=0, msg=f"rank {rank}, call {call}")
+
+
+@cpu_triton
 def test_one_way_takes_a_nan_with_the_empty_bits():
     """An addend element whose bits are all ones (a NaN, the one-way buffers' "empty") arrives as
     a NaN, and the call ends: the push sends every NaN as the canonical one."""
@@ -129,14 +184,14 @@ def test_one_way_takes_a_nan_with_the_empty_bits():
 def test_every_protocol_compiles_for_hopper():
     """The interpreter runs neither the PTX spin nor Triton's GPU passes: compile for sm_90 here
     (a block carried round the one-way wait loop once failed a layout pass there)."""
-    def variant(dtype: str, world: int, one_way: bool, norm_delta: bool) -> tuple[dict, dict, int]:
+    def variant(dtype: str, world: int, one_way: bool, norm_delta: bool, pushed: bool = False) -> tuple[dict, dict, int]:
         types = {name: f"*{dtype}" for name in ("Addend", "H", "W", "DeltaW", "Y")}
         types.update(BufferPtrs="*i64", FlagPtrs="*i64", Epochs="*i64", eps="fp32")
         return types, dict(RANK=1, WORLD=world, WORLD_POW2=world, BLOCK_N=4096, ROUND_FIRST=not norm_delta,
-                           NORM_DELTA=norm_delta, ONE_WAY=one_way, BITS=32 if dtype == "fp32" else 16,
+                           NORM_DELTA=norm_delta, ONE_WAY=one_way, PUSHED=pushed, BITS=32 if dtype == "fp32" else 16,
                            SPIN_ASM=True, PDL=True), 8
 
     compile_for_hopper("llmserve.kernels.all_reduce_add_rmsnorm", "_all_reduce_add_rmsnorm_kernel", [
         variant("bf16", 2, False, False), variant("bf16", 2, True, False), variant("bf16", 4, True, True),
-        variant("fp32", 4, True, False), variant("fp16", 2, False, True),
+        variant("fp32", 4, True, False), variant("fp16", 2, False, True), variant("bf16", 2, True, False, pushed=True),
     ])

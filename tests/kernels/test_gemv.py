@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICES, linear_reference, randn, rng
+from kernel_test_utils import DEVICES, compile_for_hopper, linear_reference, randn, rng
 
 from llmserve.kernels import backend, quantized_linear
 from llmserve.kernels.gemv import (
@@ -98,3 +98,13 @@ def test_every_swept_tile_matches_the_linear_layer(device, K):
     for tiles in (ACT_AND_MUL_TILES, (4, 512, 4), (2, 1024, 4), (16, 512, 4)):
         got = gemv_act_and_mul_triton(x, w, "silu", tiles=tiles)
         torch.testing.assert_close(got, ACTIVATIONS["silu"](gate_up), atol=1e-2, rtol=1.6e-2, msg=str(tiles))
+
+
+def test_the_gemv_that_pushes_compiles_for_hopper():
+    """The epilogue that stores the row into the fused all-reduce's peers' buffers
+    (`all_reduce_add_rmsnorm.push_row`), compiled for sm_90; its protocol is tested with the
+    fused kernel's, in test_all_reduce_add_rmsnorm.py."""
+    types = dict(X="*bf16", W="*bf16", Bias="*bf16", Y="*bf16", PushBuffers="*i64", PushEpochs="*i64")
+    constexprs = dict(HAS_BIAS=False, HAS_LORA=False, EVEN_K=True, BLOCK_N=4, BLOCK_K=2048, VEC=8, BLOCK_R=16,
+                      BLOCK_S=16, PUSH=True, RANK=1, WORLD=2, PDL=True)
+    compile_for_hopper("llmserve.kernels.gemv", "_gemv_kernel", [(types, constexprs, 4)])

@@ -8,7 +8,7 @@ from llmserve.common.basemodel.basemodel import head_dim, num_kv_heads
 from llmserve.common.basemodel.model_shape import sliding_window
 from llmserve.common.basemodel.infer_struct import InferStateInfo
 from llmserve.common.basemodel.layer_infer.transformer_layer_infer import TransformerLayerInfer
-from llmserve.common.distributed import PartialSum, all_reduce, tp_size
+from llmserve.common.distributed import PartialSum, all_reduce, row_parallel_gemv, tp_size
 from llmserve.kernels import context_attention_fwd, decode_attention_fwd, destindex_copy_kv, linear, verify_attention_fwd
 
 
@@ -156,6 +156,12 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         their products for ``lora_group`` are partial sums too (A is cut as the weight), added before
         the reduction. Without a bias, where ``reduces_in_norm``, the reduction is left to the
         add-norm that takes the output (a ``PartialSum``)."""
+        if (bias is None and self.reduces_in_norm and tp_size() > 1 and infer_state is not None
+                and infer_state.is_decode and infer_state.lora is None):
+            # every row of a decode step reaches the next add-norm whole (no logit rows picked)
+            pushed = row_parallel_gemv(x, weight)
+            if pushed is not None:
+                return pushed
         y = self._linear(x, weight, None, infer_state, lora_group)
         if bias is None:
             return self._sum_over_ranks(y)
