@@ -23,6 +23,19 @@ CALLS = 3            # > 2: a buffer half is written again after a call that use
 JOIN_S = 120         # a rank still waiting then is a protocol that hangs
 
 
+def _fork_ranks(world: int, rank_main) -> None:
+    """Run ``rank_main(rank)`` in a forked process per rank; every one must end well within JOIN_S."""
+    ranks = [mp.get_context("fork").Process(target=rank_main, args=(r,)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(JOIN_S)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0] * world, "a rank failed or hung (its traceback is above)"
+
+
 def _empty_bits(dtype: torch.dtype) -> torch.dtype:
     return torch.int16 if torch.finfo(dtype).bits == 16 else torch.int32
 
@@ -53,15 +66,7 @@ def _run_ranks(world: int, addends: list[list[torch.Tensor]], h0: list[torch.Ten
                                                            epochs, rank, rank_stride, delta_w)
             hs[rank, call] = h
 
-    ranks = [mp.get_context("fork").Process(target=rank_main, args=(r,)) for r in range(world)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(JOIN_S)
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in ranks] == [0] * world, "a rank failed or hung (its traceback is above)"
+    _fork_ranks(world, rank_main)
     if protocol == "one-way":   # every rank emptied what its peers wrote, once read
         for rank, b in enumerate(buffers):
             assert bool((b.view(_empty_bits(dtype)) == -1).all()), rank
@@ -143,15 +148,7 @@ def test_a_gemv_that_pushes_its_row_gives_what_the_kernels_push_gives(world):
                                                            rank_stride, pushed=one_row)
             hs[call][rank] = h
 
-    ranks = [mp.get_context("fork").Process(target=rank_main, args=(r,)) for r in range(world)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(JOIN_S)
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in ranks] == [0] * world, "a rank failed or hung (its traceback is above)"
+    _fork_ranks(world, rank_main)
     for rank, b in enumerate(buffers):
         assert bool((b.view(empty) == -1).all()), rank
     for call, (m, h_start) in enumerate(zip(rows, h0)):
