@@ -14,6 +14,10 @@ nccl``; ``unfused`` turns its fusion with the add and norm off), and profiles ra
 ``--device cpu`` runs the same on the CPU (gloo, fp32, the ops' CPU times): a smoke test of the
 script, e.g. ``--device cpu --model-size tiny --tp 2 --prompt-len 16 --steps 2``.
 
+Each kernel row also gives the median and the longest of its calls: a kernel whose calls vary
+widely waits on something (at tp > 1, the first all-reduce of a step waits for the other ranks'
+graph launches).
+
 If the kernels' summed time is well below the step time, the step is bound by host-side work
 (Python, launches, synchronisations), not by the GPU. The sum counts kernel rows only: the
 profiler also lists each aten op with the time of the kernels it launched, and adding those
@@ -27,6 +31,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -155,7 +160,8 @@ def profile_rank(args: argparse.Namespace, device: torch.device, rank: int = 0) 
     if rank != 0:
         return
     # On the CPU (a smoke test) the ops' own CPU times stand in for the kernels.
-    kernels = [e for e in prof.key_averages() if e.device_type == (DeviceType.CUDA if on_gpu else DeviceType.CPU)]
+    device_type = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    kernels = [e for e in prof.key_averages() if e.device_type == device_type]
     time_us = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
     gpu_ms = sum(time_us(e) for e in kernels) / 1e3 / args.steps
     launches = sum(e.count for e in kernels) / args.steps
@@ -165,9 +171,17 @@ def profile_rank(args: argparse.Namespace, device: torch.device, rank: int = 0) 
     unit = "kernels" if on_gpu else "ops"
     print(f"{what}, batch {args.batch}{' (CUDA graph)' if args.graphs else ''}: wall {wall_ms:.2f} ms/step, "
           f"{'GPU' if on_gpu else 'CPU'} {unit} {gpu_ms:.2f} ms/step ({launches:.0f} {unit} a step)", flush=True)
-    print(f"{'kernel':<80} {'ms/step':>8} {'calls/step':>10}")
+    # Each call's own time: a kernel whose calls vary widely waits on something (the custom
+    # all-reduce's first call of a step waits for the ranks' graph launches to line up).
+    calls_us: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == device_type:
+            calls_us[e.name].append(e.time_range.elapsed_us())
+    print(f"{'kernel':<80} {'ms/step':>8} {'calls/step':>10} {'median us':>9} {'max us':>8}")
     for e in sorted(kernels, key=lambda e: -time_us(e))[:18]:
-        print(f"{e.key[:80]:<80} {time_us(e) / 1e3 / args.steps:8.3f} {e.count / args.steps:10.0f}", flush=True)
+        each = sorted(calls_us.get(e.key, [])) or [float("nan")]
+        print(f"{e.key[:80]:<80} {time_us(e) / 1e3 / args.steps:8.3f} {e.count / args.steps:10.0f} "
+              f"{each[len(each) // 2]:9.1f} {each[-1]:8.1f}", flush=True)
 
 
 if __name__ == "__main__":
