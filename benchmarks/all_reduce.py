@@ -115,9 +115,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         rows = h[: t.numel()].view(-1, args.hidden)
         return add_rmsnorm_forward(rows, distributed.all_reduce(t).view(-1, args.hidden), w, 1e-6)
 
-    def fused(t: torch.Tensor) -> torch.Tensor:
-        rows = h[: t.numel()].view(-1, args.hidden)
-        return custom.all_reduce_add_rmsnorm(t.view(-1, args.hidden), rows, w, 1e-6, True)
+    def fused_by(instance: CustomAllReduce):
+        def fused(t: torch.Tensor) -> torch.Tensor:
+            rows = h[: t.numel()].view(-1, args.hidden)
+            return instance.all_reduce_add_rmsnorm(t.view(-1, args.hidden), rows, w, 1e-6, True)
+        return fused
 
     os.environ[FUSED_ENV_VAR] = "one-way"   # a second instance, over buffers of its own
     try:
@@ -126,11 +128,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     finally:
         del os.environ[FUSED_ENV_VAR]
 
-    def fused_one_way(t: torch.Tensor) -> torch.Tensor:
-        rows = h[: t.numel()].view(-1, args.hidden)
-        return one_way.all_reduce_add_rmsnorm(t.view(-1, args.hidden), rows, w, 1e-6, True)
-
-    kernels["+norm"], kernels["fused"], kernels["one-way"] = unfused, fused, fused_one_way
+    kernels["+norm"], kernels["fused"], kernels["one-way"] = unfused, fused_by(custom), fused_by(one_way)
     rows = []
     for nbytes in sizes:
         assert nbytes % ALIGNMENT == 0, f"sizes must be multiples of {ALIGNMENT} bytes"

@@ -86,13 +86,8 @@ def _all_reduce_add_rmsnorm_kernel(Addend, H, W, DeltaW, Y, BufferPtrs, FlagPtrs
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                a = tl.load(Addend + row * stride_a + cols, mask=mask)
-                if ONE_WAY:   # no NaN of the "empty" bits (all ones): every NaN as the canonical one
-                    a = tl.where(a != a, float("nan"), a)
-                for peer in tl.static_range(WORLD):
-                    if peer != RANK:
-                        buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(dtype))
-                        tl.store(buffer + half + RANK * rank_stride + row * N + cols, a, mask=mask)
+                _push_chunk(tl.load(Addend + row * stride_a + cols, mask=mask), row * N + cols, mask, BufferPtrs,
+                            half, rank_stride, RANK, WORLD, ONE_WAY)
     own = tl.load(BufferPtrs + RANK).to(tl.pointer_type(dtype)) + half
     if ONE_WAY:   # 3. wait until every peer's rows of this program have landed in this rank's buffer
         _peers_rows(own, pid, programs, M, N, rank_stride, RANK, WORLD, BLOCK_N, BITS, EMPTY=False)
@@ -158,12 +153,20 @@ def push_row(y, cols, mask, BufferPtrs, Epochs, rank_stride, RANK: tl.constexpr,
     every peer's buffer, where the fused kernel's next one-way call (``pushed=True``) reads them:
     what its step 1 would store (NaNs as the canonical one). A one-row producer's epilogue."""
     epoch = tl.load(Epochs) + 1                        # program 0's next epoch: row 0 is its
-    half = (epoch % 2) * WORLD * rank_stride
-    y = tl.where(y != y, float("nan"), y)
+    _push_chunk(y, cols, mask, BufferPtrs, (epoch % 2) * WORLD * rank_stride, rank_stride, RANK, WORLD, True)
+
+
+@triton.jit
+def _push_chunk(a, offsets, mask, BufferPtrs, half, rank_stride, RANK: tl.constexpr, WORLD: tl.constexpr,
+                ONE_WAY: tl.constexpr):
+    """Step 1 for one chunk of this rank's addend: store ``a`` at ``offsets`` of this rank's region
+    of every peer's buffer half; one-way, every NaN as the canonical one (never the "empty" bits)."""
+    if ONE_WAY:
+        a = tl.where(a != a, float("nan"), a)
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(y.dtype))
-            tl.store(buffer + half + RANK * rank_stride + cols, y, mask=mask)
+            buffer = tl.load(BufferPtrs + peer).to(tl.pointer_type(a.dtype))
+            tl.store(buffer + half + RANK * rank_stride + offsets, a, mask=mask)
 
 
 @dataclass(frozen=True)

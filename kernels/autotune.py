@@ -52,17 +52,14 @@ def rows_bucket(rows: int) -> int:
     return min(max(ROW_BUCKETS[0], next_pow2(rows)), ROW_BUCKETS[-1])
 
 
-def _l2_bytes(device: torch.device) -> int:
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
-
-
 def _flush_buffer() -> torch.Tensor:
     device = torch.device("cuda", torch.cuda.current_device())
     if device not in _flush:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20) or (64 << 20)
         # A plain tensor even when the first bench runs under inference mode: a later one outside
         # it (a forward under no_grad) writes it too, which an inference tensor refuses.
         with torch.inference_mode(False):
-            _flush[device] = torch.ones(2 * _l2_bytes(device) // 4, dtype=torch.int32, device=device)
+            _flush[device] = torch.ones(2 * l2 // 4, dtype=torch.int32, device=device)
     return _flush[device]
 
 

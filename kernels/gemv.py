@@ -162,6 +162,13 @@ def _lora_args(lora: RowLora | None, t: torch.Tensor) -> tuple[tuple, dict]:
     return lora.kernel_args(), lora.constexprs()
 
 
+def _push_args(push: PushTarget | None, t: torch.Tensor) -> tuple[tuple, dict]:
+    """The GEMV's push arguments: ``push``'s, or unread ones (PUSH off compiles them out)."""
+    if push is None:
+        return (t, t, 0), {"PUSH": False, "RANK": 0, "WORLD": 1}
+    return push.kernel_args(), {"PUSH": True, **push.constexprs()}
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 *, lora: RowLora | None = None, tiles: tuple[int, int, int] | None = None,
                 push: PushTarget | None = None) -> torch.Tensor:
@@ -176,12 +183,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_n, block_k, num_warps = gemv_tile(K, tiles or TILES)
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     lora_args, lora_constexprs = _lora_args(lora, weight)
-    push_args, push_constexprs = (push.kernel_args(), push.constexprs()) if push is not None else ((x, x, 0), {})
+    push_args, push_constexprs = _push_args(push, x)
     launcher(_gemv_kernel, x)[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), *lora_args, *push_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n,
-        BLOCK_K=block_k, VEC=vector_width(x, block_k), PUSH=push is not None, **{"RANK": 0, "WORLD": 1, **push_constexprs},
-        num_warps=num_warps, num_stages=1, **lora_constexprs, **pdl(x),
+        BLOCK_K=block_k, VEC=vector_width(x, block_k), num_warps=num_warps, num_stages=1, **lora_constexprs,
+        **push_constexprs, **pdl(x),
     )
     return y
 

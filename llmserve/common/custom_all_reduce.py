@@ -197,8 +197,11 @@ class CustomAllReduce:
 
     def takes_add_rmsnorm(self, addend: torch.Tensor) -> bool:
         """Whether ``all_reduce_add_rmsnorm`` takes this addend (else: all-reduce, then add_rmsnorm)."""
-        return (self.fuses_add_rmsnorm and addend.dtype in FUSED_DTYPES and addend.is_contiguous()
-                and 0 < addend.numel() * addend.element_size() <= self.fused_max)
+        return addend.is_contiguous() and self._fuses(addend.dtype, addend.numel())
+
+    def _fuses(self, dtype: torch.dtype, numel: int) -> bool:
+        """Whether the fused kernel takes a contiguous addend of ``numel`` values of ``dtype``."""
+        return self.fuses_add_rmsnorm and dtype in FUSED_DTYPES and 0 < numel * dtype.itemsize <= self.fused_max
 
     def all_reduce_add_rmsnorm(self, addend: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                                round_first: bool, delta_weight: torch.Tensor | None = None,
@@ -213,7 +216,7 @@ class CustomAllReduce:
     def push_target(self, dtype: torch.dtype, n: int) -> PushTarget | None:
         """Where a one-row producer of an addend of ``n`` values of ``dtype`` stores it for the
         fused kernel's next call (``LLMSERVE_FUSED_ALL_REDUCE=one-way-push``), or None."""
-        if not self.pushes or dtype not in FUSED_DTYPES or not 0 < n * dtype.itemsize <= self.fused_max:
+        if not self.pushes or not self._fuses(dtype, n):
             return None
         return PushTarget(self._fused_ptrs, self._epochs, self.rank, self.fused_max // dtype.itemsize)
 

@@ -74,15 +74,17 @@ class PartialSum:
 
     def __getitem__(self, rows) -> PartialSum:
         """Some rows of the sum (the post layer's logit rows): the sum of those rows' addends."""
-        if self.pushed:
-            raise RuntimeError("a pushed row-parallel output is summed whole, by the fused all-reduce")
+        self._not_pushed()
         return PartialSum(self.addend[rows])
 
     def reduce(self) -> torch.Tensor:
         """The sum itself (in place over the addend)."""
+        self._not_pushed()
+        return all_reduce(self.addend)
+
+    def _not_pushed(self) -> None:
         if self.pushed:
             raise RuntimeError("a pushed row-parallel output is summed whole, by the fused all-reduce")
-        return all_reduce(self.addend)
 
 
 def row_parallel_gemv(x: torch.Tensor, weight: torch.Tensor) -> PartialSum | None:
@@ -91,11 +93,9 @@ def row_parallel_gemv(x: torch.Tensor, weight: torch.Tensor) -> PartialSum | Non
     peers' buffers (`CustomAllReduce.push_target`), so that the fused kernel only waits, sums and
     normalises. None where that does not apply (no one-way push, not a one-row GEMV): the caller
     runs its plain projection. Its caller guarantees that the whole output reaches `add_rmsnorm`."""
-    custom = _custom_all_reduce
-    if custom is None or not x.is_cuda or not takes_gemv(x, weight):
-        return None
-    target = custom.push_target(x.dtype, weight.shape[0])
-    if target is None:
+    custom = _custom_all_reduce                      # (only on GPUs)
+    target = custom.push_target(x.dtype, weight.shape[0]) if custom is not None else None
+    if target is None or not takes_gemv(x, weight):
         return None
     return PartialSum(gemv_triton(x, weight, push=target), pushed=True)
 

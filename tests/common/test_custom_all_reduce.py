@@ -94,7 +94,7 @@ def test_add_rmsnorm_fuses_what_the_fused_kernel_takes_and_reduces_the_rest_firs
 
 def test_a_push_target_only_with_one_way_push_and_for_what_the_fused_kernel_takes():
     custom = CustomAllReduce.__new__(CustomAllReduce)   # its choices only: no buffers, no peers
-    custom.rank, custom.fused_max, custom.pushes = 1, 1 << 20, True
+    custom.rank, custom.fused_max, custom.pushes, custom.fuses_add_rmsnorm = 1, 1 << 20, True, True
     custom._fused_ptrs, custom._epochs = torch.zeros(2, dtype=torch.int64), torch.zeros(32, dtype=torch.int64)
     target = custom.push_target(BF16, 4096)
     assert target is not None and (target.rank, target.rank_stride) == (1, (1 << 20) // 2)

@@ -156,8 +156,8 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         their products for ``lora_group`` are partial sums too (A is cut as the weight), added before
         the reduction. Without a bias, where ``reduces_in_norm``, the reduction is left to the
         add-norm that takes the output (a ``PartialSum``)."""
-        if (bias is None and self.reduces_in_norm and tp_size() > 1 and infer_state is not None
-                and infer_state.is_decode and infer_state.lora is None):
+        if (bias is None and self._sums_in_norm() and infer_state is not None and infer_state.is_decode
+                and infer_state.lora is None):
             # every row of a decode step reaches the next add-norm whole (no logit rows picked)
             pushed = row_parallel_gemv(x, weight)
             if pushed is not None:
@@ -171,9 +171,11 @@ class TransformerLayerInferTpl(TransformerLayerInfer):
         """This rank's share ``y`` of an output that goes into a residual add and a norm, summed
         over the tp ranks: left to that add-norm where ``reduces_in_norm`` (a ``PartialSum``),
         else all-reduced here."""
-        if self.reduces_in_norm and tp_size() > 1:
-            return PartialSum(y)
-        return all_reduce(y)
+        return PartialSum(y) if self._sums_in_norm() else all_reduce(y)
+
+    def _sums_in_norm(self) -> bool:
+        """Whether this layer's row-parallel outputs reach their add-norm unreduced (``PartialSum``)."""
+        return self.reduces_in_norm and tp_size() > 1
 
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, infer_state: InferStateInfo | None,
                 lora_group: str) -> torch.Tensor:
